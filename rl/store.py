@@ -1,0 +1,119 @@
+"""TrajectoryStore: trajectories as Parquet shards under `RUN_DIR/trajectories/`.
+
+One shard per write (`iter-000001.parquet`), written to a temporary name, fsynced and renamed, so
+a crash mid-write leaves no partial shard and shards already written are never touched. Shards
+read with `datasets.load_dataset("parquet", data_files=...)` or pyarrow directly. Nested records
+(turns, milestones, timings) are JSON strings so the schema stays flat and stable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rl.trajectory import Trajectory, Turn
+
+SCHEMA_VERSION = 1
+
+SCHEMA = pa.schema(
+    [
+        ("schema_version", pa.int32()),
+        ("episode_id", pa.string()),
+        ("iteration", pa.int32()),
+        ("group_id", pa.int32()),
+        ("env_id", pa.string()),
+        ("seed", pa.int64()),
+        ("prompt_len", pa.int32()),
+        ("token_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.int8())),
+        ("rollout_logprobs", pa.list_(pa.float32())),
+        ("policy_versions", pa.list_(pa.int32())),
+        ("turns", pa.string()),
+        ("milestones", pa.string()),
+        ("reward", pa.float64()),
+        ("stop_reason", pa.string()),
+        ("num_turns", pa.int32()),
+        ("num_generated", pa.int32()),
+        ("timings", pa.string()),
+    ]
+)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class TrajectoryStore:
+    def __init__(self, run_dir: str | Path):
+        self.dir = Path(run_dir) / "trajectories"
+
+    def write(self, name: str, trajectories: list[Trajectory]) -> Path:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        rows = {f.name: [] for f in SCHEMA}
+        for t in trajectories:
+            rows["schema_version"].append(SCHEMA_VERSION)
+            for key in ("episode_id", "iteration", "group_id", "env_id", "seed", "prompt_len",
+                        "token_ids", "loss_mask", "rollout_logprobs", "reward", "stop_reason"):
+                rows[key].append(getattr(t, key))
+            rows["policy_versions"].append(sorted({turn.policy_version for turn in t.turns}))
+            rows["turns"].append(json.dumps([vars(turn) for turn in t.turns]))
+            rows["milestones"].append(json.dumps(t.milestones))
+            rows["num_turns"].append(len(t.turns))
+            rows["num_generated"].append(t.num_generated)
+            rows["timings"].append(json.dumps(t.timings))
+        table = pa.table(rows, schema=SCHEMA)
+        final = self.dir / f"{name}.parquet"
+        if final.exists():
+            raise FileExistsError(f"shard {final} already exists; the store never overwrites a shard")
+        tmp = self.dir / f".{name}.parquet.tmp"
+        with open(tmp, "wb") as fh:
+            pq.write_table(table, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+        _fsync_dir(self.dir)
+        return final
+
+    def shards(self) -> list[Path]:
+        return sorted(self.dir.glob("*.parquet")) if self.dir.exists() else []
+
+    def rows(self, columns: list[str] | None = None) -> Iterator[dict]:
+        """Every stored episode as a dict of columns, shard by shard (one shard in memory at a time)."""
+        for shard in self.shards():
+            try:
+                table = pq.read_table(shard, columns=columns)
+            except (pa.ArrowInvalid, OSError) as exc:
+                raise ValueError(f"corrupt trajectory shard {shard}: {exc}") from exc
+            yield from table.to_pylist()
+
+    def trajectories(self) -> Iterator[Trajectory]:
+        for row in self.rows():
+            yield row_to_trajectory(row)
+
+
+def row_to_trajectory(row: dict) -> Trajectory:
+    return Trajectory(
+        episode_id=row["episode_id"],
+        iteration=row["iteration"],
+        group_id=row["group_id"],
+        env_id=row["env_id"],
+        seed=row["seed"],
+        prompt_len=row["prompt_len"],
+        token_ids=row["token_ids"],
+        loss_mask=row["loss_mask"],
+        rollout_logprobs=row["rollout_logprobs"],
+        turns=[Turn(**t) for t in json.loads(row["turns"])],
+        milestones=json.loads(row["milestones"]),
+        reward=row["reward"],
+        stop_reason=row["stop_reason"],
+        timings=json.loads(row["timings"]),
+    )

@@ -1,0 +1,168 @@
+"""The driver: wires rollout workers, the learner and the store, and runs the synchronous loop
+
+    rollout (vLLM, version v) → store → GRPO update (→ v+1) → weight sync → next iteration.
+
+It owns no state of the components: the weights live in the learner, the engines in the workers,
+the episodes in the store. What it writes to the run directory:
+
+    config.yaml          the config as run
+    metrics.jsonl        one JSON line per iteration
+    trajectories/        Parquet shards, one per iteration
+    checkpoints/         Hugging Face checkpoints, `version-NNNNNN/`
+    policy-init/         the tiny random policy, when `policy.path` was empty
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from pathlib import Path
+
+import ray
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from rl.config import RunConfig, dump_config
+from rl.learner import LearnerActor
+from rl.ray_utils import init_ray
+from rl.store import TrajectoryStore
+from rl.trajectory import Trajectory
+from rollout.agent_loop import EpisodeTask
+from rollout.worker import RolloutWorkerActor
+
+SYNC_TIMEOUT_S = 300
+
+
+def iteration_tasks(cfg: RunConfig, iteration: int) -> list[EpisodeTask]:
+    """The episodes of one iteration: `groups_per_iteration` tasks × `group_size` episodes."""
+    r = cfg.rollout
+    tasks = []
+    for g in range(r.groups_per_iteration):
+        group_id = iteration * r.groups_per_iteration + g
+        env_seed = (cfg.seed * 1_000_003 + group_id) & 0x7FFFFFFF
+        for k in range(r.group_size):
+            tasks.append(EpisodeTask(f"i{iteration}-g{g}-e{k}", group_id, env_seed, iteration))
+    return tasks
+
+
+def summarise(trajs: list[Trajectory]) -> dict:
+    n = max(1, len(trajs))
+    reached = Counter(name for t in trajs for name in {m["name"] for m in t.milestones})
+    out = {
+        "episodes": len(trajs),
+        "mean_reward": sum(t.reward for t in trajs) / n,
+        "mean_turns": sum(len(t.turns) for t in trajs) / n,
+        "generated_tokens": sum(t.num_generated for t in trajs),
+        "episode_tokens_mean": sum(len(t.token_ids) for t in trajs) / n,
+        "tool_errors": sum(turn.tool_errors for t in trajs for turn in t.turns),
+        "stop_reasons": dict(Counter(t.stop_reason for t in trajs)),
+    }
+    out.update({f"milestone_rate/{k}": v / n for k, v in sorted(reached.items())})
+    return out
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, run_dir: str | Path, console: Console | None = None):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.console = console or Console(stderr=True)
+        self.store = TrajectoryStore(self.run_dir)
+        self.version = 0
+        self.workers: list = []
+        self.learner = None
+
+    # --- set-up ---
+    def policy_path(self) -> str:
+        if self.cfg.policy.path:
+            return self.cfg.policy.path
+        from policy.tiny_hf import make_tiny_qwen3_moe
+
+        init = self.run_dir / "policy-init"
+        if not (init / "config.json").exists():
+            make_tiny_qwen3_moe(init, self.cfg.policy.tiny, seed=self.cfg.seed)
+        return str(init)
+
+    def start(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.store.shards():
+            raise FileExistsError(
+                f"run directory {self.run_dir} already holds trajectories; pick a new --run-dir "
+                "(resuming a run comes with checkpoint/resume)"
+            )
+        dump_config(self.cfg, self.run_dir / "config.yaml")
+        path = self.policy_path()
+        init_ray(self.cfg.ray)
+        c = self.cfg
+        self.console.log(f"starting {c.rollout.num_workers} rollout worker(s) and the learner")
+        self.learner = LearnerActor.options(num_cpus=0).remote(
+            path, c.algo, seed=c.seed, dtype=c.policy.dtype, temperature=c.rollout.temperature
+        )
+        self.workers = [
+            RolloutWorkerActor.options(num_cpus=c.rollout.cpus_per_worker).remote(
+                path, c.rollout, c.env, seed=c.seed + i, dtype=c.policy.dtype
+            )
+            for i in range(c.rollout.num_workers)
+        ]
+        ray.get([w.version.remote() for w in self.workers] + [self.learner.logprobs.remote([0, 0])])
+
+    # --- one iteration ---
+    def rollout(self, iteration: int) -> list[Trajectory]:
+        tasks = iteration_tasks(self.cfg, iteration)
+        shares = [tasks[i :: len(self.workers)] for i in range(len(self.workers))]
+        results = ray.get([w.rollout.remote(s) for w, s in zip(self.workers, shares) if s])
+        return [t for part in results for t in part]
+
+    def sync(self) -> dict:
+        """Publish the learner's weights once; every worker loads them in place."""
+        t0 = time.perf_counter()
+        ref = self.learner.weights.remote()  # stays in the object store; workers read it directly
+        pending = {w.load_weights.remote(ref, self.version): i for i, w in enumerate(self.workers)}
+        ready, not_ready = ray.wait(list(pending), num_returns=len(pending), timeout=SYNC_TIMEOUT_S)
+        if not_ready:
+            late = sorted(pending[r] for r in not_ready)
+            raise TimeoutError(f"weight sync to version {self.version}: rollout worker(s) {late} "
+                               f"did not finish within {SYNC_TIMEOUT_S}s")
+        results = ray.get(ready)
+        for r in results:
+            if r["version"] != self.version:
+                raise RuntimeError(f"a rollout worker reports version {r['version']}, expected {self.version}")
+        return {"sync_s": time.perf_counter() - t0, "load_s_max": max(r["load_s"] for r in results)}
+
+    def iteration(self, it: int) -> dict:
+        t0 = time.perf_counter()
+        trajs = self.rollout(it)
+        rollout_s = time.perf_counter() - t0
+        self.store.write(f"iter-{it:06d}", trajs)
+        stats = ray.get(self.learner.train_step.remote(trajs))
+        self.version = stats.pop("policy_version")
+        sync = self.sync()
+        row = {"iteration": it, "policy_version": self.version, **summarise(trajs), **stats, **sync,
+               "rollout_s": rollout_s,
+               "gen_tokens_per_s": sum(t.num_generated for t in trajs) / max(rollout_s, 1e-9)}
+        last = it + 1 == self.cfg.iterations
+        if last or (it + 1) % self.cfg.checkpoint_every == 0:
+            ray.get(self.learner.save_checkpoint.remote(str(self.run_dir / "checkpoints" / f"version-{self.version:06d}")))
+        with open(self.run_dir / "metrics.jsonl", "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        return row
+
+    def run(self) -> list[dict]:
+        rows = []
+        columns = [TextColumn("[bold]iteration"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TextColumn("{task.fields[status]}")]
+        with Progress(*columns, console=self.console, transient=False) as progress:
+            bar = progress.add_task("train", total=self.cfg.iterations, status="rolling out")
+            for it in range(self.cfg.iterations):
+                row = self.iteration(it)
+                rows.append(row)
+                status = (f"reward {row['mean_reward']:.3f}  loss {row['loss']:+.4f}  "
+                          f"v{row['policy_version']}  sync {row['sync_s'] * 1e3:.0f} ms")
+                progress.console.log(f"iter {it}: {status}  gen {row['gen_tokens_per_s']:.0f} tok/s")
+                progress.update(bar, advance=1, status=status)
+        return rows
+
+    def close(self) -> None:
+        for actor in self.workers + ([self.learner] if self.learner is not None else []):
+            ray.kill(actor)
+        self.workers, self.learner = [], None

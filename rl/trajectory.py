@@ -1,0 +1,81 @@
+"""The one record that travels end to end: rollout worker → store → learner → inspect.
+
+Token ids are exactly what the engine sampled plus the tokenised observations; the learner never
+re-tokenises decoded text (a byte-level BPE re-encoding of sampled text usually differs from the
+sampled ids, and training on it would train on tokens the policy never produced).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Turn:
+    """One model turn and the observation that followed it, as spans of `Trajectory.token_ids`."""
+
+    gen_start: int
+    """Index of the first generated token."""
+    gen_end: int
+    """One past the last generated token."""
+    obs_end: int
+    """One past the last observation token (== gen_end when the episode ended on this turn)."""
+    text: str
+    """The generated text, decoded from the generated ids (for people and the tool parser)."""
+    observation: str
+    """The environment's observation text after this turn."""
+    tool_calls: int
+    """Tool calls parsed from the turn."""
+    tool_errors: int
+    """Malformed or failed tool calls in the turn."""
+    policy_version: int
+    """Version of the weights that generated this turn."""
+    seed: int
+    """Sampling seed of this turn (with the same weights and prompt, vLLM reproduces the turn)."""
+    finish_reason: str
+    """`stop` (end-of-turn token) or `length` (hit `max_new_tokens`)."""
+
+
+@dataclass
+class Trajectory:
+    episode_id: str
+    """Unique across the run: `i{iteration}-g{group}-e{index}`."""
+    iteration: int
+    """Trainer iteration that collected the episode."""
+    group_id: int
+    """Episodes with the same group id share a task; GRPO normalises rewards within it."""
+    env_id: str
+    """Registered environment id."""
+    seed: int
+    """Environment reset seed (the task)."""
+    prompt_len: int
+    """Tokens of the initial prompt (system + tools + task)."""
+    token_ids: list[int]
+    """The whole episode: prompt, generated turns, observations."""
+    loss_mask: list[int]
+    """1 where the policy generated the token, else 0."""
+    rollout_logprobs: list[float]
+    """The engine's log-prob of each generated token (0.0 elsewhere)."""
+    turns: list[Turn] = field(default_factory=list)
+    """Turn boundaries, texts and versions."""
+    milestones: list[dict] = field(default_factory=list)
+    """Milestone events: name, reward, turn index, token index (end of the turn that reached it)."""
+    reward: float = 0.0
+    """Total episode reward (sum of milestone rewards)."""
+    stop_reason: str = ""
+    """`terminated`, `truncated` (env), `max_turns` or `max_tokens` (agent loop)."""
+    timings: dict = field(default_factory=dict)
+    """Seconds spent generating and in the environment."""
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.loss_mask)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Trajectory":
+        d = dict(d)
+        d["turns"] = [Turn(**t) for t in d.get("turns", [])]
+        return cls(**d)

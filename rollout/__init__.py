@@ -1,0 +1,1 @@
+"""Rollout: the vLLM engine, the token-level chat format, the agent loop and the Ray rollout worker."""

