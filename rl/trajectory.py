@@ -7,7 +7,7 @@ sampled ids, and training on it would train on tokens the policy never produced)
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -70,12 +70,3 @@ class Trajectory:
     @property
     def num_generated(self) -> int:
         return sum(self.loss_mask)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "Trajectory":
-        d = dict(d)
-        d["turns"] = [Turn(**t) for t in d.get("turns", [])]
-        return cls(**d)

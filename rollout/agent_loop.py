@@ -36,6 +36,11 @@ class Engine(Protocol):
     def generate(self, prompts, *, max_tokens, temperature, top_p, stop_token_ids, seeds): ...
 
 
+def _room_to_generate(context_len: int, max_episode_tokens: int) -> bool:
+    """At least one sampled token plus a possible closing token still fit the budget."""
+    return context_len + 2 <= max_episode_tokens
+
+
 def turn_seed(run_seed: int, episode_id: str, turn: int) -> int:
     return zlib.crc32(f"{run_seed}:{episode_id}:{turn}".encode()) & 0x7FFFFFFF
 
@@ -76,7 +81,7 @@ def run_episodes(
         prompt = chat.prompt_ids([{"role": "user", "content": obs}], info.get("tools"))
         ep = _Episode(task, env, prompt)
         ep.env_s += time.perf_counter() - t0
-        if len(prompt) >= max_episode_tokens:
+        if not _room_to_generate(len(prompt), max_episode_tokens):
             ep.stop_reason = "max_tokens"
         episodes.append(ep)
 
@@ -84,8 +89,9 @@ def run_episodes(
         live = [ep for ep in episodes if not ep.stop_reason]
         if not live:
             break
-        # Each episode may generate at most what its token budget still allows.
-        budgets = [min(max_new_tokens, max_episode_tokens - len(ep.ids)) for ep in live]
+        # Each episode may generate at most what its token budget still allows, keeping one token
+        # for the end-of-turn token appended when a turn is cut by the limit.
+        budgets = [min(max_new_tokens, max_episode_tokens - len(ep.ids) - 1) for ep in live]
         t0 = time.perf_counter()
         gens = engine.generate(
             [ep.ids for ep in live],
@@ -96,7 +102,7 @@ def run_episodes(
             seeds=[turn_seed(run_seed, ep.task.episode_id, turn) for ep in live],
         )
         dt = (time.perf_counter() - t0) / max(1, len(live))
-        for ep, gen, budget in zip(live, gens, budgets):
+        for ep, gen in zip(live, gens):
             ep.gen_s += dt
             gen_start = len(ep.ids)
             ep.ids += gen.token_ids
@@ -126,7 +132,7 @@ def run_episodes(
                 ep.stop_reason = "max_turns"
             else:
                 obs_ids = chat.observation_ids(info["messages"])
-                if len(ep.ids) + len(obs_ids) >= max_episode_tokens:
+                if not _room_to_generate(len(ep.ids) + len(obs_ids), max_episode_tokens):
                     ep.stop_reason = "max_tokens"
                 else:
                     ep.ids += obs_ids
