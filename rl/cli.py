@@ -2,6 +2,7 @@
 
     longhorizon train CONFIG [--run-dir DIR] [--iterations N] [section.key=value ...]
     longhorizon inspect DIR [--episode ID] [--json]
+    longhorizon policy info CONFIG [--json]
 """
 
 from __future__ import annotations
@@ -62,6 +63,37 @@ def _inspect(args) -> int:
     return 0
 
 
+def _policy_info(args) -> int:
+    from rl.config import ConfigError
+    from policy.args import load_model_args
+    from policy.info import human, policy_info
+
+    try:
+        info = policy_info(load_model_args(args.config))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    from rich.table import Table
+
+    table = Table(title=f"policy {info['name']} ({args.config})", show_header=False)
+    rows = [
+        ("layers", f"{info['layers']} ({info['kda_layers']} KDA, {info['mla_layers']} MLA; "
+                   f"{info['dense_layers']} dense, {info['moe_layers']} MoE)"),
+        ("pattern", info["layer_pattern"]),
+        ("total parameters", human(info["total_params"])),
+        ("active parameters / token", human(info["active_params"])),
+        ("cache bytes / token (MLA, bf16)", f"{info['cache_bytes_per_token']:,}"),
+        ("state bytes / sequence (KDA)", f"{info['state_bytes_per_sequence']:,}"),
+    ]
+    for k, v in rows:
+        table.add_row(k, v)
+    Console().print(table)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="longhorizon", description="Agentic RL post-training of sparse-MoE LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -78,6 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--episode", help="episode id to show turn by turn")
     p.add_argument("--json", action="store_true", help="machine-readable summary")
     p.set_defaults(fn=_inspect)
+
+    p = sub.add_parser("policy", help="the project's sparse-MoE policy")
+    psub = p.add_subparsers(dest="policy_command", required=True)
+    pi = psub.add_parser("info", help="layer pattern, parameter counts and cache sizes of a flavour (built on meta)")
+    pi.add_argument("config", help="policy config, e.g. configs/policy/k3.yaml")
+    pi.add_argument("--json", action="store_true")
+    pi.set_defaults(fn=_policy_info)
 
     # Overrides may come before or after the options; argparse alone stops collecting positionals
     # at the first option, so gather the leftovers here.

@@ -177,7 +177,7 @@ def _coerce(value: Any, tp, key: str, source: str):
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{source}: {key} must be a mapping, got {type(value).__name__}")
-        return _build(tp, value, key, source)
+        return build_dataclass(tp, value, key, source)
     if origin is Literal:
         if value not in typing.get_args(tp):
             allowed = ", ".join(repr(a) for a in typing.get_args(tp))
@@ -193,7 +193,7 @@ def _coerce(value: Any, tp, key: str, source: str):
     raise ConfigError(f"{source}: {key} must be {_type_name(tp)}, got {type(value).__name__} {value!r}")
 
 
-def _build(cls, raw: dict, prefix: str, source: str):
+def build_dataclass(cls, raw: dict, prefix: str, source: str):
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
@@ -220,25 +220,32 @@ def _apply_override(raw: dict, override: str) -> None:
     node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
 
 
+def load_dataclass(cls, path: str | Path):
+    """Build any config dataclass from a YAML mapping, with the same checks and messages."""
+    source = str(path)
+    try:
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file {source} does not exist") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: top level must be a mapping")
+    return build_dataclass(cls, raw, "", source)
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
     """Read a YAML file (or the defaults when `path` is None), apply overrides, validate."""
     raw: dict = {}
     source = "defaults"
     if path is not None:
         source = str(path)
-        try:
-            raw = yaml.safe_load(Path(path).read_text()) or {}
-        except FileNotFoundError:
-            raise ConfigError(f"config file {source} does not exist") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{source}: not valid YAML: {exc}") from None
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{source}: top level must be a mapping of sections")
-    cfg = _build(RunConfig, raw, "", source)
+        raw = dataclasses.asdict(load_dataclass(RunConfig, path))  # checked once, by the file's name
+    cfg = build_dataclass(RunConfig, raw, "", source)
     cfg.validate(source)
     for ov in overrides:  # one at a time, so an error names the override that caused it
         _apply_override(raw, ov)
-        cfg = _build(RunConfig, raw, "", f"command-line override {ov!r}").validate(f"command-line override {ov!r}")
+        cfg = build_dataclass(RunConfig, raw, "", f"command-line override {ov!r}").validate(f"command-line override {ov!r}")
     return cfg
 
 

@@ -1,0 +1,164 @@
+"""ModelArgs: every size and switch of the project's sparse-MoE policy, one docstring per field.
+
+Flavours live in `configs/policy/*.yaml` (debug → small → k3, the full reference design).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class KDAArgs:
+    n_heads: int = 2
+    """KDA heads."""
+    head_dim: int = 16
+    """Key and value width per head (d_k = d_v)."""
+    conv_size: int = 4
+    """Depthwise causal conv kernel on q, k, v."""
+    gate: Literal["safe", "softplus"] = "safe"
+    """Decay form: `safe` g = g_min·sigmoid(e^A (f + dt_bias)) (bounded below), `softplus` g = -e^A·softplus(f + dt_bias)."""
+    g_min: float = -5.0
+    """Lower bound of the per-step log decay in the safe form."""
+    gate_rank: int = 0
+    """Rank of the output gate projection; 0 = full rank (K3), > 0 low rank (Kimi Linear)."""
+    chunk_size: int = 16
+    """Chunk length of the parallel training form."""
+
+
+@dataclass
+class MLAArgs:
+    n_heads: int = 2
+    """Attention heads."""
+    q_lora_rank: int = 32
+    """Rank of the query compression; 0 = a full-rank query projection."""
+    kv_lora_rank: int = 16
+    """Width of the compressed KV latent c_KV (cached)."""
+    qk_nope_head_dim: int = 16
+    """Per-head key/query part computed from the latent."""
+    qk_rope_head_dim: int = 8
+    """Decoupled key/query part shared by all heads (cached with the latent)."""
+    v_head_dim: int = 16
+    """Per-head value width."""
+    rope: bool = False
+    """Rotate the decoupled part (RoPE). False = NoPE, as Kimi Linear / K3 use in MLA layers."""
+    rope_theta: float = 10000.0
+    """RoPE base when `rope` is on."""
+
+
+@dataclass
+class MoEArgs:
+    n_routed_experts: int = 8
+    """Routed experts per MoE layer."""
+    top_k: int = 2
+    """Experts per token."""
+    n_shared_experts: int = 1
+    """Shared experts (full width, every token)."""
+    expert_dim: int = 32
+    """Hidden width of each expert's GLU."""
+    latent_dim: int = 32
+    """Width of the latent space routed experts work in (= dim for no compression)."""
+    n_groups: int = 1
+    """Expert groups for group-limited routing (1 = plain top-k)."""
+    topk_groups: int = 1
+    """Groups each token may pick experts from."""
+    routed_scaling: float = 1.0
+    """Scale of the renormalised routed weights."""
+    balance: Literal["quantile", "quantile_hist", "sign", "none"] = "quantile"
+    """Router bias update: exact quantile balancing, its histogram estimator, DeepSeek's sign update, or none."""
+    balance_rate: float = 1e-3
+    """Step size of the sign update."""
+    hist_bins: int = 1000
+    """Histogram bins of the quantile estimator."""
+    hist_range: float = 2.0
+    """Histogram covers alpha - s in [-hist_range, hist_range]."""
+
+
+@dataclass
+class VisionArgs:
+    enabled: bool = False
+    """Accept images (patches enter the stack at image placeholder tokens)."""
+    patch_size: int = 8
+    """Square patch side, pixels."""
+    channels: int = 3
+    """Image channels."""
+    max_patches: int = 256
+    """Largest patch grid (learned position embeddings)."""
+    encoder_layers: int = 1
+    """Residual MLP blocks of the small patch encoder."""
+    image_token_id: int = 1
+    """Placeholder token id: one per patch, replaced by that patch's embedding."""
+
+
+@dataclass
+class ModelArgs:
+    name: str = "debug"
+    """Flavour name."""
+    vocab_size: int = 512
+    """Vocabulary size (untied input and output embeddings)."""
+    dim: int = 64
+    """Model width."""
+    n_layers: int = 4
+    """Decoder layers."""
+    mla_every: int = 4
+    """Every `mla_every`-th layer (1-based) is MLA, the others KDA; the last layer is always MLA. 1 = all MLA."""
+    n_dense_layers: int = 1
+    """First layers with a dense MLP instead of MoE."""
+    dense_dim: int = 128
+    """Hidden width of the dense MLP."""
+    mlp_act: Literal["situ", "swiglu"] = "situ"
+    """GLU activation of every MLP: SiTU-GLU (bounded) or SwiGLU (comparison)."""
+    situ_b1: float = 4.0
+    """SiTU-GLU gate bound."""
+    situ_b2: float = 25.0
+    """SiTU-GLU up-projection bound."""
+    attn_res: bool = True
+    """Attention residuals (block form) instead of the plain residual stream."""
+    attn_res_block: int = 2
+    """Decoder layers per AttnRes block."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    max_seq_len: int = 8192
+    """Longest sequence (RoPE tables, when used)."""
+    kda: KDAArgs = field(default_factory=KDAArgs)
+    """KDA layers."""
+    mla: MLAArgs = field(default_factory=MLAArgs)
+    """Gated MLA layers."""
+    moe: MoEArgs = field(default_factory=MoEArgs)
+    """MoE layers."""
+    vision: VisionArgs = field(default_factory=VisionArgs)
+    """Native vision input."""
+
+    def layer_kinds(self) -> list[str]:
+        """'kda' or 'mla' per layer."""
+        kinds = ["mla" if (i + 1) % self.mla_every == 0 else "kda" for i in range(self.n_layers)]
+        kinds[-1] = "mla"
+        return kinds
+
+    def validate(self, source: str = "policy config") -> "ModelArgs":
+        from rl.config import ConfigError
+
+        m = self.moe
+        checks = [
+            ("n_layers", self.n_layers >= 1, "must be >= 1"),
+            ("mla_every", self.mla_every >= 1, "must be >= 1"),
+            ("n_dense_layers", 0 <= self.n_dense_layers <= self.n_layers, "must be in [0, n_layers]"),
+            ("moe.top_k", 1 <= m.top_k <= m.n_routed_experts, "must be in [1, n_routed_experts]"),
+            ("moe.n_groups", m.n_routed_experts % m.n_groups == 0, "must divide moe.n_routed_experts"),
+            ("moe.topk_groups", 1 <= m.topk_groups <= m.n_groups, "must be in [1, moe.n_groups]"),
+            ("moe.top_k", m.top_k <= m.topk_groups * (m.n_routed_experts // m.n_groups),
+             "exceeds the experts in moe.topk_groups groups"),
+            ("attn_res_block", self.attn_res_block >= 1, "must be >= 1"),
+            ("kda.g_min", self.kda.g_min < 0, "must be < 0"),
+        ]
+        for key, ok, why in checks:
+            if not ok:
+                raise ConfigError(f"{source}: {key} {why}")
+        return self
+
+
+def load_model_args(path) -> ModelArgs:
+    from rl.config import load_dataclass
+
+    return load_dataclass(ModelArgs, path).validate(str(path))

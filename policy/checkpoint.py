@@ -1,0 +1,58 @@
+"""Checkpoints of the project's policy in Hugging Face directory format.
+
+    DIR/config.json          {"model_type": "longhorizon_policy", "architectures": [...], **ModelArgs}
+    DIR/model.safetensors    the state dict, names as in `Policy.state_dict()` (router biases included)
+
+Parameter names (per layer `layers.{i}.`):
+  attn.*   KDA: q_proj k_proj v_proj (weights), q_conv k_conv v_conv (H·d_k × 1 × conv), beta_proj,
+           f_a f_b (low-rank decay), A_log (H), dt_bias (H·d_k), g_proj (gate), o_norm, o_proj;
+           MLA: wq_a q_norm wq_b (or wq), wkv_a kv_norm wkv_b, w_gate, wo
+  mlp.*    dense: w_gate w_up w_down; MoE: router.weight, router.bias (selection bias, buffer),
+           shared.{w_gate,w_up,w_down}, down, up, latent_norm, w_gate_EFL w_up_EFL (E × F × l), w_down_ELF (E × l × F)
+  attn_norm, mlp_norm, res_q_attn, res_q_mlp (AttnRes pseudo-queries)
+and at the top: embed, lm_head, norm, res_q_out, vision.* (patch encoder).
+Loading is strict: a missing or unexpected tensor is an error naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from policy.args import ModelArgs
+from policy.model import Policy
+
+MODEL_TYPE = "longhorizon_policy"
+
+
+def save_policy(model: Policy, out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = {"model_type": MODEL_TYPE, "architectures": ["LonghorizonPolicy"], **dataclasses.asdict(model.args)}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def load_policy(path: str | Path, dtype: torch.dtype | None = None) -> Policy:
+    from rl.config import build_dataclass
+
+    path = Path(path)
+    raw = json.loads((path / "config.json").read_text())
+    if raw.pop("model_type", None) != MODEL_TYPE:
+        raise ValueError(f"{path}/config.json is not a {MODEL_TYPE} checkpoint")
+    raw.pop("architectures", None)
+    args = build_dataclass(ModelArgs, raw, "", f"{path}/config.json").validate(f"{path}/config.json")
+    state = load_file(str(path / "model.safetensors"))
+    model = Policy(args)
+    ref_dtype = next(iter(state.values())).dtype
+    model.to(dtype or ref_dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{path}: checkpoint does not match the config: missing {missing}, unexpected {unexpected}")
+    return model

@@ -1,0 +1,167 @@
+"""KDA — Kimi Delta Attention: gated delta-rule linear attention with channel-wise decay.
+
+Per head, with state S (d_k × d_v), log decay g_t ≤ 0 per key channel and β_t ∈ (0, 1):
+
+    S_t = (I − β_t k_t k_tᵀ) Diag(e^{g_t}) S_{t−1} + β_t k_t v_tᵀ        o_t = S_tᵀ q_t
+
+`kda_recurrent` runs this token by token (decoding: O(1) state per sequence). `kda_chunked` is the
+parallel training form (WY representation): inside a chunk with G = cumsum(g),
+
+    A = strict_tril(β_t Σ_c k_tc k_ic e^{G_tc − G_ic})     T = (I + A)⁻¹ (triangular solve)
+    W = T diag(β) (K ⊙ e^G)     U = T diag(β) V     V_new = U − W S
+    O = (Q ⊙ e^G) S + tril((Q ⊙ e^G)(K ⊙ e^{−G})ᵀ) V_new
+    S ← Diag(e^{G_last}) S + (K ⊙ e^{G_last − G})ᵀ V_new
+
+The products K⊙e^{−G} overflow for strong decay over a chunk (g ≥ −5 per step, 64 steps:
+e^{320}); we never form them and use e^{G_t − G_i} (t ≥ i, so ≤ 1) directly. Chunks run one after
+another; each holds a (C × C × d_k) decay tensor per head, so memory is linear in length.
+
+Not covered: variable-length packing inside one batch row (sequences are separate rows), and
+fused kernels (the CUDA/Triton ones in flash-linear-attention are not usable on CPU).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from policy.args import KDAArgs
+from policy.norm import RMSNorm, upcast
+
+
+def kda_recurrent(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV=None):
+    """Token-by-token reference/decoding form. Returns (o_BTHV, S_BHKV); math in fp32 or wider."""
+    dt = torch.promote_types(q_BTHK.dtype, torch.float32)
+    B, T, H, K = q_BTHK.shape
+    V = v_BTHV.shape[-1]
+    S = torch.zeros(B, H, K, V, dtype=dt, device=q_BTHK.device) if S_BHKV is None else S_BHKV.to(dt)
+    q, k, v, g, beta = (t.to(dt) for t in (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH))
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].exp()[..., None]
+        pred_BHV = torch.einsum("bhk,bhkv->bhv", k[:, t], S)
+        S = S + beta[:, t, :, None, None] * k[:, t, :, :, None] * (v[:, t] - pred_BHV)[:, :, None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
+    return torch.stack(outs, 1), S
+
+
+def kda_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV=None, chunk_size: int = 64):
+    """Chunk-parallel form; equals `kda_recurrent` to float tolerance. Returns (o_BTHV, S_BHKV)."""
+    dt = torch.promote_types(q_BTHK.dtype, torch.float32)
+    B, T, H, K = q_BTHK.shape
+    V = v_BTHV.shape[-1]
+    # heads first: (B, H, T, ·)
+    q, k, v, g = (t.to(dt).transpose(1, 2) for t in (q_BTHK, k_BTHK, v_BTHV, g_BTHK))
+    beta = beta_BTH.to(dt).transpose(1, 2)
+    S = torch.zeros(B, H, K, V, dtype=dt, device=q.device) if S_BHKV is None else S_BHKV.to(dt)
+    outs = []
+    for s in range(0, T, chunk_size):
+        qc, kc, vc, gc, bc = (t[:, :, s : s + chunk_size] for t in (q, k, v, g, beta))
+        L = qc.shape[2]
+        G = gc.cumsum(2)  # B H L K, inclusive
+        incl = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+        diff_LLK = (G[:, :, :, None, :] - G[:, :, None, :, :]).masked_fill(~incl[:, :, None], -math.inf)
+        decay = diff_LLK.exp()  # e^{G_t - G_i} for i <= t, else 0
+        A = torch.einsum("bhtk,bhik,bhtik->bhti", kc, kc, decay) * bc[..., None]
+        A = A.tril(-1)
+        eye = torch.eye(L, dtype=dt, device=q.device)
+        rhs = bc[..., None] * torch.cat([kc * G.exp(), vc], dim=-1)
+        X = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+        W, U = X[..., :K], X[..., K:]
+        V_new = U - W @ S
+        qg = qc * G.exp()
+        intra = torch.einsum("bhtk,bhik,bhtik->bhti", qc, kc, decay)
+        outs.append(qg @ S + intra @ V_new)
+        G_last = G[:, :, -1:, :]  # B H 1 K
+        S = G_last.transpose(2, 3).exp() * S + (kc * (G_last - G).exp()).transpose(2, 3) @ V_new
+    return torch.cat(outs, 2).transpose(1, 2), S
+
+
+def causal_conv(x_BTC, weight_C1W, state_BCW=None):
+    """Depthwise causal conv + SiLU; returns the output and the last W−1 inputs (the conv state)."""
+    B, T, C = x_BTC.shape
+    W = weight_C1W.shape[-1]
+    x = x_BTC.transpose(1, 2)
+    pad = x.new_zeros(B, C, W - 1) if state_BCW is None else state_BCW.to(x.dtype)
+    xx = torch.cat([pad, x], dim=-1)
+    y = F.conv1d(xx, weight_C1W, groups=C)
+    return F.silu(y).transpose(1, 2), xx[..., xx.shape[-1] - (W - 1) :]
+
+
+@dataclass
+class KDAState:
+    """Per-layer decoding state: three conv states and the fp32 recurrent state."""
+
+    conv_q: torch.Tensor | None = None
+    conv_k: torch.Tensor | None = None
+    conv_v: torch.Tensor | None = None
+    S: torch.Tensor | None = None
+
+
+class KDA(nn.Module):
+    def __init__(self, dim: int, a: KDAArgs, eps: float = 1e-5):
+        super().__init__()
+        self.a = a
+        H, K = a.n_heads, a.head_dim
+        HK = H * K
+        self.q_proj = nn.Linear(dim, HK, bias=False)
+        self.k_proj = nn.Linear(dim, HK, bias=False)
+        self.v_proj = nn.Linear(dim, HK, bias=False)
+        self.q_conv = nn.Parameter(torch.empty(HK, 1, a.conv_size))
+        self.k_conv = nn.Parameter(torch.empty(HK, 1, a.conv_size))
+        self.v_conv = nn.Parameter(torch.empty(HK, 1, a.conv_size))
+        self.beta_proj = nn.Linear(dim, H, bias=False)
+        self.f_a = nn.Linear(dim, K, bias=False)  # low-rank decay projection d -> d_k -> H*d_k
+        self.f_b = nn.Linear(K, HK, bias=False)
+        self.A_log = nn.Parameter(torch.empty(H))  # kept fp32, no weight decay (see policy/README)
+        self.dt_bias = nn.Parameter(torch.empty(HK))
+        if a.gate_rank:
+            self.g_proj = nn.Sequential(nn.Linear(dim, a.gate_rank, bias=False), nn.Linear(a.gate_rank, HK, bias=False))
+        else:
+            self.g_proj = nn.Linear(dim, HK, bias=False)
+        self.o_norm = RMSNorm(K, eps)
+        self.o_proj = nn.Linear(HK, dim, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        for w in (self.q_conv, self.k_conv, self.v_conv):
+            nn.init.normal_(w, 0.0, 1.0 / math.sqrt(self.a.conv_size))
+        with torch.no_grad():
+            self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
+            self.dt_bias.zero_()
+
+    def decay(self, x_BTD):
+        """Per-step log decay g (B, T, H, K), fp32, in the configured form."""
+        H, K = self.a.n_heads, self.a.head_dim
+        f = upcast(self.f_b(self.f_a(x_BTD))).view(*x_BTD.shape[:2], H, K) + upcast(self.dt_bias).view(H, K)
+        A = upcast(self.A_log).exp()[:, None]
+        if self.a.gate == "softplus":
+            return -A * F.softplus(f)
+        return self.a.g_min * torch.sigmoid(A * f)
+
+    def forward(self, x_BTD, state: KDAState | None = None, recurrent: bool | None = None):
+        """`state` is read and updated in place when given (decoding); `recurrent` forces a form
+        (default: recurrent for a single token, chunked otherwise)."""
+        B, T, _ = x_BTD.shape
+        H, K = self.a.n_heads, self.a.head_dim
+        st = state or KDAState()
+        q, cq = causal_conv(self.q_proj(x_BTD), self.q_conv, st.conv_q)
+        k, ck = causal_conv(self.k_proj(x_BTD), self.k_conv, st.conv_k)
+        v, cv = causal_conv(self.v_proj(x_BTD), self.v_conv, st.conv_v)
+        q = F.normalize(upcast(q.view(B, T, H, K)), dim=-1, eps=1e-6) * K**-0.5
+        k = F.normalize(upcast(k.view(B, T, H, K)), dim=-1, eps=1e-6)
+        v = v.view(B, T, H, K)
+        beta = torch.sigmoid(upcast(self.beta_proj(x_BTD)))
+        g = self.decay(x_BTD)
+        if recurrent if recurrent is not None else T == 1:
+            o, S = kda_recurrent(q, k, v, g, beta, st.S)
+        else:
+            o, S = kda_chunked(q, k, v, g, beta, st.S, self.a.chunk_size)
+        if state is not None:
+            state.conv_q, state.conv_k, state.conv_v, state.S = cq, ck, cv, S
+        o = self.o_norm(o.to(x_BTD.dtype)) * torch.sigmoid(self.g_proj(x_BTD)).view(B, T, H, K)
+        return self.o_proj(o.reshape(B, T, H * K))

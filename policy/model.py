@@ -1,0 +1,181 @@
+"""The policy: a stack of KDA and gated-MLA layers with dense or LatentMoE MLPs, AttnRes, and
+native vision input. Plain PyTorch, no parallelism.
+
+One API for the learner and the native engine:
+
+    logits, cache, router_info = model(input_ids, images=None, cache=None, routing=None)
+
+- `cache`: a `PolicyCache` from `model.new_cache()`; given, it is extended in place (prefill with
+  many tokens, then one token at a time). Without it the call is a plain training forward.
+- `router_info`: per MoE layer, the top-k expert ids per token (`experts`: L × B × T × k), the
+  tokens per expert (`load`: L × E) and the router scores (`scores`, for load balancing).
+- `routing`: recorded expert ids (L × B × T × k, e.g. from the rollout engine) replayed as the
+  selection, with weights from the current router (rollout routing replay).
+
+AttnRes (block form; arXiv 2603.15031): the residual stream is replaced by learned, zero-initialised
+pseudo-queries w that attend over the sources [embedding, finished blocks, the current partial
+block]: mix_w(V) = Σ_i softmax_i(w·RMSNorm(v_i)) v_i, in fp32. Separate queries before attention,
+before the MLP, and at the output; a block is `attn_res_block` layers whose outputs are summed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from policy.args import ModelArgs, VisionArgs
+from policy.kda import KDA, KDAState
+from policy.mla import GatedMLA, MLACache
+from policy.moe import GLU, Activation, LatentMoE
+from policy.norm import RMSNorm, rms_norm, upcast
+
+
+def attn_res_mix(w_D: torch.Tensor, sources: list[torch.Tensor], eps: float) -> torch.Tensor:
+    V_SBTD = upcast(torch.stack(sources))
+    logits_SBT = torch.einsum("sbtd,d->sbt", rms_norm(V_SBTD, eps), upcast(w_D))
+    alpha = torch.softmax(logits_SBT, dim=0)
+    return torch.einsum("sbt,sbtd->btd", alpha, V_SBTD).to(sources[-1].dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs, layer_id: int, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.attn = KDA(args.dim, args.kda, args.norm_eps) if kind == "kda" else GatedMLA(args.dim, args.mla, args.norm_eps)
+        act = Activation(args.mlp_act, args.situ_b1, args.situ_b2)
+        self.is_moe = layer_id >= args.n_dense_layers
+        self.mlp = LatentMoE(args.dim, args.moe, act, args.norm_eps) if self.is_moe else GLU(args.dim, args.dense_dim, act)
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
+        if args.attn_res:
+            if layer_id > 0:  # layer 0's attention reads the embedding alone: nothing to mix
+                self.res_q_attn = nn.Parameter(torch.zeros(args.dim))
+            self.res_q_mlp = nn.Parameter(torch.zeros(args.dim))
+
+    def run_attn(self, x, state):
+        return self.attn(x, state)
+
+    def run_mlp(self, x, replay):
+        if self.is_moe:
+            return self.mlp(x, replay)
+        return self.mlp(x), None
+
+
+class PatchEncoder(nn.Module):
+    """Images (N, C, H, W) → patch embeddings (N, H/p · W/p, dim): a linear patch embedding with
+    learned positions and a few residual MLP blocks. Enough at tiny scale; a full ViT tower
+    (K3 uses MoonViT) plugs in here."""
+
+    def __init__(self, dim: int, v: VisionArgs, eps: float):
+        super().__init__()
+        self.v = v
+        self.proj = nn.Linear(v.channels * v.patch_size**2, dim)
+        self.pos = nn.Parameter(torch.zeros(v.max_patches, dim))
+        self.blocks = nn.ModuleList(nn.Sequential(RMSNorm(dim, eps), nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+                                    for _ in range(v.encoder_layers))
+
+    def forward(self, images_NCHW: torch.Tensor) -> torch.Tensor:
+        p = self.v.patch_size
+        N, C, H, W = images_NCHW.shape
+        if H % p or W % p or C != self.v.channels:
+            raise ValueError(f"images must be (N, {self.v.channels}, H, W) with H, W multiples of {p}; got {tuple(images_NCHW.shape)}")
+        patches = images_NCHW.unfold(2, p, p).unfold(3, p, p)  # N C h w p p
+        patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(N, (H // p) * (W // p), C * p * p)
+        if patches.shape[1] > self.v.max_patches:
+            raise ValueError(f"{patches.shape[1]} patches per image exceed vision.max_patches={self.v.max_patches}")
+        x = self.proj(patches.to(self.proj.weight.dtype)) + self.pos[: patches.shape[1]]
+        for blk in self.blocks:
+            x = x + blk(x)
+        return x
+
+    def patches_per_image(self, H: int, W: int) -> int:
+        return (H // self.v.patch_size) * (W // self.v.patch_size)
+
+
+@dataclass
+class PolicyCache:
+    layers: list = field(default_factory=list)  # KDAState or MLACache per layer
+    seq_len: int = 0
+
+
+class Policy(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args, i, kind) for i, kind in enumerate(args.layer_kinds()))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.vision = PatchEncoder(args.dim, args.vision, args.norm_eps) if args.vision.enabled else None
+        if args.attn_res:
+            self.res_q_out = nn.Parameter(torch.zeros(args.dim))
+        if not any(p.is_meta for p in self.parameters()):
+            nn.init.normal_(self.embed.weight, 0.0, 1.0)
+            nn.init.normal_(self.lm_head.weight, 0.0, args.dim**-0.5)
+
+    def new_cache(self) -> PolicyCache:
+        return PolicyCache([KDAState() if blk.kind == "kda" else MLACache() for blk in self.layers])
+
+    def embed_inputs(self, input_ids_BT, images):
+        h = self.embed(input_ids_BT)
+        slots = input_ids_BT == self.args.vision.image_token_id if self.vision is not None else None
+        n_slots = int(slots.sum()) if slots is not None else 0
+        if images is None:
+            if n_slots:
+                raise ValueError(f"{n_slots} image placeholder tokens but no images were given")
+            return h
+        if self.vision is None:
+            raise ValueError("images given but this policy has vision.enabled = false")
+        emb = self.vision(images)  # N × P × D, in image order
+        if emb.shape[0] * emb.shape[1] != n_slots:
+            raise ValueError(f"{n_slots} image placeholder tokens for {emb.shape[0]} image(s) of {emb.shape[1]} patches")
+        h = h.clone()
+        h[slots] = emb.reshape(-1, emb.shape[-1]).to(h.dtype)
+        return h
+
+    def forward(self, input_ids_BT, images=None, cache: PolicyCache | None = None, routing=None):
+        args = self.args
+        h = self.embed_inputs(input_ids_BT, images)
+        infos = []
+        moe_i = 0
+
+        def mlp(blk, x):
+            nonlocal moe_i
+            replay = None
+            if blk.is_moe and routing is not None:
+                replay = routing[moe_i]
+            y, info = blk.run_mlp(x, replay)
+            if info is not None:
+                infos.append(info)
+                moe_i += 1
+            return y
+
+        states = cache.layers if cache is not None else [None] * len(self.layers)
+        if args.attn_res:
+            prefix, blocks = h, []
+            for i, (blk, st) in enumerate(zip(self.layers, states)):
+                x_in = attn_res_mix(blk.res_q_attn, blocks + [prefix], args.norm_eps) if blocks else prefix
+                if i % args.attn_res_block == 0:
+                    blocks.append(prefix)
+                    prefix = torch.zeros_like(prefix)
+                prefix = prefix + blk.run_attn(blk.attn_norm(x_in), st)
+                prefix = prefix + mlp(blk, blk.mlp_norm(attn_res_mix(blk.res_q_mlp, blocks + [prefix], args.norm_eps)))
+            h = attn_res_mix(self.res_q_out, blocks + [prefix], args.norm_eps)
+        else:
+            for blk, st in zip(self.layers, states):
+                h = h + blk.run_attn(blk.attn_norm(h), st)
+                h = h + mlp(blk, blk.mlp_norm(h))
+        logits = self.lm_head(self.norm(h))
+        if cache is not None:
+            cache.seq_len += input_ids_BT.shape[1]
+        router_info = {
+            "experts": torch.stack([i["experts"] for i in infos]) if infos else None,
+            "load": torch.stack([i["load"] for i in infos]) if infos else None,
+            "scores": [i["scores"] for i in infos],
+        }
+        return logits, cache, router_info
+
+    def routers(self):
+        return [blk.mlp.router for blk in self.layers if blk.is_moe]

@@ -1,0 +1,138 @@
+"""GLU MLPs (SiTU-GLU or SwiGLU) and the Stable LatentMoE layer with its sigmoid router.
+
+SiTU-GLU (Sigmoid-Tanh Unit), in fp32:
+
+    SiTU(g, u) = b1·tanh(g/b1)·sigmoid(g) · b2·tanh(u/b2),   g = W_g x, u = W_u x
+
+It equals SwiGLU's silu(g)·u to first order near zero, recovers it as b1, b2 → ∞, and is bounded
+by b1·b2, so heavy-tailed sparse inputs cannot blow activations (or their gradients) up.
+
+LatentMoE: a sigmoid router at full width d picks experts; the selection adds a bias b that only
+selects (no gradient, not in the weights; updated by `policy.balance`); weights are the selected
+scores renormalised. Routed experts work in a latent space l < d:
+
+    y = Σ_shared E_j(x) + W_up RMSNorm( Σ_{i ∈ TopK(s + b)} p_i E_i(W_down x) )
+
+Group-limited (hierarchical) routing: rank groups by the sum of their top-2 biased scores, keep
+`topk_groups`, pick the top-k experts inside them. Rollout routing replay: with recorded expert ids
+the selection is taken as given while the weights p come from the current router (so it learns).
+
+The expert loop visits only experts that received tokens; `naive_moe` computes every expert for
+every token and is the reference it is tested against. No expert parallelism here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from policy.args import MoEArgs
+from policy.norm import RMSNorm, upcast
+
+
+def situ_glu(g: torch.Tensor, u: torch.Tensor, b1: float = 4.0, b2: float = 25.0) -> torch.Tensor:
+    gf, uf = upcast(g), upcast(u)
+    return (b1 * torch.tanh(gf / b1) * torch.sigmoid(gf) * (b2 * torch.tanh(uf / b2))).to(g.dtype)
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    return F.silu(g) * u
+
+
+class Activation:
+    def __init__(self, kind: str, b1: float, b2: float):
+        self.kind, self.b1, self.b2 = kind, b1, b2
+
+    def __call__(self, g, u):
+        return situ_glu(g, u, self.b1, self.b2) if self.kind == "situ" else swiglu(g, u)
+
+
+class GLU(nn.Module):
+    def __init__(self, dim: int, hidden: int, act: Activation, out_dim: int | None = None):
+        super().__init__()
+        self.w_gate = nn.Linear(dim, hidden, bias=False)
+        self.w_up = nn.Linear(dim, hidden, bias=False)
+        self.w_down = nn.Linear(hidden, out_dim or dim, bias=False)
+        self.act = act
+
+    def forward(self, x):
+        return self.w_down(self.act(self.w_gate(x), self.w_up(x)))
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int, a: MoEArgs):
+        super().__init__()
+        self.a = a
+        self.weight = nn.Parameter(torch.empty(a.n_routed_experts, dim))
+        nn.init.normal_(self.weight, 0.0, dim**-0.5)
+        self.register_buffer("bias", torch.zeros(a.n_routed_experts))  # selection only
+
+    def forward(self, x_ND, replay_Nk: torch.Tensor | None = None):
+        """Returns (expert ids N×k, weights N×k, scores N×E fp32)."""
+        a = self.a
+        scores = torch.sigmoid(F.linear(upcast(x_ND), upcast(self.weight)))
+        if replay_Nk is not None:
+            idx = replay_Nk.long()
+        else:
+            biased = scores.detach() + self.bias
+            if a.n_groups > 1:
+                grouped = biased.view(-1, a.n_groups, a.n_routed_experts // a.n_groups)
+                group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+                keep = group_score.topk(a.topk_groups, dim=-1).indices
+                mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
+                biased = grouped.masked_fill(~mask[..., None], -torch.inf).flatten(1)
+            idx = biased.topk(a.top_k, dim=-1).indices
+        picked = scores.gather(1, idx)
+        weights = picked / picked.sum(-1, keepdim=True).clamp(min=1e-20) * a.routed_scaling
+        return idx, weights, scores
+
+
+class LatentMoE(nn.Module):
+    def __init__(self, dim: int, a: MoEArgs, act: Activation, eps: float = 1e-5):
+        super().__init__()
+        self.a = a
+        E, L, F_ = a.n_routed_experts, a.latent_dim, a.expert_dim
+        self.router = Router(dim, a)
+        self.shared = GLU(dim, F_ * a.n_shared_experts, act) if a.n_shared_experts else None
+        self.down = nn.Linear(dim, L, bias=False)
+        self.up = nn.Linear(L, dim, bias=False)
+        self.latent_norm = RMSNorm(L, eps)
+        self.w_gate_EFL = nn.Parameter(torch.empty(E, F_, L))
+        self.w_up_EFL = nn.Parameter(torch.empty(E, F_, L))
+        self.w_down_ELF = nn.Parameter(torch.empty(E, L, F_))
+        for w, fan_in in ((self.w_gate_EFL, L), (self.w_up_EFL, L), (self.w_down_ELF, F_)):
+            nn.init.normal_(w, 0.0, fan_in**-0.5)
+        self.act = act
+
+    def expert(self, e: int, x_NL):
+        h = self.act(x_NL @ self.w_gate_EFL[e].T, x_NL @ self.w_up_EFL[e].T)
+        return h @ self.w_down_ELF[e].T
+
+    def forward(self, x_BTD, replay_BTk: torch.Tensor | None = None):
+        B, T, D = x_BTD.shape
+        x = x_BTD.reshape(-1, D)
+        replay = replay_BTk.reshape(-1, replay_BTk.shape[-1]) if replay_BTk is not None else None
+        idx, w, scores = self.router(x, replay)
+        lat = self.down(x)
+        u = torch.zeros_like(lat)
+        for e in idx.unique().tolist():
+            tok, slot = torch.where(idx == e)
+            u.index_add_(0, tok, self.expert(e, lat[tok]) * w[tok, slot, None].to(lat.dtype))
+        y = self.up(self.latent_norm(u))
+        if self.shared is not None:
+            y = y + self.shared(x)
+        load = torch.bincount(idx.flatten(), minlength=self.a.n_routed_experts)
+        info = {"experts": idx.view(B, T, -1), "load": load, "scores": scores.detach().float()}
+        return y.view(B, T, D), info
+
+
+def naive_moe(moe: LatentMoE, x_BTD, idx_Nk, w_Nk):
+    """Reference: every expert on every token, combined with a dense weight matrix."""
+    x = x_BTD.reshape(-1, x_BTD.shape[-1])
+    lat = moe.down(x)
+    dense_NE = torch.zeros(x.shape[0], moe.a.n_routed_experts, dtype=lat.dtype).scatter_add_(1, idx_Nk, w_Nk.to(lat.dtype))
+    outs_ENL = torch.stack([moe.expert(e, lat) for e in range(moe.a.n_routed_experts)])
+    u = torch.einsum("ne,enl->nl", dense_NE, outs_ENL)
+    y = moe.up(moe.latent_norm(u)) + (moe.shared(x) if moe.shared is not None else 0)
+    return y.view_as(x_BTD)

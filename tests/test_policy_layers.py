@@ -1,0 +1,203 @@
+"""Policy layers against naive references: KDA chunked vs recurrent, absorbed vs naive MLA,
+SiTU-GLU's properties, the MoE expert loop vs a dense reference, routing and routing replay,
+and quantile balancing against the sign update."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from policy.args import KDAArgs, MLAArgs, MoEArgs
+from policy.balance import QuantileHistogram, load_imbalance, quantile_bias, sign_update
+from policy.kda import KDA, KDAState, kda_chunked, kda_recurrent
+from policy.mla import GatedMLA, MLACache
+from policy.moe import Activation, LatentMoE, Router, naive_moe, situ_glu, swiglu
+
+
+def _kda_inputs(dtype, B=2, T=37, H=3, K=8, V=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=g, dtype=dtype)
+    k = F.normalize(torch.randn(B, T, H, K, generator=g, dtype=dtype), dim=-1)
+    v = torch.randn(B, T, H, V, generator=g, dtype=dtype)
+    logdecay = -5 * torch.rand(B, T, H, K, generator=g, dtype=dtype)  # as strong as the safe gate allows
+    beta = torch.rand(B, T, H, generator=g, dtype=dtype)
+    S0 = torch.randn(B, H, K, V, generator=g, dtype=dtype)
+    return q, k, v, logdecay, beta, S0
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("chunk", [8, 16, 64])
+def test_kda_chunked_equals_recurrent(dtype, tol, chunk):
+    q, k, v, g, beta, S0 = _kda_inputs(dtype)  # T=37: partial last chunk for every chunk size
+    o_r, S_r = kda_recurrent(q, k, v, g, beta, S0)
+    o_c, S_c = kda_chunked(q, k, v, g, beta, S0, chunk_size=chunk)
+    assert (o_r - o_c).abs().max().item() <= tol
+    assert (S_r - S_c).abs().max().item() <= tol
+
+
+def test_kda_state_carries_across_calls():
+    q, k, v, g, beta, _ = _kda_inputs(torch.float64)
+    o_full, S_full = kda_chunked(q, k, v, g, beta, chunk_size=8)
+    o1, S1 = kda_chunked(q[:, :21], k[:, :21], v[:, :21], g[:, :21], beta[:, :21], chunk_size=8)
+    o2, S2 = kda_recurrent(q[:, 21:], k[:, 21:], v[:, 21:], g[:, 21:], beta[:, 21:], S1)
+    assert torch.allclose(torch.cat([o1, o2], 1), o_full, atol=1e-10)
+    assert torch.allclose(S2, S_full, atol=1e-10)
+
+
+def test_kda_chunked_is_stable_under_strong_decay():
+    q, k, v, g, beta, S0 = _kda_inputs(torch.float32, T=128)
+    o, S = kda_chunked(q, k, v, torch.full_like(g, -5.0), beta, S0, chunk_size=64)  # e^{-G} would be e^{320}
+    assert torch.isfinite(o).all() and torch.isfinite(S).all()
+
+
+@pytest.mark.parametrize("gate", ["safe", "softplus"])
+def test_kda_layer_decoding_matches_training_form(gate):
+    torch.manual_seed(0)
+    layer = KDA(32, KDAArgs(n_heads=2, head_dim=8, gate=gate, chunk_size=4, gate_rank=4 if gate == "softplus" else 0)).double()
+    x = torch.randn(2, 11, 32, dtype=torch.float64)
+    full = layer(x)
+    st = KDAState()
+    parts = [layer(x[:, :5], st)] + [layer(x[:, t : t + 1], st) for t in range(5, 11)]
+    assert torch.allclose(torch.cat(parts, 1), full, atol=1e-10)
+    assert st.S.dtype == torch.float64 and st.conv_q.shape == (2, 16, 3)
+    g = layer.decay(x)
+    if gate == "safe":
+        assert (g >= -5.0).all() and (g <= 0).all()
+    else:
+        assert (g <= 0).all()
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_mla_absorbed_equals_naive(rope):
+    torch.manual_seed(0)
+    layer = GatedMLA(32, MLAArgs(rope=rope)).double()
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    naive = layer(x, absorbed=False)
+    assert torch.allclose(layer(x, absorbed=True), naive, atol=1e-12)
+    cache = MLACache()
+    steps = [layer(x[:, :4], cache, absorbed=False)] + [layer(x[:, t : t + 1], cache, absorbed=True) for t in range(4, 9)]
+    assert torch.allclose(torch.cat(steps, 1), naive, atol=1e-12)
+    a = layer.a
+    assert cache.c_kv.shape == (2, 9, a.kv_lora_rank) and cache.k_rope.shape == (2, 9, a.qk_rope_head_dim)
+
+
+def test_mla_output_gate_scales_each_channel():
+    torch.manual_seed(0)
+    layer = GatedMLA(32, MLAArgs()).double()
+    x = torch.randn(1, 5, 32, dtype=torch.float64)
+    with torch.no_grad():
+        layer.w_gate.weight.zero_()  # sigmoid(0) = 1/2 on every channel
+        half = layer(x)
+        open_gate = torch.nn.Linear(32, layer.w_gate.out_features).double()
+        open_gate.weight.zero_()
+        open_gate.bias.fill_(60.0)
+        layer.w_gate = open_gate
+        full = layer(x)  # sigmoid(60) = 1: ungated
+    assert torch.allclose(half, full / 2, atol=1e-12) and full.abs().max() > 0
+
+
+def test_situ_glu_bounded_matches_swiglu_near_zero_and_keeps_gradients():
+    b1, b2 = 4.0, 25.0
+    big = torch.tensor([-1e4, -300.0, 300.0, 1e4])
+    g, u = torch.meshgrid(big, big, indexing="ij")
+    assert (situ_glu(g, u, b1, b2).abs() <= b1 * b2).all()
+    assert situ_glu(torch.tensor(1e4), torch.tensor(1e4), b1, b2).item() == pytest.approx(b1 * b2)
+    small = torch.linspace(-0.05, 0.05, 11, dtype=torch.float64)
+    gs, us = torch.meshgrid(small, small, indexing="ij")
+    rel = (situ_glu(gs, us, b1, b2) - swiglu(gs, us)).abs().max() / swiglu(gs, us).abs().max()
+    assert rel < 5e-3
+    # large b recovers SwiGLU
+    x = torch.randn(100, dtype=torch.float64) * 3
+    assert torch.allclose(situ_glu(x, x.flip(0), 1e6, 1e6), swiglu(x, x.flip(0)), rtol=1e-6)
+    # gradients stay non-zero where SwiGLU's up path is unbounded and far from zero
+    gx = torch.tensor([-20.0, -8.0, 8.0, 30.0], requires_grad=True)
+    ux = torch.tensor([-150.0, -60.0, 60.0, 150.0], requires_grad=True)
+    situ_glu(gx, ux, b1, b2).sum().backward()
+    assert (gx.grad != 0).all() and (ux.grad != 0).all()
+
+
+def _moe(dtype=torch.float64, **kw):
+    torch.manual_seed(0)
+    a = MoEArgs(**{"n_routed_experts": 8, "top_k": 2, "n_shared_experts": 1, "expert_dim": 16, "latent_dim": 12, **kw})
+    return LatentMoE(24, a, Activation("situ", 4.0, 25.0)).to(dtype)
+
+
+def test_moe_expert_loop_equals_dense_reference():
+    moe = _moe()
+    x = torch.randn(3, 7, 24, dtype=torch.float64)
+    y, info = moe(x)
+    idx, w, _ = moe.router(x.reshape(-1, 24))
+    assert torch.allclose(y, naive_moe(moe, x, idx, w), atol=1e-12)
+    assert info["load"].sum().item() == 3 * 7 * 2
+    assert torch.allclose(w.sum(-1), torch.ones(21, dtype=w.dtype))
+
+
+def test_group_limited_routing_stays_in_the_chosen_groups():
+    moe = _moe(n_groups=4, topk_groups=1, top_k=2)
+    x = torch.randn(64, 24, dtype=torch.float64)
+    idx, _, _ = moe.router(x)
+    assert (idx // 2).unique(dim=1).shape[1] == 1  # both experts of a token in one group of two
+
+
+def test_routing_replay_uses_recorded_experts_and_router_still_learns():
+    moe = _moe()
+    x = torch.randn(2, 5, 24, dtype=torch.float64)
+    recorded = torch.randint(0, 8, (2, 5, 1)).repeat(1, 1, 2)
+    recorded[..., 1] = (recorded[..., 0] + 3) % 8
+    y, info = moe(x, recorded)
+    assert torch.equal(info["experts"], recorded)
+    free, _ = moe(x)
+    assert not torch.allclose(y, free)  # the recorded choice is not what the router would pick
+    y.sum().backward()
+    assert moe.router.weight.grad is not None and moe.router.weight.grad.abs().sum() > 0
+
+
+def _skewed_router():
+    torch.manual_seed(0)
+    router = Router(32, MoEArgs(n_routed_experts=16, top_k=2))
+    with torch.no_grad():
+        router.weight[:4] += 0.3 * torch.randn(32)
+    x = torch.randn(4096, 32) + 0.5
+    return router, x
+
+
+def _updates_to_balance(update, limit=400):
+    router, x = _skewed_router()
+    bias = torch.zeros(16)
+    for step in range(limit):
+        router.bias.copy_(bias)
+        idx, _, scores = router(x)
+        load = torch.bincount(idx.flatten(), minlength=16)
+        if step == 0:
+            assert load_imbalance(load) > 2.0  # deliberately skewed
+        if load_imbalance(load) <= 1.2:
+            return step
+        bias = update(scores, load, bias)
+    return limit
+
+
+def test_quantile_balancing_beats_sign_update():
+    qb = _updates_to_balance(lambda s, load, b: quantile_bias(s, b, 2))
+    sign = _updates_to_balance(lambda s, load, b: sign_update(load, b, 1e-3))
+    assert qb <= 8
+    assert qb < sign
+
+
+def test_quantile_histogram_is_summable_and_close_to_exact():
+    router, x = _skewed_router()
+    idx, _, scores = router(x)
+    bias = torch.zeros(16)
+    whole = QuantileHistogram(16, 2)
+    whole.add(scores, bias)
+    a, b = QuantileHistogram(16, 2), QuantileHistogram(16, 2)
+    a.add(scores[:1000], bias)
+    b.add(scores[1000:], bias)
+    assert torch.equal(a.merge(b).counts_EB, whole.counts_EB)
+    assert (whole.bias() - quantile_bias(scores, bias, 2)).abs().max() < 0.01  # bin width is 0.004
+    hist_steps = _updates_to_balance(lambda s, load, bb: _hist_step(s, bb))
+    assert hist_steps <= 8
+
+
+def _hist_step(scores, bias):
+    h = QuantileHistogram(16, 2)
+    h.add(scores, bias)
+    return h.bias()
