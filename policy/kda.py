@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from policy.args import KDAArgs
@@ -49,8 +50,59 @@ def kda_recurrent(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV=None):
     return torch.stack(outs, 1), S
 
 
-def kda_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV=None, chunk_size: int = 64):
-    """Chunk-parallel form; equals `kda_recurrent` to float tolerance. Returns (o_BTHV, S_BHKV)."""
+# Largest exponent the factorised form may meet (fp32 overflows past e^88).
+_MAX_EXP = 60.0
+
+
+def _needs_pairwise(G_BHLK: torch.Tensor) -> bool:
+    """True when the chunk's decay span around its middle is too large to factorise in fp32.
+    G is non-increasing along the chunk, so the extremes sit at its two ends."""
+    Gm = G_BHLK[:, :, G_BHLK.shape[2] // 2]
+    return float(torch.maximum(G_BHLK[:, :, 0] - Gm, Gm - G_BHLK[:, :, -1]).max()) > _MAX_EXP
+
+
+def _decay_products(qc, kc, G, pairwise: bool):
+    """The chunk's C×C decay-weighted products, for t >= i:
+    KK_ti = Σ_c k_tc k_ic e^{G_tc − G_ic} and QK_ti = Σ_c q_tc k_ic e^{G_tc − G_ic}.
+
+    Factorised around the chunk's middle G_m as (x ⊙ e^{G−G_m})(k ⊙ e^{G_m−G})ᵀ: plain matmuls.
+    The pairwise form builds e^{G_t − G_i} (≤ 1) explicitly, for spans too large to factorise
+    (strong decay over long chunks, the unbounded softplus gate): C×C×d_k per head."""
+    if not pairwise:
+        Gm = G[:, :, G.shape[2] // 2 :][:, :, :1]
+        k_down = kc * (Gm - G).exp()
+        up = (G - Gm).exp()
+        return (kc * up) @ k_down.transpose(2, 3), (qc * up) @ k_down.transpose(2, 3)
+    L = qc.shape[2]
+    incl = torch.ones(L, L, dtype=torch.bool, device=qc.device).tril()
+    decay = (G[:, :, :, None, :] - G[:, :, None, :, :]).masked_fill(~incl[:, :, None], -math.inf).exp()
+    return (torch.einsum("bhtk,bhik,bhtik->bhti", kc, kc, decay),
+            torch.einsum("bhtk,bhik,bhtik->bhti", qc, kc, decay))
+
+
+def _kda_chunk(qc, kc, vc, gc, bc, S, pairwise: bool = False):
+    """One chunk (heads first: B H L ·) from state S; returns (o, new S)."""
+    L, K = qc.shape[2], qc.shape[3]
+    G = gc.cumsum(2)  # inclusive
+    kk, qk = _decay_products(qc, kc, G, pairwise)
+    causal = torch.ones(L, L, dtype=torch.bool, device=qc.device).tril()
+    A = (kk * bc[..., None]).tril(-1)
+    eye = torch.eye(L, dtype=qc.dtype, device=qc.device)
+    rhs = bc[..., None] * torch.cat([kc * G.exp(), vc], dim=-1)
+    X = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+    W, U = X[..., :K], X[..., K:]
+    V_new = U - W @ S
+    o = (qc * G.exp()) @ S + qk.masked_fill(~causal, 0.0) @ V_new
+    G_last = G[:, :, -1:, :]  # B H 1 K
+    S = G_last.transpose(2, 3).exp() * S + (kc * (G_last - G).exp()).transpose(2, 3) @ V_new
+    return o, S
+
+
+def kda_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV=None, chunk_size: int = 16):
+    """Chunk-parallel form; equals `kda_recurrent` to float tolerance. Returns (o_BTHV, S_BHKV).
+
+    A chunk that needs the pairwise form is recomputed in the backward pass (activation
+    checkpointing) rather than keeping its C×C×d_k tensors for the whole sequence."""
     dt = torch.promote_types(q_BTHK.dtype, torch.float32)
     B, T, H, K = q_BTHK.shape
     V = v_BTHV.shape[-1]
@@ -58,26 +110,18 @@ def kda_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV=None, chunk_siz
     q, k, v, g = (t.to(dt).transpose(1, 2) for t in (q_BTHK, k_BTHK, v_BTHV, g_BTHK))
     beta = beta_BTH.to(dt).transpose(1, 2)
     S = torch.zeros(B, H, K, V, dtype=dt, device=q.device) if S_BHKV is None else S_BHKV.to(dt)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, S))
     outs = []
-    for s in range(0, T, chunk_size):
-        qc, kc, vc, gc, bc = (t[:, :, s : s + chunk_size] for t in (q, k, v, g, beta))
-        L = qc.shape[2]
-        G = gc.cumsum(2)  # B H L K, inclusive
-        incl = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
-        diff_LLK = (G[:, :, :, None, :] - G[:, :, None, :, :]).masked_fill(~incl[:, :, None], -math.inf)
-        decay = diff_LLK.exp()  # e^{G_t - G_i} for i <= t, else 0
-        A = torch.einsum("bhtk,bhik,bhtik->bhti", kc, kc, decay) * bc[..., None]
-        A = A.tril(-1)
-        eye = torch.eye(L, dtype=dt, device=q.device)
-        rhs = bc[..., None] * torch.cat([kc * G.exp(), vc], dim=-1)
-        X = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
-        W, U = X[..., :K], X[..., K:]
-        V_new = U - W @ S
-        qg = qc * G.exp()
-        intra = torch.einsum("bhtk,bhik,bhtik->bhti", qc, kc, decay)
-        outs.append(qg @ S + intra @ V_new)
-        G_last = G[:, :, -1:, :]  # B H 1 K
-        S = G_last.transpose(2, 3).exp() * S + (kc * (G_last - G).exp()).transpose(2, 3) @ V_new
+    # split, not slice: the backward of a slice writes into a zero tensor of the full length, which
+    # would make the backward quadratic in the number of chunks
+    for chunk in zip(*(t.split(chunk_size, dim=2) for t in (q, k, v, g, beta))):
+        with torch.no_grad():
+            pairwise = _needs_pairwise(chunk[3].cumsum(2))
+        if pairwise and grad:
+            o, S = torch.utils.checkpoint.checkpoint(_kda_chunk, *chunk, S, True, use_reentrant=False)
+        else:
+            o, S = _kda_chunk(*chunk, S, pairwise)
+        outs.append(o)
     return torch.cat(outs, 2).transpose(1, 2), S
 
 

@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from policy.args import MLAArgs
@@ -69,9 +70,11 @@ class GatedMLA(nn.Module):
     def _q(self, x):
         return self.wq_b(self.q_norm(self.wq_a(x))) if self.a.q_lora_rank else self.wq(x)
 
-    def forward(self, x_BTD, cache: MLACache | None = None, absorbed: bool | None = None):
+    def forward(self, x_BTD, cache: MLACache | None = None, absorbed: bool | None = None,
+                fused: bool | None = None):
         """`cache` is extended in place when given. `absorbed` picks the form (default: absorbed
-        when decoding one token against a cache, naive otherwise)."""
+        when decoding one token against a cache, naive otherwise). `fused=False` forces the
+        explicit softmax in the naive form (the reference the fused path is tested against)."""
         a = self.a
         B, T, _ = x_BTD.shape
         H, N, R, Vd = a.n_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
@@ -106,9 +109,20 @@ class GatedMLA(nn.Module):
         else:
             kv = self.wkv_b(c_all).view(B, S, H, N + Vd)
             k_nope, v = kv[..., :N], kv[..., N:]
-            scores = torch.einsum("bthn,bshn->bhts", q_nope, k_nope) + torch.einsum("bthr,bsr->bhts", q_rope, kr_all)
-            p = self._softmax(scores, causal).to(v.dtype)
-            o = torch.einsum("bhts,bshv->bthv", p, v)
+            if start == 0 and fused is not False:
+                # No earlier context: plain causal attention, through torch's fused SDPA (flash
+                # kernel on CPU too: memory linear in length, which long trajectories need).
+                # The CPU flash kernel needs equal q/k and v widths (else a T×T math fallback):
+                # pad v with zeros and drop those output channels.
+                k_full = torch.cat([k_nope, kr_all[:, :, None, :].expand(B, S, H, R)], -1)
+                q_full = torch.cat([q_nope, q_rope], -1)
+                v_pad = F.pad(v, (0, max(0, N + R - Vd)))
+                o = F.scaled_dot_product_attention(q_full.transpose(1, 2), k_full.transpose(1, 2), v_pad.transpose(1, 2),
+                                                   is_causal=True, scale=self.scale).transpose(1, 2)[..., :Vd]
+            else:
+                scores = torch.einsum("bthn,bshn->bhts", q_nope, k_nope) + torch.einsum("bthr,bsr->bhts", q_rope, kr_all)
+                p = self._softmax(scores, causal).to(v.dtype)
+                o = torch.einsum("bhts,bshv->bthv", p, v)
         o = o * torch.sigmoid(self.w_gate(x_BTD)).view(B, T, H, Vd)
         return self.wo(o.reshape(B, T, H * Vd))
 

@@ -71,7 +71,8 @@ def test_mla_absorbed_equals_naive(rope):
     torch.manual_seed(0)
     layer = GatedMLA(32, MLAArgs(rope=rope)).double()
     x = torch.randn(2, 9, 32, dtype=torch.float64)
-    naive = layer(x, absorbed=False)
+    naive = layer(x, absorbed=False, fused=False)
+    assert torch.allclose(layer(x, absorbed=False), naive, atol=1e-12)  # fused SDPA path
     assert torch.allclose(layer(x, absorbed=True), naive, atol=1e-12)
     cache = MLACache()
     steps = [layer(x[:, :4], cache, absorbed=False)] + [layer(x[:, t : t + 1], cache, absorbed=True) for t in range(4, 9)]
@@ -201,3 +202,27 @@ def _hist_step(scores, bias):
     h = QuantileHistogram(16, 2)
     h.add(scores, bias)
     return h.bias()
+
+
+def test_mla_fused_attention_gradients_equal_explicit():
+    torch.manual_seed(0)
+    layer = GatedMLA(32, MLAArgs(rope=True)).double()
+    x = torch.randn(2, 12, 32, dtype=torch.float64)
+    grads = []
+    for fused in (True, False):
+        layer.zero_grad()
+        layer(x, fused=fused).pow(2).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in layer.parameters()]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-10)
+
+
+def test_kda_chunked_gradients_equal_recurrent():
+    inputs = [t.requires_grad_(True) for t in _kda_inputs(torch.float64, T=19)]
+    grads = []
+    for fn in (lambda *a: kda_recurrent(*a), lambda *a: kda_chunked(*a, chunk_size=8)):
+        for t in inputs:
+            t.grad = None
+        o, S = fn(*inputs)
+        (o.pow(2).sum() + S.sum()).backward()
+        grads.append(torch.cat([t.grad.flatten() for t in inputs]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-9)
