@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-def measure(config: str, length: int, all_attention: bool, repeats: int) -> dict:
+def measure(config: str, length: int, all_attention: bool, repeats: int, ac: bool) -> dict:
     import torch
 
     from policy.args import load_model_args
@@ -37,9 +37,11 @@ def measure(config: str, length: int, all_attention: bool, repeats: int) -> dict
     if all_attention:
         args = dataclasses.replace(args, mla_every=1)
     model = Policy(args)
+    model.activation_checkpointing = ac
     ids = torch.randint(2, args.vocab_size, (1, length))
     times = []
-    for _ in range(repeats + 1):  # the first run warms up allocators and kernels
+    warmup = 1 if length < 32768 else 0  # warm-up matters for short runs only; long ones take minutes
+    for _ in range(repeats + warmup):
         t0 = time.perf_counter()
         logits, _, _ = model(ids)
         loss = torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
@@ -48,7 +50,7 @@ def measure(config: str, length: int, all_attention: bool, repeats: int) -> dict
         times.append(time.perf_counter() - t0)
         del logits, loss
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"seconds": min(times[1:]), "peak_mib": peak_kib / 1024, "pattern": "".join(k[0].upper() for k in args.layer_kinds())}
+    return {"seconds": min(times[warmup:]), "peak_mib": peak_kib / 1024, "pattern": "".join(k[0].upper() for k in args.layer_kinds())}
 
 
 def main() -> None:
@@ -56,10 +58,11 @@ def main() -> None:
     ap.add_argument("--config", default=str(REPO / "configs/policy/debug.yaml"))
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768, 131072])
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--activation-checkpointing", action="store_true", help="recompute layers in backward (both stacks)")
     ap.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # internal: LENGTH all|hybrid
     a = ap.parse_args()
     if a.one:
-        print(json.dumps(measure(a.config, int(a.one[0]), a.one[1] == "all", a.repeats)))
+        print(json.dumps(measure(a.config, int(a.one[0]), a.one[1] == "all", a.repeats, a.activation_checkpointing)))
         return
     from rich.console import Console
     from rich.table import Table
@@ -69,8 +72,10 @@ def main() -> None:
     for length in a.lengths:
         res = {}
         for kind in ("hybrid", "all"):
-            out = subprocess.run([sys.executable, __file__, "--config", a.config, "--repeats", str(a.repeats),
-                                  "--one", str(length), kind], capture_output=True, text=True, cwd=REPO)
+            cmd = [sys.executable, __file__, "--config", a.config, "--repeats", str(a.repeats), "--one", str(length), kind]
+            if a.activation_checkpointing:
+                cmd.append("--activation-checkpointing")
+            out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
             if out.returncode != 0:
                 console.print(f"[red]{kind} at {length} tokens failed[/]: {out.stderr[-500:]}")
                 res[kind] = None
@@ -78,7 +83,8 @@ def main() -> None:
             res[kind] = json.loads(out.stdout.strip().splitlines()[-1])
             console.log(f"{length:>7} tokens {kind:>6}: {res[kind]['seconds']:.2f} s, {res[kind]['peak_mib']:.0f} MiB")
         rows.append((length, res))
-    table = Table(title=f"forward+backward, {Path(a.config).name}, batch 1")
+    ac = ", activation checkpointing" if a.activation_checkpointing else ""
+    table = Table(title=f"forward+backward, {Path(a.config).name}, batch 1{ac}")
     for col in ("tokens", "hybrid s", "softmax s", "time ratio", "hybrid MiB", "softmax MiB", "memory ratio"):
         table.add_column(col, justify="right")
     for length, res in rows:

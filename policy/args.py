@@ -137,7 +137,7 @@ class ModelArgs:
         return kinds
 
     def validate(self, source: str = "policy config") -> "ModelArgs":
-        from rl.config import ConfigError
+        from rl.config import require
 
         m = self.moe
         checks = [
@@ -152,9 +152,7 @@ class ModelArgs:
             ("attn_res_block", self.attn_res_block >= 1, "must be >= 1"),
             ("kda.g_min", self.kda.g_min < 0, "must be < 0"),
         ]
-        for key, ok, why in checks:
-            if not ok:
-                raise ConfigError(f"{source}: {key} {why}")
+        require(checks, source)
         return self
 
 

@@ -95,7 +95,6 @@ class GatedMLA(nn.Module):
         else:
             c_all, kr_all = c_new, kr_new
         S = c_all.shape[1]
-        causal = torch.arange(S, device=x_BTD.device)[None, :] <= pos[:, None]  # T × S
 
         w = self.wkv_b.weight.view(H, N + Vd, a.kv_lora_rank)
         w_uk, w_uv = w[:, :N], w[:, N:]
@@ -103,7 +102,7 @@ class GatedMLA(nn.Module):
         if use_absorbed:
             q_lat = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)
             scores = torch.einsum("bthc,bsc->bhts", q_lat, c_all) + torch.einsum("bthr,bsr->bhts", q_rope, kr_all)
-            p = self._softmax(scores, causal).to(c_all.dtype)
+            p = self._softmax(scores, pos, S).to(c_all.dtype)
             o_lat = torch.einsum("bhts,bsc->bhtc", p, c_all)  # weighted sum in the latent space
             o = torch.einsum("bhtc,hvc->bthv", o_lat, w_uv)
         else:
@@ -121,11 +120,12 @@ class GatedMLA(nn.Module):
                                                    is_causal=True, scale=self.scale).transpose(1, 2)[..., :Vd]
             else:
                 scores = torch.einsum("bthn,bshn->bhts", q_nope, k_nope) + torch.einsum("bthr,bsr->bhts", q_rope, kr_all)
-                p = self._softmax(scores, causal).to(v.dtype)
+                p = self._softmax(scores, pos, S).to(v.dtype)
                 o = torch.einsum("bhts,bshv->bthv", p, v)
         o = o * torch.sigmoid(self.w_gate(x_BTD)).view(B, T, H, Vd)
         return self.wo(o.reshape(B, T, H * Vd))
 
-    def _softmax(self, scores_BHTS, causal_TS):
+    def _softmax(self, scores_BHTS, pos_T, S: int):
+        causal_TS = torch.arange(S, device=pos_T.device)[None, :] <= pos_T[:, None]  # only where scores are T × S anyway
         s = (upcast(scores_BHTS) * self.scale).masked_fill(~causal_TS, -math.inf)
         return torch.softmax(s, dim=-1)

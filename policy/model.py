@@ -11,6 +11,8 @@ One API for the learner and the native engine:
   tokens per expert (`load`: L × E) and the router scores (`scores`, for load balancing).
 - `routing`: recorded expert ids (L × B × T × k, e.g. from the rollout engine) replayed as the
   selection, with weights from the current router (rollout routing replay).
+- `model.activation_checkpointing = True`: training forwards keep only each layer's inputs and
+  recompute the rest in the backward pass.
 
 AttnRes (block form; arXiv 2603.15031): the residual stream is replaced by learned, zero-initialised
 pseudo-queries w that attend over the sources [embedding, finished blocks, the current partial
@@ -23,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from policy.args import ModelArgs, VisionArgs
@@ -111,6 +114,7 @@ class Policy(nn.Module):
         self.vision = PatchEncoder(args.dim, args.vision, args.norm_eps) if args.vision.enabled else None
         if args.attn_res:
             self.res_q_out = nn.Parameter(torch.zeros(args.dim))
+        self.activation_checkpointing = False
         if not any(p.is_meta for p in self.parameters()):
             nn.init.normal_(self.embed.weight, 0.0, 1.0)
             nn.init.normal_(self.lm_head.weight, 0.0, args.dim**-0.5)
@@ -139,34 +143,48 @@ class Policy(nn.Module):
         args = self.args
         h = self.embed_inputs(input_ids_BT, images)
         infos = []
-        moe_i = 0
-
-        def mlp(blk, x):
-            nonlocal moe_i
-            replay = None
-            if blk.is_moe and routing is not None:
-                replay = routing[moe_i]
-            y, info = blk.run_mlp(x, replay)
-            if info is not None:
-                infos.append(info)
-                moe_i += 1
-            return y
-
+        i_moe = {i: n for n, i in enumerate(i for i, blk in enumerate(self.layers) if blk.is_moe)}
         states = cache.layers if cache is not None else [None] * len(self.layers)
+        # Activation checkpointing (training only): keep each layer's inputs, recompute the rest
+        # in the backward pass. Memory per token then no longer grows with every intermediate.
+        recompute = self.activation_checkpointing and cache is None and torch.is_grad_enabled()
+
+        def run(fn, *tensors):
+            if recompute:
+                return torch.utils.checkpoint.checkpoint(fn, *tensors, use_reentrant=False)
+            return fn(*tensors)
+
         if args.attn_res:
             prefix, blocks = h, []
             for i, (blk, st) in enumerate(zip(self.layers, states)):
-                x_in = attn_res_mix(blk.res_q_attn, blocks + [prefix], args.norm_eps) if blocks else prefix
-                if i % args.attn_res_block == 0:
-                    blocks.append(prefix)
-                    prefix = torch.zeros_like(prefix)
-                prefix = prefix + blk.run_attn(blk.attn_norm(x_in), st)
-                prefix = prefix + mlp(blk, blk.mlp_norm(attn_res_mix(blk.res_q_mlp, blocks + [prefix], args.norm_eps)))
+                replay = routing[i_moe[i]] if routing is not None and blk.is_moe else None
+
+                def layer(prefix, *blocks, blk=blk, st=st, i=i, replay=replay):
+                    blocks = list(blocks)
+                    x_in = attn_res_mix(blk.res_q_attn, blocks + [prefix], args.norm_eps) if blocks else prefix
+                    if i % args.attn_res_block == 0:
+                        blocks.append(prefix)
+                        prefix = torch.zeros_like(prefix)
+                    prefix = prefix + blk.run_attn(blk.attn_norm(x_in), st)
+                    y, info = blk.run_mlp(blk.mlp_norm(attn_res_mix(blk.res_q_mlp, blocks + [prefix], args.norm_eps)), replay)
+                    return prefix + y, blocks, info
+
+                prefix, blocks, info = run(layer, prefix, *blocks)
+                if info is not None:
+                    infos.append(info)
             h = attn_res_mix(self.res_q_out, blocks + [prefix], args.norm_eps)
         else:
-            for blk, st in zip(self.layers, states):
-                h = h + blk.run_attn(blk.attn_norm(h), st)
-                h = h + mlp(blk, blk.mlp_norm(h))
+            for i, (blk, st) in enumerate(zip(self.layers, states)):
+                replay = routing[i_moe[i]] if routing is not None and blk.is_moe else None
+
+                def layer(h, blk=blk, st=st, replay=replay):
+                    h = h + blk.run_attn(blk.attn_norm(h), st)
+                    y, info = blk.run_mlp(blk.mlp_norm(h), replay)
+                    return h + y, info
+
+                h, info = run(layer, h)
+                if info is not None:
+                    infos.append(info)
         logits = self.lm_head(self.norm(h))
         if cache is not None:
             cache.seq_len += input_ids_BT.shape[1]

@@ -1,6 +1,7 @@
 """`longhorizon`: the command line.
 
     longhorizon train CONFIG [--run-dir DIR] [--iterations N] [section.key=value ...]
+    longhorizon train --resume DIR [--iterations N]
     longhorizon inspect DIR [--episode ID] [--json]
     longhorizon policy info CONFIG [--json]
 """
@@ -20,22 +21,39 @@ def _train(args) -> int:
     from rl.config import ConfigError, load_config
 
     overrides = list(args.overrides)
+    if args.config and "=" in args.config and not Path(args.config).exists():
+        overrides.insert(0, args.config)  # `train --resume DIR key=value`: an override, not a file
+        args.config = None
     if args.iterations is not None:
         overrides.append(f"iterations={args.iterations}")
+    if args.resume:
+        run_dir = Path(args.resume)
+        config = args.config or run_dir / "config.yaml"  # the config as run, unless another is given
+        if not Path(config).exists():
+            print(f"error: nothing to resume in {run_dir}: no {config}", file=sys.stderr)
+            return 2
+    elif args.config:
+        config = args.config
+        run_dir = Path(args.run_dir or f"runs/{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
+    else:
+        print("error: train needs a CONFIG, or --resume RUN_DIR", file=sys.stderr)
+        return 2
     try:
-        cfg = load_config(args.config, overrides)
+        cfg = load_config(config, overrides)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    run_dir = Path(args.run_dir or f"runs/{Path(args.config).stem}-{time.strftime('%Y%m%d-%H%M%S')}")
     console = Console(stderr=True)
 
     from rl.trainer import Trainer
 
     trainer = Trainer(cfg, run_dir, console)
     try:
-        trainer.start()
+        trainer.start(resume=bool(args.resume))
         trainer.run()
+    except (FileExistsError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     finally:
         trainer.close()
     console.print(f"[bold green]done[/]: run directory {run_dir.resolve()}")
@@ -99,8 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="run an RL job")
-    p.add_argument("config", help="YAML run config, e.g. configs/quickstart.yaml")
+    p.add_argument("config", nargs="?", help="YAML run config, e.g. configs/quickstart.yaml")
     p.add_argument("--run-dir", help="where the run writes everything (default runs/NAME-TIME)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
     p.add_argument("--iterations", type=int, help="override the config's iterations")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. rollout.group_size=8")
     p.set_defaults(fn=_train)

@@ -26,6 +26,13 @@ class ConfigError(ValueError):
     pass
 
 
+def require(checks: list[tuple[str, bool, str]], source: str) -> None:
+    """Raise `ConfigError` for the first (key, ok, why) whose check failed, naming key and source."""
+    for key, ok, why in checks:
+        if not ok:
+            raise ConfigError(f"{source}: {key} {why}")
+
+
 @dataclass
 class PolicyConfig:
     path: str = ""
@@ -86,8 +93,18 @@ class AlgoConfig:
     """Ratio clip above: ratio <= 1 + clip_high (asymmetric, as in DAPO)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """Divide group-centred rewards by the group's std, the batch's std, or nothing."""
-    loss_aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
-    """token_mean: mean over all generated tokens of the batch (DAPO); seq_mean: mean of per-episode means (GRPO)."""
+    loss_aggregation: Literal["token_mean", "seq_mean", "seq_sum_norm"] = "token_mean"
+    """token_mean: over all generated tokens of the batch (DAPO); seq_mean: mean of per-episode means (GRPO); seq_sum_norm: sum / (episodes · max generated tokens) (Dr.GRPO)."""
+    ratio_level: Literal["token", "sequence"] = "token"
+    """Importance ratio per token, or one per episode from the mean log-ratio (GSPO)."""
+    dual_clip: float = 0.0
+    """Dual-clip bound c > 1 on the loss of negative-advantage tokens (0: off)."""
+    tis_cap: float = 2.0
+    """Cap C of the truncated importance weight min(learner/engine, C) per token (0: off)."""
+    kl_beta: float = 0.0
+    """Weight of the KL penalty to the frozen starting policy (0: no reference model is loaded)."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    """KL estimator: k1 = log-ratio, k3 = e^d - d - 1 (non-negative, low variance)."""
     entropy_coef: float = 0.0
     """Weight of an entropy bonus over generated tokens (0: off)."""
     epochs: int = 1
@@ -148,10 +165,11 @@ class RunConfig:
             ("algo.clip_high", self.algo.clip_high > 0, "must be > 0"),
             ("algo.minibatch_episodes", self.algo.minibatch_episodes >= 1, "must be >= 1"),
             ("algo.epochs", self.algo.epochs >= 1, "must be >= 1"),
+            ("algo.dual_clip", self.algo.dual_clip == 0 or self.algo.dual_clip > 1, "must be 0 (off) or > 1"),
+            ("algo.tis_cap", self.algo.tis_cap == 0 or self.algo.tis_cap >= 1, "must be 0 (off) or >= 1"),
+            ("algo.kl_beta", self.algo.kl_beta >= 0, "must be >= 0"),
         ]
-        for key, ok, why in checks:
-            if not ok:
-                raise ConfigError(f"{source}: {key} {why}")
+        require(checks, source)
         return self
 
 

@@ -3,8 +3,10 @@
 advantage_i = (r_i - mean_g(r)) / (std_g(r) + eps)   for episode i in group g (Bessel std, as TRL)
 ratio_t     = exp(logp_t - logp_old_t)                 per generated token
 loss_t      = -min(ratio_t * A, clip(ratio_t, 1 - clip_low, 1 + clip_high) * A)
-loss        = token mean over all generated tokens of the batch (DAPO), or the mean of
-              per-episode token means (original GRPO), each optionally minus an entropy bonus.
+loss        = aggregated over generated tokens: token mean over the batch (DAPO), mean of
+              per-episode means (GRPO) or sum / (B · max tokens) (Dr.GRPO); optional GSPO
+              sequence ratio, dual clip, truncated importance weights, KL to a reference and an
+              entropy bonus (see `policy_loss`).
 
 `logp_old` is the log-prob of the policy that generated the tokens. With one optimiser step per
 batch it is the rollout engine's own log-prob, so the ratio also corrects for the (fp32: ~1e-6)
@@ -50,37 +52,78 @@ def policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.28,
     aggregation: str = "token_mean",
+    ratio_level: str = "token",
+    max_tokens: int | None = None,
+    dual_clip: float = 0.0,
+    is_weight_BT: torch.Tensor | None = None,
+    kl_beta: float = 0.0,
+    ref_logp_BT: torch.Tensor | None = None,
+    kl_estimator: str = "k3",
     entropy_BT: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict]:
-    """The clipped surrogate loss and its diagnostics. Shapes: B episodes × T tokens."""
-    mask = mask_BT.to(logp_BT.dtype)
-    ratio = torch.exp(logp_BT - old_logp_BT)
-    adv = adv_B[:, None]
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
-    per_token = -torch.minimum(unclipped, clipped)
-    if entropy_BT is not None and entropy_coef:
-        per_token = per_token - entropy_coef * entropy_BT
+    """The clipped surrogate loss and its diagnostics. Shapes: B episodes × T tokens.
 
+    aggregation: `token_mean` (DAPO: over every generated token of the batch), `seq_mean` (GRPO:
+    mean of per-episode means), `seq_sum_norm` (Dr.GRPO: sum / (B · max_tokens)).
+    ratio_level: `token`, or `sequence` (GSPO: one ratio per episode, the exp of the mean log-ratio).
+    dual_clip > 1 bounds the loss of negative-advantage tokens at dual_clip·|A| (dual-clip PPO).
+    is_weight: per-token truncated importance weights (behaviour → old policy), multiplied in.
+    KL to a reference (k3: e^{ref−logp} − (ref−logp) − 1, or k1: logp − ref) is added per token,
+    times the ratio (the same bias correction TRL applies). The entropy bonus subtracts
+    entropy_coef × the mean entropy over generated tokens, whatever the aggregation.
+    """
+    mask = mask_BT.to(logp_BT.dtype)
+    log_ratio = logp_BT - old_logp_BT
+    if ratio_level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1))[:, None]
+    elif ratio_level != "token":
+        raise ValueError(f"unknown ratio level {ratio_level!r}")
+    ratio = torch.exp(log_ratio)
+    adv = adv_B[:, None]
+    objective = torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv)
+    if dual_clip > 1.0:
+        objective = torch.where(adv < 0, torch.maximum(objective, dual_clip * adv), objective)
+    per_token = -objective
+    if is_weight_BT is not None:
+        per_token = per_token * is_weight_BT
+    if kl_beta:
+        d = ref_logp_BT - logp_BT
+        kl = torch.exp(d) - d - 1 if kl_estimator == "k3" else -d
+        per_token = per_token + kl_beta * kl * ratio
+
+    per_token = per_token.expand_as(mask)
     if aggregation == "token_mean":
         loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
     elif aggregation == "seq_mean":
-        per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
-        loss = per_seq.mean()
+        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+    elif aggregation == "seq_sum_norm":
+        if not max_tokens:
+            raise ValueError("seq_sum_norm aggregation needs max_tokens")
+        loss = (per_token * mask).sum() / (mask.shape[0] * max_tokens)
     else:
         raise ValueError(f"unknown loss aggregation {aggregation!r}")
+    n = mask.sum().clamp(min=1)
+    if entropy_BT is not None and entropy_coef:
+        loss = loss - entropy_coef * (entropy_BT * mask).sum() / n
 
     with torch.no_grad():
-        n = mask.sum().clamp(min=1)
-        is_clipped = ((ratio < 1 - clip_low) & (adv < 0)) | ((ratio > 1 + clip_high) & (adv > 0))
+        r = ratio.expand_as(mask)
+        a = adv.expand_as(mask)
+        is_clipped = ((r < 1 - clip_low) & (a < 0)) | ((r > 1 + clip_high) & (a > 0))
         metrics = {
             "clip_frac": float((is_clipped.to(mask.dtype) * mask).sum() / n),
-            "ratio_mean": float((ratio * mask).sum() / n),
+            "ratio_mean": float((r * mask).sum() / n),
             # k3 estimator of KL(old || new) over generated tokens
-            "kl_old_new": float(((ratio - 1 - (logp_BT - old_logp_BT)) * mask).sum() / n),
+            "kl_old_new": float(((torch.exp(logp_BT - old_logp_BT) - 1 - (logp_BT - old_logp_BT)) * mask).sum() / n),
         }
     return loss, metrics
+
+
+def truncated_is_weights(old_logp_BT: torch.Tensor, rollout_logp_BT: torch.Tensor, cap: float) -> torch.Tensor:
+    """min(π_old / π_rollout, cap) per token (TIS): corrects for an engine that sampled from a
+    slightly different distribution than the learner's weights give (kernels, dtype, routing)."""
+    return torch.exp(old_logp_BT - rollout_logp_BT).clamp(max=cap).detach()
 
 
 def token_logprobs(logits_BTV: torch.Tensor, ids_BT: torch.Tensor, temperature: float = 1.0):

@@ -3,12 +3,14 @@
 A plain class; `LearnerActor` is its Ray shell. Loads Hugging Face causal LMs (the tiny
 Qwen3-MoE here; the project's own `policy/` model plugs in through the same interface later).
 
-Not covered yet (issue 5): PPO/critic, KL to a reference, chunked log-probs for long
+Not covered yet (issue 5): PPO/critic, milestone credit, chunked log-probs for long
 trajectories, routing replay, checkpoint resume of the optimiser state.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import ray
 import torch
 
 from rl.config import AlgoConfig
-from rl.grpo import group_advantages, policy_loss, token_entropy, token_logprobs
+from rl.grpo import group_advantages, policy_loss, token_entropy, token_logprobs, truncated_is_weights
 from rl.trajectory import Trajectory
 
 
@@ -28,7 +30,7 @@ def _pad(rows: list[list], value) -> list[list]:
 
 class Learner:
     def __init__(self, policy_path: str, algo: AlgoConfig, *, seed: int = 0, dtype: str = "float32",
-                 temperature: float = 1.0):
+                 temperature: float = 1.0, max_generated_tokens: int | None = None):
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(algo.threads)
@@ -38,52 +40,64 @@ class Learner:
         self.dtype = getattr(torch, dtype)
         self.model = AutoModelForCausalLM.from_pretrained(policy_path, dtype=self.dtype)
         self.model.train()
+        self.max_generated_tokens = max_generated_tokens
+        self.ref_model = None
+        if algo.kl_beta:  # frozen copy of the starting policy
+            self.ref_model = AutoModelForCausalLM.from_pretrained(policy_path, dtype=self.dtype).eval().requires_grad_(False)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=algo.lr, weight_decay=algo.weight_decay)
         self.version = 0
         self._tokenizer_path = policy_path
 
     def _minibatch(self, mb: list[Trajectory]):
-        """Learner log-probs of every next token, with the mask and rollout log-probs aligned to them
-        (targets are tokens 1..T-1, so the per-token records shift by one)."""
+        """Learner log-probs of every next token, with the loss mask and rollout log-probs aligned
+        to them (targets are tokens 1..T-1, so the per-token records shift by one)."""
         ids = torch.tensor(_pad([t.token_ids for t in mb], 0))
         attn = torch.tensor(_pad([[1] * len(t.token_ids) for t in mb], 0))  # right padding
         logits = self.model(input_ids=ids, attention_mask=attn).logits
         logp = token_logprobs(logits, ids, self.temperature)
         mask = torch.tensor(_pad([t.loss_mask for t in mb], 0))[:, 1:].float()
-        old = torch.tensor(_pad([t.rollout_logprobs for t in mb], 0.0))[:, 1:].float()
-        return logits, logp, mask, old
+        rollout = torch.tensor(_pad([t.rollout_logprobs for t in mb], 0.0))[:, 1:].float()
+        return ids, attn, logits, logp, mask, rollout
 
-    @torch.no_grad()
-    def mismatch(self, batch: list[Trajectory]) -> dict:
-        """Learner vs rollout-engine log-probs on the generated tokens, before any update.
-
-        Large values mean the engine serves other weights than the learner holds (a broken
-        sync) or computes differently (dtype, kernels, MoE routing)."""
-        diffs = []
-        for start in range(0, len(batch), self.cfg.minibatch_episodes):
-            _, logp, mask, old = self._minibatch(batch[start : start + self.cfg.minibatch_episodes])
-            diffs.append((logp - old).abs()[mask.bool()])
-        d = torch.cat(diffs) if diffs else torch.zeros(1)
-        return {"rollout_logprob_diff_mean": float(d.mean()), "rollout_logprob_diff_max": float(d.max())}
+    def _minibatches(self, n: int) -> list[list[int]]:
+        step = self.cfg.minibatch_episodes
+        return [list(range(s, min(s + step, n))) for s in range(0, n, step)]
 
     def train_step(self, batch: list[Trajectory]) -> dict:
-        """One GRPO update over `batch` (several optimiser steps if it exceeds a minibatch)."""
+        """One GRPO update over `batch` (one optimiser step per minibatch, `epochs` passes).
+
+        Before any step, the learner's own log-probs of the batch (`old`) are computed once: the
+        clipped ratio is taken against them, truncated importance weights min(old/rollout, cap)
+        correct for the engine having sampled from slightly different numbers, and their gap to
+        the rollout log-probs is reported (a broken sync shows up here first)."""
         t0 = time.perf_counter()
         c = self.cfg
-        out = self.mismatch(batch)
         rewards = torch.tensor([t.reward for t in batch])
         groups = torch.tensor([t.group_id for t in batch])
         adv = group_advantages(rewards, groups, scale=c.scale_rewards)
+        mbs = self._minibatches(len(batch))
+        olds, refs, diffs = [], [], []
+        with torch.no_grad():
+            for idx in mbs:
+                ids, attn, _, logp, mask, rollout = self._minibatch([batch[i] for i in idx])
+                olds.append(logp)
+                diffs.append((logp - rollout).abs()[mask.bool()])
+                if c.kl_beta:
+                    refs.append(token_logprobs(self.ref_model(input_ids=ids, attention_mask=attn).logits, ids, self.temperature))
+        d = torch.cat(diffs)
+        out = {"rollout_logprob_diff_mean": float(d.mean()), "rollout_logprob_diff_max": float(d.max())}
         stats: dict[str, list[float]] = {}
         for _ in range(c.epochs):
-            for start in range(0, len(batch), c.minibatch_episodes):
-                idx = list(range(start, min(start + c.minibatch_episodes, len(batch))))
-                logits, logp, mask, old = self._minibatch([batch[i] for i in idx])
-                ent = token_entropy(logits, self.temperature) if c.entropy_coef else None
+            for j, idx in enumerate(mbs):
+                _, _, logits, logp, mask, rollout = self._minibatch([batch[i] for i in idx])
                 loss, m = policy_loss(
-                    logp, old, adv[idx], mask,
+                    logp, olds[j], adv[idx], mask,
                     clip_low=c.clip_low, clip_high=c.clip_high, aggregation=c.loss_aggregation,
-                    entropy_BT=ent, entropy_coef=c.entropy_coef,
+                    ratio_level=c.ratio_level, max_tokens=self.max_generated_tokens, dual_clip=c.dual_clip,
+                    is_weight_BT=truncated_is_weights(olds[j], rollout, c.tis_cap) if c.tis_cap else None,
+                    kl_beta=c.kl_beta, ref_logp_BT=refs[j] if c.kl_beta else None, kl_estimator=c.kl_estimator,
+                    entropy_BT=token_entropy(logits, self.temperature) if c.entropy_coef else None,
+                    entropy_coef=c.entropy_coef,
                 )
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()
@@ -114,14 +128,39 @@ class Learner:
         rollout worker on the node reads the same shared-memory buffers."""
         return [(name, p.detach().cpu().numpy()) for name, p in self.model.state_dict().items()]
 
-    def save_checkpoint(self, path: str) -> str:
+    def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
+        """A Hugging Face checkpoint plus `trainer_state.pt` (optimiser, version, RNG, `extra`).
+
+        Written to a temporary directory and renamed, so a kill mid-save leaves the previous
+        checkpoints as they were and never a partial one under the final name."""
         from transformers import AutoTokenizer
 
         out = Path(path)
-        self.model.save_pretrained(out)
-        AutoTokenizer.from_pretrained(self._tokenizer_path).save_pretrained(out)
-        (out / "policy_version").write_text(str(self.version))
+        tmp = out.with_name(f".{out.name}.tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        self.model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(self._tokenizer_path).save_pretrained(tmp)
+        state = {"optimizer": self.opt.state_dict(), "version": self.version, "torch_rng": torch.get_rng_state(),
+                 **(extra or {})}
+        torch.save(state, tmp / "trainer_state.pt")
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
         return str(out)
+
+    def load_checkpoint(self, path: str) -> dict:
+        """Restore weights, optimiser state, version and RNG from `save_checkpoint`'s directory."""
+        from transformers import AutoModelForCausalLM
+
+        state = torch.load(Path(path) / "trainer_state.pt", weights_only=False)
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
+        self.model.train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        self.opt.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        self.version = state["version"]
+        return {k: v for k, v in state.items() if k not in ("optimizer", "torch_rng")}
 
 
 LearnerActor = ray.remote(Learner)

@@ -15,6 +15,7 @@ the episodes in the store. What it writes to the run directory:
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -69,6 +70,7 @@ class Trainer:
         self.console = console or Console(stderr=True)
         self.store = TrajectoryStore(self.run_dir)
         self.version = 0
+        self.start_iteration = 0
         self.workers: list = []
         self.learner = None
 
@@ -83,12 +85,18 @@ class Trainer:
             make_tiny_qwen3_moe(init, self.cfg.policy.tiny, seed=self.cfg.seed)
         return str(init)
 
-    def start(self) -> None:
+    def latest_checkpoint(self) -> Path | None:
+        ckpts = sorted((self.run_dir / "checkpoints").glob("version-*/trainer_state.pt"))
+        return ckpts[-1].parent if ckpts else None
+
+    def start(self, resume: bool = False) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.store.shards():
+        ckpt = self.latest_checkpoint() if resume else None
+        if resume and ckpt is None:
+            raise FileNotFoundError(f"nothing to resume in {self.run_dir}: no checkpoints/version-*/trainer_state.pt")
+        if not resume and self.store.shards():
             raise FileExistsError(
-                f"run directory {self.run_dir} already holds trajectories; pick a new --run-dir "
-                "(resuming a run comes with checkpoint/resume)"
+                f"run directory {self.run_dir} already holds trajectories; pick a new --run-dir or --resume it"
             )
         dump_config(self.cfg, self.run_dir / "config.yaml")
         path = self.policy_path()
@@ -96,7 +104,8 @@ class Trainer:
         c = self.cfg
         self.console.log(f"starting {c.rollout.num_workers} rollout worker(s) and the learner")
         self.learner = LearnerActor.options(num_cpus=0).remote(
-            path, c.algo, seed=c.seed, dtype=c.policy.dtype, temperature=c.rollout.temperature
+            path, c.algo, seed=c.seed, dtype=c.policy.dtype, temperature=c.rollout.temperature,
+            max_generated_tokens=c.rollout.max_turns * c.rollout.max_new_tokens,
         )
         self.workers = [
             RolloutWorkerActor.options(num_cpus=c.rollout.cpus_per_worker).remote(
@@ -105,6 +114,30 @@ class Trainer:
             for i in range(c.rollout.num_workers)
         ]
         ray.get([w.version.remote() for w in self.workers] + [self.learner.logprobs.remote([0, 0])])
+        if ckpt is not None:
+            self._resume_from(ckpt)
+
+    def _resume_from(self, ckpt: Path) -> None:
+        """Learner state from the checkpoint, engines synced to it; later records set aside.
+
+        Iterations after the checkpoint are run again, so their shards move to
+        `trajectories/superseded/` (kept, never deleted) and their metrics lines are dropped."""
+        state = ray.get(self.learner.load_checkpoint.remote(str(ckpt)))
+        self.version = state["version"]
+        self.start_iteration = state["iteration"] + 1
+        self.sync()
+        aside = self.store.dir / "superseded"
+        for shard in self.store.shards():
+            if int(shard.stem.split("-")[1]) >= self.start_iteration:
+                aside.mkdir(exist_ok=True)
+                os.replace(shard, aside / f"{shard.stem}-{int(time.time())}.parquet")
+        metrics = self.run_dir / "metrics.jsonl"
+        if metrics.exists():
+            kept = [line for line in metrics.read_text().splitlines()
+                    if line.strip() and json.loads(line)["iteration"] < self.start_iteration]
+            metrics.write_text("".join(line + "\n" for line in kept))
+        self.console.log(f"resumed from {ckpt.name}: policy version {self.version}, "
+                         f"next iteration {self.start_iteration}")
 
     # --- one iteration ---
     def rollout(self, iteration: int) -> list[Trajectory]:
@@ -142,7 +175,8 @@ class Trainer:
                "gen_tokens_per_s": sum(t.num_generated for t in trajs) / max(rollout_s, 1e-9)}
         last = it + 1 == self.cfg.iterations
         if last or (it + 1) % self.cfg.checkpoint_every == 0:
-            ray.get(self.learner.save_checkpoint.remote(str(self.run_dir / "checkpoints" / f"version-{self.version:06d}")))
+            path = self.run_dir / "checkpoints" / f"version-{self.version:06d}"
+            ray.get(self.learner.save_checkpoint.remote(str(path), {"iteration": it}))
         with open(self.run_dir / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps(row) + "\n")
         return row
@@ -152,8 +186,9 @@ class Trainer:
         columns = [TextColumn("[bold]iteration"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                    TextColumn("{task.fields[status]}")]
         with Progress(*columns, console=self.console, transient=False) as progress:
-            bar = progress.add_task("train", total=self.cfg.iterations, status="rolling out")
-            for it in range(self.cfg.iterations):
+            bar = progress.add_task("train", total=self.cfg.iterations, completed=self.start_iteration,
+                                    status="rolling out")
+            for it in range(self.start_iteration, self.cfg.iterations):
                 row = self.iteration(it)
                 rows.append(row)
                 status = (f"reward {row['mean_reward']:.3f}  loss {row['loss']:+.4f}  "

@@ -70,3 +70,56 @@ def test_token_logprobs_shift_by_hand():
     ids = torch.tensor([[0, 1, 2]])
     lp = token_logprobs(logits, ids)
     assert lp.exp()[0].tolist() == pytest.approx([0.25, 0.1], abs=1e-6)
+
+
+def test_dual_clip_bounds_negative_advantage_loss_by_hand():
+    old = torch.zeros(1, 2)
+    logp = torch.tensor([[math.log(5.0), math.log(1.1)]])  # ratios 5 and 1.1
+    adv = torch.tensor([-1.0])
+    mask = torch.ones(1, 2)
+    plain, _ = policy_loss(logp, old, adv, mask, aggregation="token_mean")
+    dual, _ = policy_loss(logp, old, adv, mask, aggregation="token_mean", dual_clip=3.0)
+    # plain: -min(-5, -1.28) = 5 and -min(-1.1, -1.1) = 1.1; dual clip caps the first at 3
+    assert plain.item() == pytest.approx((5 + 1.1) / 2)
+    assert dual.item() == pytest.approx((3 + 1.1) / 2)
+
+
+def test_truncated_importance_weights_and_k1_kl_by_hand():
+    from rl.grpo import truncated_is_weights
+
+    old = torch.tensor([[math.log(0.5), math.log(0.2)]])
+    rollout = torch.tensor([[math.log(0.4), math.log(0.05)]])
+    w = truncated_is_weights(old, rollout, cap=2.0)
+    assert w.tolist()[0] == pytest.approx([1.25, 2.0])  # 0.2/0.05 = 4 is capped
+    logp = old.clone()
+    adv = torch.tensor([1.0])
+    mask = torch.ones(1, 2)
+    weighted, _ = policy_loss(logp, old, adv, mask, is_weight_BT=w)
+    assert weighted.item() == pytest.approx(-(1.25 + 2.0) / 2)
+    ref = logp - torch.tensor([[0.1, -0.3]])
+    with_kl, _ = policy_loss(logp, old, adv, mask, kl_beta=0.5, ref_logp_BT=ref, kl_estimator="k1")
+    assert with_kl.item() == pytest.approx(-1 + 0.5 * (0.1 - 0.3) / 2)  # k1 = logp - ref, ratio 1
+
+
+def test_learner_with_reference_kl_and_tis(tiny_policy, tokenizer):
+    from rl.config import AlgoConfig
+    from rl.learner import Learner
+    from rl.trajectory import Trajectory
+
+    learner = Learner(tiny_policy, AlgoConfig(kl_beta=0.1, tis_cap=2.0, minibatch_episodes=2, threads=1), seed=0,
+                      max_generated_tokens=8)
+    assert learner.ref_model is not None and not any(p.requires_grad for p in learner.ref_model.parameters())
+    batch = []
+    for i, reward in enumerate([1.0, 0.0, 0.0, 1.0]):
+        ids = tokenizer.encode(f"question {i} answer {i * 7}")
+        gen = len(ids) - 3
+        lp = learner.logprobs(ids)
+        batch.append(Trajectory(
+            episode_id=f"e{i}", iteration=0, group_id=i // 2, env_id="x", seed=0, prompt_len=3, token_ids=ids,
+            loss_mask=[0] * 3 + [1] * gen, rollout_logprobs=[0.0] * 3 + [x - 0.05 for x in lp[2:]], reward=reward))
+    before = [p.detach().clone() for p in learner.model.parameters()]
+    stats = learner.train_step(batch)
+    assert stats["policy_version"] == 1
+    assert stats["rollout_logprob_diff_max"] == pytest.approx(0.05, abs=1e-4)
+    assert any((p - b).abs().max() > 0 for p, b in zip(learner.model.parameters(), before))
+    assert stats["grad_norm"] > 0

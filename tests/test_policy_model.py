@@ -125,3 +125,19 @@ def test_bad_policy_config_names_the_key(tmp_path):
     bad.write_text("kda: {heads: 2}\n")
     with pytest.raises(ConfigError, match="unknown key 'kda.heads'"):
         load_model_args(bad)
+
+
+@pytest.mark.parametrize("attn_res", [True, False])
+def test_activation_checkpointing_gives_the_same_gradients(args, attn_res):
+    model = _model(args, attn_res=attn_res)
+    ids = torch.randint(2, args.vocab_size, (2, 21))
+    grads, infos = [], []
+    for ac in (False, True):
+        model.activation_checkpointing = ac
+        model.zero_grad()
+        logits, _, info = model(ids)
+        torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, args.vocab_size), ids[:, 1:].reshape(-1)).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        infos.append(info["experts"])
+    assert torch.allclose(grads[0], grads[1], atol=1e-12)
+    assert torch.equal(infos[0], infos[1])
