@@ -28,6 +28,19 @@ def _pad(rows: list[list], value) -> list[list]:
     return [list(r) + [value] * (width - len(r)) for r in rows]
 
 
+def usable_episodes(batch: list[Trajectory]) -> tuple[list[Trajectory], dict]:
+    """Episodes that may enter group statistics: infrastructure failures are left out (they are
+    not reward 0), and so is every group left with fewer than two episodes to compare."""
+    ok = [t for t in batch if not t.infra_error and t.num_generated > 0]
+    sizes: dict[int, int] = {}
+    for t in ok:
+        sizes[t.group_id] = sizes.get(t.group_id, 0) + 1
+    kept = [t for t in ok if sizes[t.group_id] >= 2]
+    groups = {t.group_id for t in batch}
+    return kept, {"infra_errors": sum(1 for t in batch if t.infra_error),
+                  "groups_dropped": len(groups) - len({t.group_id for t in kept})}
+
+
 class Learner:
     def __init__(self, policy_path: str, algo: AlgoConfig, *, seed: int = 0, dtype: str = "float32",
                  temperature: float = 1.0, max_generated_tokens: int | None = None):
@@ -72,6 +85,10 @@ class Learner:
         the rollout log-probs is reported (a broken sync shows up here first)."""
         t0 = time.perf_counter()
         c = self.cfg
+        batch, dropped = usable_episodes(batch)
+        if not batch:  # nothing to learn from; the version still advances so the loop stays uniform
+            self.version += 1
+            return {**dropped, "policy_version": self.version, "skipped_update": 1, "train_s": time.perf_counter() - t0}
         rewards = torch.tensor([t.reward for t in batch])
         groups = torch.tensor([t.group_id for t in batch])
         adv = group_advantages(rewards, groups, scale=c.scale_rewards)
@@ -85,7 +102,7 @@ class Learner:
                 if c.kl_beta:
                     refs.append(token_logprobs(self.ref_model(input_ids=ids, attention_mask=attn).logits, ids, self.temperature))
         d = torch.cat(diffs)
-        out = {"rollout_logprob_diff_mean": float(d.mean()), "rollout_logprob_diff_max": float(d.max())}
+        out = {**dropped, "rollout_logprob_diff_mean": float(d.mean()), "rollout_logprob_diff_max": float(d.max())}
         stats: dict[str, list[float]] = {}
         for _ in range(c.epochs):
             for j, idx in enumerate(mbs):

@@ -37,6 +37,7 @@ SCHEMA = pa.schema(
         ("milestones", pa.string()),
         ("reward", pa.float64()),
         ("stop_reason", pa.string()),
+        ("infra_error", pa.string()),
         ("num_turns", pa.int32()),
         ("num_generated", pa.int32()),
         ("timings", pa.string()),
@@ -62,7 +63,7 @@ class TrajectoryStore:
         for t in trajectories:
             rows["schema_version"].append(SCHEMA_VERSION)
             for key in ("episode_id", "iteration", "group_id", "env_id", "seed", "prompt_len",
-                        "token_ids", "loss_mask", "rollout_logprobs", "reward", "stop_reason"):
+                        "token_ids", "loss_mask", "rollout_logprobs", "reward", "stop_reason", "infra_error"):
                 rows[key].append(getattr(t, key))
             rows["policy_versions"].append(sorted({turn.policy_version for turn in t.turns}))
             rows["turns"].append(json.dumps([vars(turn) for turn in t.turns]))
@@ -115,5 +116,6 @@ def row_to_trajectory(row: dict) -> Trajectory:
         milestones=json.loads(row["milestones"]),
         reward=row["reward"],
         stop_reason=row["stop_reason"],
+        infra_error=row.get("infra_error") or "",
         timings=json.loads(row["timings"]),
     )

@@ -57,6 +57,7 @@ def summarise(trajs: list[Trajectory]) -> dict:
         "generated_tokens": sum(t.num_generated for t in trajs),
         "episode_tokens_mean": sum(len(t.token_ids) for t in trajs) / n,
         "tool_errors": sum(turn.tool_errors for t in trajs for turn in t.turns),
+        "infra_errors": sum(1 for t in trajs if t.infra_error),
         "stop_reasons": dict(Counter(t.stop_reason for t in trajs)),
     }
     out.update({f"milestone_rate/{k}": v / n for k, v in sorted(reached.items())})
@@ -191,8 +192,11 @@ class Trainer:
             for it in range(self.start_iteration, self.cfg.iterations):
                 row = self.iteration(it)
                 rows.append(row)
-                status = (f"reward {row['mean_reward']:.3f}  loss {row['loss']:+.4f}  "
+                loss = f"loss {row['loss']:+.4f}" if "loss" in row else "no usable episodes"
+                status = (f"reward {row['mean_reward']:.3f}  {loss}  "
                           f"v{row['policy_version']}  sync {row['sync_s'] * 1e3:.0f} ms")
+                if row.get("infra_errors"):
+                    status += f"  infra errors {row['infra_errors']}"
                 progress.console.log(f"iter {it}: {status}  gen {row['gen_tokens_per_s']:.0f} tok/s")
                 progress.update(bar, advance=1, status=status)
         return rows

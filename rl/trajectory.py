@@ -63,7 +63,9 @@ class Trajectory:
     reward: float = 0.0
     """Total episode reward (sum of milestone rewards)."""
     stop_reason: str = ""
-    """`terminated`, `truncated` (env), `max_turns` or `max_tokens` (agent loop)."""
+    """`terminated`, `truncated` (env), `max_turns` or `max_tokens` (agent loop), or `infra_error`."""
+    infra_error: str = ""
+    """Why the environment failed (crash, sandbox death), when it did; such episodes never count as reward 0."""
     timings: dict = field(default_factory=dict)
     """Seconds spent generating and in the environment."""
 

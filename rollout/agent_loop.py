@@ -5,6 +5,10 @@ Every episode's context is a list of token ids that only grows: the prompt, then
 ids the engine sampled (loss mask 1, with their log-probs) and the tokenised observation (mask 0).
 Each turn is one batched `engine.generate` over all live episodes.
 
+An environment that raises (in reset or step) or reports `info["infra_error"]` ends that episode
+with stop reason `infra_error` and the message; the batch and the worker carry on, and the
+learner keeps such episodes out of its group statistics.
+
 Not covered yet: partial (resumable) rollouts across iterations and per-episode asynchrony (a slow
 environment holds back its batch); both come with the orchestration work.
 """
@@ -55,8 +59,12 @@ class _Episode:
         self.milestones: list[dict] = []
         self.reward = 0.0
         self.stop_reason = ""
+        self.infra_error = ""
         self.gen_s = 0.0
         self.env_s = 0.0
+
+    def fail(self, message: str) -> None:
+        self.stop_reason, self.infra_error = "infra_error", message
 
 
 def run_episodes(
@@ -75,13 +83,17 @@ def run_episodes(
 ) -> list[Trajectory]:
     episodes = []
     for task in tasks:
-        env = make_env()
         t0 = time.perf_counter()
-        obs, info = env.reset(seed=task.seed)
-        prompt = chat.prompt_ids([{"role": "user", "content": obs}], info.get("tools"))
-        ep = _Episode(task, env, prompt)
+        try:
+            env = make_env()
+            obs, info = env.reset(seed=task.seed)
+            prompt = chat.prompt_ids([{"role": "user", "content": obs}], info.get("tools"))
+            ep = _Episode(task, env, prompt)
+        except Exception as exc:  # the environment's failure, not the policy's: keep the worker up
+            ep = _Episode(task, None, [])
+            ep.fail(f"reset: {type(exc).__name__}: {exc}")
         ep.env_s += time.perf_counter() - t0
-        if not _room_to_generate(len(prompt), max_episode_tokens):
+        if not ep.stop_reason and not _room_to_generate(len(ep.ids), max_episode_tokens):
             ep.stop_reason = "max_tokens"
         episodes.append(ep)
 
@@ -118,7 +130,13 @@ def run_episodes(
             text = chat.decode(gen.token_ids)
 
             t1 = time.perf_counter()
-            obs, reward, terminated, truncated, info = ep.env.step(text)
+            try:
+                obs, reward, terminated, truncated, info = ep.env.step(text)
+            except Exception as exc:  # environment crash: an infrastructure error, not reward 0
+                obs, reward, terminated, truncated, info = "", 0.0, False, False, {}
+                ep.fail(f"step {turn}: {type(exc).__name__}: {exc}")
+            if info.get("infra_error"):  # reported by the environment itself (sandbox died, ...)
+                ep.fail(str(info["infra_error"]))
             ep.env_s += time.perf_counter() - t1
             ep.reward += float(reward)
             for m in info.get("milestones", []):
@@ -126,7 +144,9 @@ def run_episodes(
             n_errors = int(info.get("tool_errors", 0))
             n_calls = sum(1 for m in info.get("messages", []) if m.get("role") == "tool")
 
-            if terminated or truncated:
+            if ep.stop_reason == "infra_error":
+                pass
+            elif terminated or truncated:
                 ep.stop_reason = "terminated" if terminated else "truncated"
             elif turn + 1 >= max_turns:
                 ep.stop_reason = "max_turns"
@@ -168,6 +188,7 @@ def run_episodes(
             milestones=ep.milestones,
             reward=ep.reward,
             stop_reason=ep.stop_reason or "max_turns",
+            infra_error=ep.infra_error,
             timings={"generate_s": ep.gen_s, "env_s": ep.env_s},
         )
         for ep in episodes

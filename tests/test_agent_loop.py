@@ -4,6 +4,7 @@ the token budget with the real engine."""
 import pytest
 
 import envs
+import envs.calculator
 from rollout.agent_loop import EpisodeTask, run_episodes
 from rollout.chat import ChatFormat
 from rollout.vllm_engine import Generation
@@ -11,25 +12,27 @@ from rollout.vllm_engine import Generation
 
 class ExpertPolicy:
     """Plays the calculator env's scripted expert turns, as token ids (a policy, not an engine
-    stand-in: it exercises the loop's reward path that a random model never reaches)."""
+    stand-in: it exercises the loop's reward path that a random model never reaches). Each
+    context is matched to its task by its prompt."""
 
     version = 0
 
     def __init__(self, chat, seeds):
-        self.chat, self.turn = chat, 0
-        self.turns = {}
+        self.chat = chat
+        self.tasks = []
         for s in seeds:
             env = envs.make("tools/calculator-v0")
-            env.reset(seed=s)
-            self.turns[s] = env.expert_turns()
-        self.order = seeds
+            obs, info = env.reset(seed=s)
+            prompt = chat.prompt_ids([{"role": "user", "content": obs}], info["tools"])
+            self.tasks.append((prompt, env.expert_turns(), [0]))
 
     def generate(self, prompts, *, max_tokens, temperature, top_p, stop_token_ids, seeds):
         out = []
-        for s in self.order[: len(prompts)]:
-            ids = self.chat.encode(self.turns[s][self.turn]) + [self.chat.eot_id]
+        for p in prompts:
+            _, turns, served = next(t for t in self.tasks if p[: len(t[0])] == t[0])
+            ids = self.chat.encode(turns[served[0]]) + [self.chat.eot_id]
+            served[0] += 1
             out.append(Generation(ids, [-0.5] * len(ids), "stop"))
-        self.turn += 1
         return out
 
 
@@ -71,3 +74,52 @@ def test_episode_token_budget_with_the_real_engine(engine, tokenizer):
         assert t.stop_reason in ("max_tokens", "terminated")
         assert t.turns[0].gen_end - t.turns[0].gen_start <= 41  # 40 sampled + a closing token at most
     assert any(t.stop_reason == "max_tokens" for t in trajs)
+
+
+class FlakyCalculator(envs.calculator.CalculatorEnv):
+    """Fails like infrastructure does: seed 22 crashes in its second step, seed 23 in reset,
+    seed 24 reports a dead sandbox through info."""
+
+    def reset(self, *, seed=None, options=None):
+        if seed == 23:
+            raise OSError("sandbox could not start")
+        self._seed = seed
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action):
+        if self._seed == 22 and self._turn == 1:
+            raise RuntimeError("sandbox died")
+        obs, r, term, trunc, info = super().step(action)
+        if self._seed == 24:
+            info["infra_error"] = "sandbox killed by the OOM killer"
+        return obs, r, term, trunc, info
+
+
+def test_environment_failures_end_only_their_episode(tokenizer):
+    chat = ChatFormat(tokenizer)
+    seeds = [21, 22, 23, 24]
+    tasks = [EpisodeTask(f"e{s}", s, s, 0) for s in seeds]
+    trajs = run_episodes(ExpertPolicy(chat, [21, 22, 24]), chat, FlakyCalculator, "test/flaky-v0", tasks,
+                         max_turns=5, max_new_tokens=64, max_episode_tokens=4096)
+    by = {t.seed: t for t in trajs}
+    assert by[21].stop_reason == "terminated" and by[21].reward == pytest.approx(1.25) and not by[21].infra_error
+    assert by[22].stop_reason == "infra_error" and by[22].infra_error == "step 1: RuntimeError: sandbox died"
+    assert len(by[22].turns) == 2
+    assert by[23].stop_reason == "infra_error" and by[23].infra_error.startswith("reset: OSError")
+    assert by[23].token_ids == [] and by[23].turns == []
+    assert by[24].infra_error == "sandbox killed by the OOM killer" and len(by[24].turns) == 1
+
+
+def test_learner_keeps_infra_failures_out_of_group_statistics():
+    from rl.learner import usable_episodes
+    from rl.trajectory import Trajectory
+
+    def ep(i, group, reward, infra=""):
+        return Trajectory(episode_id=f"e{i}", iteration=0, group_id=group, env_id="x", seed=0, prompt_len=1,
+                          token_ids=[1, 2], loss_mask=[0, 1], rollout_logprobs=[0.0, -1.0], reward=reward,
+                          infra_error=infra)
+
+    batch = [ep(0, 0, 1.0), ep(1, 0, 0.0), ep(2, 0, 0.0, "sandbox died"), ep(3, 1, 1.0), ep(4, 1, 0.0, "timeout")]
+    kept, stats = usable_episodes(batch)
+    assert [t.episode_id for t in kept] == ["e0", "e1"]  # group 1 has one real episode left: dropped
+    assert stats == {"infra_errors": 2, "groups_dropped": 1}

@@ -123,3 +123,19 @@ def test_learner_with_reference_kl_and_tis(tiny_policy, tokenizer):
     assert stats["rollout_logprob_diff_max"] == pytest.approx(0.05, abs=1e-4)
     assert any((p - b).abs().max() > 0 for p, b in zip(learner.model.parameters(), before))
     assert stats["grad_norm"] > 0
+
+
+def test_learner_skips_an_update_with_nothing_usable(tiny_policy, tokenizer):
+    from rl.config import AlgoConfig
+    from rl.learner import Learner
+    from rl.trajectory import Trajectory
+
+    learner = Learner(tiny_policy, AlgoConfig(threads=1), seed=0)
+    ids = tokenizer.encode("a b c d")
+    batch = [Trajectory(episode_id=f"e{i}", iteration=0, group_id=0, env_id="x", seed=0, prompt_len=2, token_ids=ids,
+                        loss_mask=[0, 0] + [1] * (len(ids) - 2), rollout_logprobs=[0.0] * len(ids), reward=float(i),
+                        infra_error="sandbox died") for i in range(2)]
+    before = [p.detach().clone() for p in learner.model.parameters()]
+    stats = learner.train_step(batch)
+    assert stats["skipped_update"] == 1 and stats["infra_errors"] == 2 and stats["policy_version"] == 1
+    assert all(torch.equal(p, b) for p, b in zip(learner.model.parameters(), before))
