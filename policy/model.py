@@ -140,6 +140,12 @@ class Policy(nn.Module):
         return h
 
     def forward(self, input_ids_BT, images=None, cache: PolicyCache | None = None, routing=None):
+        h, router_info = self.hidden_states(input_ids_BT, images, cache, routing)
+        return self.lm_head(h), cache, router_info
+
+    def hidden_states(self, input_ids_BT, images=None, cache: PolicyCache | None = None, routing=None):
+        """Everything but the output projection: (final-normed hidden states, router_info). The
+        learner projects these a chunk at a time (see rl/logprobs.py)."""
         args = self.args
         h = self.embed_inputs(input_ids_BT, images)
         infos = []
@@ -185,7 +191,7 @@ class Policy(nn.Module):
                 h, info = run(layer, h)
                 if info is not None:
                     infos.append(info)
-        logits = self.lm_head(self.norm(h))
+        h = self.norm(h)
         if cache is not None:
             cache.seq_len += input_ids_BT.shape[1]
         router_info = {
@@ -193,7 +199,7 @@ class Policy(nn.Module):
             "load": torch.stack([i["load"] for i in infos]) if infos else None,
             "scores": [i["scores"] for i in infos],
         }
-        return logits, cache, router_info
+        return h, router_info
 
     def routers(self):
         return [blk.mlp.router for blk in self.layers if blk.is_moe]

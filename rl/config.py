@@ -111,6 +111,12 @@ class AlgoConfig:
     """Passes over each iteration's episodes."""
     minibatch_episodes: int = 8
     """Episodes per optimiser step."""
+    microbatch_tokens: int = 16384
+    """Padded tokens per forward/backward; a minibatch is split into micro-batches within this budget (gradients accumulate)."""
+    logprob_chunk_tokens: int = 2048
+    """Positions whose full-vocabulary logits exist at once (the output projection runs chunk by chunk)."""
+    activation_checkpointing: bool = False
+    """Recompute each layer in the backward pass instead of keeping its activations."""
     max_grad_norm: float = 1.0
     """Gradient norm clip."""
     threads: int = 2
@@ -164,6 +170,8 @@ class RunConfig:
             ("algo.clip_low", 0 < self.algo.clip_low < 1, "must be in (0, 1)"),
             ("algo.clip_high", self.algo.clip_high > 0, "must be > 0"),
             ("algo.minibatch_episodes", self.algo.minibatch_episodes >= 1, "must be >= 1"),
+            ("algo.microbatch_tokens", self.algo.microbatch_tokens >= 1, "must be >= 1"),
+            ("algo.logprob_chunk_tokens", self.algo.logprob_chunk_tokens >= 1, "must be >= 1"),
             ("algo.epochs", self.algo.epochs >= 1, "must be >= 1"),
             ("algo.dual_clip", self.algo.dual_clip == 0 or self.algo.dual_clip > 1, "must be 0 (off) or > 1"),
             ("algo.tis_cap", self.algo.tis_cap == 0 or self.algo.tis_cap >= 1, "must be 0 (off) or >= 1"),

@@ -8,9 +8,9 @@ loss        = aggregated over generated tokens: token mean over the batch (DAPO)
               sequence ratio, dual clip, truncated importance weights, KL to a reference and an
               entropy bonus (see `policy_loss`).
 
-`logp_old` is the log-prob of the policy that generated the tokens. With one optimiser step per
-batch it is the rollout engine's own log-prob, so the ratio also corrects for the (fp32: ~1e-6)
-engine/learner mismatch.
+`logp_old` is the learner's own log-prob before the update (so several optimiser steps per batch
+stay a proper PPO-style ratio); the gap between it and the rollout engine's log-prob (fp32:
+~1e-6; bf16 or MoE routing differences: more) is corrected by truncated importance weights.
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ def policy_loss(
     kl_estimator: str = "k3",
     entropy_BT: torch.Tensor | None = None,
     entropy_coef: float = 0.0,
+    num_tokens: float | None = None,
+    num_seqs: int | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """The clipped surrogate loss and its diagnostics. Shapes: B episodes × T tokens.
 
@@ -72,6 +74,8 @@ def policy_loss(
     KL to a reference (k3: e^{ref−logp} − (ref−logp) − 1, or k1: logp − ref) is added per token,
     times the ratio (the same bias correction TRL applies). The entropy bonus subtracts
     entropy_coef × the mean entropy over generated tokens, whatever the aggregation.
+    num_tokens / num_seqs: the whole minibatch's generated tokens and episodes, when this call
+    sees one micro-batch of it; the micro-batch losses then add up to the minibatch's loss.
     """
     mask = mask_BT.to(logp_BT.dtype)
     log_ratio = logp_BT - old_logp_BT
@@ -93,19 +97,21 @@ def policy_loss(
         per_token = per_token + kl_beta * kl * ratio
 
     per_token = per_token.expand_as(mask)
+    n_tok = mask.sum().clamp(min=1) if num_tokens is None else max(float(num_tokens), 1.0)
+    n_seq = mask.shape[0] if num_seqs is None else num_seqs
     if aggregation == "token_mean":
-        loss = (per_token * mask).sum() / mask.sum().clamp(min=1)
+        loss = (per_token * mask).sum() / n_tok
     elif aggregation == "seq_mean":
-        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).mean()
+        loss = ((per_token * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / n_seq
     elif aggregation == "seq_sum_norm":
         if not max_tokens:
             raise ValueError("seq_sum_norm aggregation needs max_tokens")
-        loss = (per_token * mask).sum() / (mask.shape[0] * max_tokens)
+        loss = (per_token * mask).sum() / (n_seq * max_tokens)
     else:
         raise ValueError(f"unknown loss aggregation {aggregation!r}")
-    n = mask.sum().clamp(min=1)
     if entropy_BT is not None and entropy_coef:
-        loss = loss - entropy_coef * (entropy_BT * mask).sum() / n
+        loss = loss - entropy_coef * (entropy_BT * mask).sum() / n_tok
+    n = mask.sum().clamp(min=1)
 
     with torch.no_grad():
         r = ratio.expand_as(mask)
@@ -127,12 +133,8 @@ def truncated_is_weights(old_logp_BT: torch.Tensor, rollout_logp_BT: torch.Tenso
 
 
 def token_logprobs(logits_BTV: torch.Tensor, ids_BT: torch.Tensor, temperature: float = 1.0):
-    """log p(ids[:, t+1] | ids[:, :t+1]) from next-token logits; returns (B, T-1), fp32."""
-    logits = logits_BTV[:, :-1].float() / temperature
+    """log p(ids[:, t+1] | ids[:, :t+1]) from next-token logits; returns (B, T-1), fp32 or wider.
+    The whole-sequence reference for `rl.logprobs.chunked_logprobs`, which the learner uses."""
+    logits = logits_BTV[:, :-1].to(torch.promote_types(logits_BTV.dtype, torch.float32)) / temperature
     logp = torch.log_softmax(logits, dim=-1)
     return logp.gather(-1, ids_BT[:, 1:, None]).squeeze(-1)
-
-
-def token_entropy(logits_BTV: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    logp = torch.log_softmax(logits_BTV[:, :-1].float() / temperature, dim=-1)
-    return -(logp.exp() * logp).sum(-1)

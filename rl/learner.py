@@ -1,10 +1,12 @@
 """Learner: the policy in torch, its optimiser, and one GRPO update per batch of trajectories.
 
-A plain class; `LearnerActor` is its Ray shell. Loads Hugging Face causal LMs (the tiny
-Qwen3-MoE here; the project's own `policy/` model plugs in through the same interface later).
+A plain class; `LearnerActor` is its Ray shell. Trains Hugging Face causal LMs (the tiny
+Qwen3-MoE of the quickstart) and the project's own `policy/` checkpoints through one adapter
+(`rl.logprobs.CausalLM`). Memory per step is bounded for long trajectories: episodes are packed
+into micro-batches by a token budget, the output projection runs a chunk of positions at a time,
+and layers can be recomputed in the backward pass (activation checkpointing).
 
-Not covered yet (issue 5): PPO/critic, milestone credit, chunked log-probs for long
-trajectories, routing replay, checkpoint resume of the optimiser state.
+Not covered yet (issue 5): PPO/critic, milestone credit, routing replay, QB updates during RL.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import ray
 import torch
 
 from rl.config import AlgoConfig
-from rl.grpo import group_advantages, policy_loss, token_entropy, token_logprobs, truncated_is_weights
+from rl.grpo import group_advantages, policy_loss, truncated_is_weights
+from rl.logprobs import chunked_logprobs, load_causal_lm
 from rl.trajectory import Trajectory
 
 
@@ -44,40 +47,74 @@ def usable_episodes(batch: list[Trajectory]) -> tuple[list[Trajectory], dict]:
 class Learner:
     def __init__(self, policy_path: str, algo: AlgoConfig, *, seed: int = 0, dtype: str = "float32",
                  temperature: float = 1.0, max_generated_tokens: int | None = None):
-        from transformers import AutoModelForCausalLM
-
         torch.set_num_threads(algo.threads)
         torch.manual_seed(seed)
         self.cfg = algo
         self.temperature = temperature
         self.dtype = getattr(torch, dtype)
-        self.model = AutoModelForCausalLM.from_pretrained(policy_path, dtype=self.dtype)
-        self.model.train()
         self.max_generated_tokens = max_generated_tokens
-        self.ref_model = None
-        if algo.kl_beta:  # frozen copy of the starting policy
-            self.ref_model = AutoModelForCausalLM.from_pretrained(policy_path, dtype=self.dtype).eval().requires_grad_(False)
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=algo.lr, weight_decay=algo.weight_decay)
-        self.version = 0
         self._tokenizer_path = policy_path
+        self._load(policy_path)
+        self.ref = None
+        if algo.kl_beta:  # frozen copy of the starting policy
+            self.ref = load_causal_lm(policy_path, self.dtype)
+            self.ref.module.eval().requires_grad_(False)
+        self.version = 0
 
-    def _minibatch(self, mb: list[Trajectory]):
-        """Learner log-probs of every next token, with the loss mask and rollout log-probs aligned
-        to them (targets are tokens 1..T-1, so the per-token records shift by one)."""
+    def _load(self, path: str) -> None:
+        self.lm = load_causal_lm(path, self.dtype)
+        self.model = self.lm.module
+        self.model.train()
+        if self.cfg.activation_checkpointing:
+            if self.lm.kind == "policy":
+                self.model.activation_checkpointing = True
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+
+    @property
+    def ref_model(self):
+        return self.ref.module if self.ref is not None else None
+
+    # --- batching ---
+    def _tensors(self, mb: list[Trajectory]):
+        """Padded ids and attention mask, and the loss mask and rollout log-probs aligned to the
+        next-token targets (tokens 1..T-1, so the per-token records shift by one)."""
         ids = torch.tensor(_pad([t.token_ids for t in mb], 0))
         attn = torch.tensor(_pad([[1] * len(t.token_ids) for t in mb], 0))  # right padding
-        logits = self.model(input_ids=ids, attention_mask=attn).logits
-        logp = token_logprobs(logits, ids, self.temperature)
         mask = torch.tensor(_pad([t.loss_mask for t in mb], 0))[:, 1:].float()
         rollout = torch.tensor(_pad([t.rollout_logprobs for t in mb], 0.0))[:, 1:].float()
-        return ids, attn, logits, logp, mask, rollout
+        return ids, attn, mask, rollout
 
-    def _minibatches(self, n: int) -> list[list[int]]:
-        step = self.cfg.minibatch_episodes
-        return [list(range(s, min(s + step, n))) for s in range(0, n, step)]
+    def _logprobs(self, lm, ids, attn, with_entropy: bool = False):
+        h = lm.hidden(ids, attn)
+        return chunked_logprobs(h, lm.head, ids, temperature=self.temperature,
+                                chunk_tokens=self.cfg.logprob_chunk_tokens, with_entropy=with_entropy)
+
+    def plan(self, batch: list[Trajectory]) -> list[list[list[int]]]:
+        """Minibatches of `minibatch_episodes` episodes (one optimiser step each), each packed into
+        micro-batches whose padded size stays within `microbatch_tokens` (an episode longer than
+        the budget gets a micro-batch of its own)."""
+        c = self.cfg
+        plan = []
+        for s in range(0, len(batch), c.minibatch_episodes):
+            idx = sorted(range(s, min(s + c.minibatch_episodes, len(batch))), key=lambda i: len(batch[i].token_ids))
+            micro, longest = [], 0
+            packed = []
+            for i in idx:
+                n = len(batch[i].token_ids)
+                if micro and max(longest, n) * (len(micro) + 1) > c.microbatch_tokens:
+                    packed.append(micro)
+                    micro, longest = [], 0
+                micro.append(i)
+                longest = max(longest, n)
+            packed.append(micro)
+            plan.append(packed)
+        return plan
 
     def train_step(self, batch: list[Trajectory]) -> dict:
-        """One GRPO update over `batch` (one optimiser step per minibatch, `epochs` passes).
+        """One GRPO update over `batch`: one optimiser step per minibatch, `epochs` passes, gradients
+        accumulated over its micro-batches (their losses add up to the minibatch's loss).
 
         Before any step, the learner's own log-probs of the batch (`old`) are computed once: the
         clipped ratio is taken against them, truncated importance weights min(old/rollout, cap)
@@ -92,52 +129,61 @@ class Learner:
         rewards = torch.tensor([t.reward for t in batch])
         groups = torch.tensor([t.group_id for t in batch])
         adv = group_advantages(rewards, groups, scale=c.scale_rewards)
-        mbs = self._minibatches(len(batch))
-        olds, refs, diffs = [], [], []
+        plan = self.plan(batch)
+        old, ref, diffs = {}, {}, []
         with torch.no_grad():
-            for idx in mbs:
-                ids, attn, _, logp, mask, rollout = self._minibatch([batch[i] for i in idx])
-                olds.append(logp)
-                diffs.append((logp - rollout).abs()[mask.bool()])
-                if c.kl_beta:
-                    refs.append(token_logprobs(self.ref_model(input_ids=ids, attention_mask=attn).logits, ids, self.temperature))
+            for micro in (m for mb in plan for m in mb):
+                ids, attn, mask, rollout = self._tensors([batch[i] for i in micro])
+                key = tuple(micro)
+                old[key], _ = self._logprobs(self.lm, ids, attn)
+                diffs.append((old[key] - rollout).abs()[mask.bool()])
+                if self.ref is not None:
+                    ref[key], _ = self._logprobs(self.ref, ids, attn)
         d = torch.cat(diffs)
         out = {**dropped, "rollout_logprob_diff_mean": float(d.mean()), "rollout_logprob_diff_max": float(d.max())}
         stats: dict[str, list[float]] = {}
         for _ in range(c.epochs):
-            for j, idx in enumerate(mbs):
-                _, _, logits, logp, mask, rollout = self._minibatch([batch[i] for i in idx])
-                loss, m = policy_loss(
-                    logp, olds[j], adv[idx], mask,
-                    clip_low=c.clip_low, clip_high=c.clip_high, aggregation=c.loss_aggregation,
-                    ratio_level=c.ratio_level, max_tokens=self.max_generated_tokens, dual_clip=c.dual_clip,
-                    is_weight_BT=truncated_is_weights(olds[j], rollout, c.tis_cap) if c.tis_cap else None,
-                    kl_beta=c.kl_beta, ref_logp_BT=refs[j] if c.kl_beta else None, kl_estimator=c.kl_estimator,
-                    entropy_BT=token_entropy(logits, self.temperature) if c.entropy_coef else None,
-                    entropy_coef=c.entropy_coef,
-                )
+            for mb in plan:
+                n_tokens = sum(batch[i].num_generated for m in mb for i in m)
+                n_seqs = sum(len(m) for m in mb)
                 self.opt.zero_grad(set_to_none=True)
-                loss.backward()
+                total = 0.0
+                for micro in mb:
+                    key = tuple(micro)
+                    ids, attn, mask, rollout = self._tensors([batch[i] for i in micro])
+                    logp, ent = self._logprobs(self.lm, ids, attn, with_entropy=bool(c.entropy_coef))
+                    loss, m = policy_loss(
+                        logp, old[key], adv[list(micro)], mask,
+                        clip_low=c.clip_low, clip_high=c.clip_high, aggregation=c.loss_aggregation,
+                        ratio_level=c.ratio_level, max_tokens=self.max_generated_tokens, dual_clip=c.dual_clip,
+                        is_weight_BT=truncated_is_weights(old[key], rollout, c.tis_cap) if c.tis_cap else None,
+                        kl_beta=c.kl_beta, ref_logp_BT=ref.get(key), kl_estimator=c.kl_estimator,
+                        entropy_BT=ent, entropy_coef=c.entropy_coef, num_tokens=n_tokens, num_seqs=n_seqs,
+                    )
+                    loss.backward()
+                    total += float(loss)
+                    for k, v in m.items():
+                        stats.setdefault(k, []).append(v)
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.max_grad_norm)
                 self.opt.step()
-                m.update(loss=float(loss), grad_norm=float(grad_norm))
-                for k, v in m.items():
-                    stats.setdefault(k, []).append(v)
+                stats.setdefault("loss", []).append(total)
+                stats.setdefault("grad_norm", []).append(float(grad_norm))
         self.version += 1
         out.update({k: float(np.mean(v)) for k, v in stats.items()})
         out.update(
             policy_version=self.version,
             adv_abs_mean=float(adv.abs().mean()),
+            microbatches=sum(len(mb) for mb in plan),
             train_s=time.perf_counter() - t0,
         )
         return out
 
     @torch.no_grad()
     def logprobs(self, token_ids: list[int]) -> list[float]:
-        """The learner's log p(token_ids[i] | token_ids[:i]) for i >= 1."""
+        """The learner's log p(token_ids[i] | token_ids[:i]) for i >= 1 (temperature 1)."""
         ids = torch.tensor([token_ids])
-        logits = self.model(input_ids=ids).logits
-        return token_logprobs(logits, ids, 1.0)[0].tolist()
+        h = self.lm.hidden(ids)
+        return chunked_logprobs(h, self.lm.head, ids, chunk_tokens=self.cfg.logprob_chunk_tokens)[0][0].tolist()
 
     @torch.no_grad()
     def weights(self) -> list[tuple[str, np.ndarray]]:
@@ -146,18 +192,24 @@ class Learner:
         return [(name, p.detach().cpu().numpy()) for name, p in self.model.state_dict().items()]
 
     def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
-        """A Hugging Face checkpoint plus `trainer_state.pt` (optimiser, version, RNG, `extra`).
+        """A checkpoint directory (Hugging Face format, or the policy's own) plus `trainer_state.pt`
+        (optimiser, version, RNG, `extra`).
 
         Written to a temporary directory and renamed, so a kill mid-save leaves the previous
         checkpoints as they were and never a partial one under the final name."""
-        from transformers import AutoTokenizer
-
         out = Path(path)
         tmp = out.with_name(f".{out.name}.tmp")
         if tmp.exists():
             shutil.rmtree(tmp)
-        self.model.save_pretrained(tmp)
-        AutoTokenizer.from_pretrained(self._tokenizer_path).save_pretrained(tmp)
+        if self.lm.kind == "policy":
+            from policy.checkpoint import save_policy
+
+            save_policy(self.model, tmp)
+        else:
+            from transformers import AutoTokenizer
+
+            self.model.save_pretrained(tmp)
+            AutoTokenizer.from_pretrained(self._tokenizer_path).save_pretrained(tmp)
         state = {"optimizer": self.opt.state_dict(), "version": self.version, "torch_rng": torch.get_rng_state(),
                  **(extra or {})}
         torch.save(state, tmp / "trainer_state.pt")
@@ -168,12 +220,8 @@ class Learner:
 
     def load_checkpoint(self, path: str) -> dict:
         """Restore weights, optimiser state, version and RNG from `save_checkpoint`'s directory."""
-        from transformers import AutoModelForCausalLM
-
         state = torch.load(Path(path) / "trainer_state.pt", weights_only=False)
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
-        self.model.train()
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        self._load(path)
         self.opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         self.version = state["version"]

@@ -1,0 +1,77 @@
+"""Per-token log-probs (and entropies) from hidden states, a chunk of positions at a time.
+
+Full-vocabulary logits for a long trajectory are the learner's largest tensor (128K tokens ×
+150K vocab × 4 bytes = 77 GB for a real vocabulary). Here the LM head runs on `chunk_tokens`
+positions at a time and, under autograd, each chunk is recomputed in the backward pass, so at
+most one chunk of logits exists at any moment. `token_logprobs` in `rl.grpo` is the reference.
+
+The model side is a `CausalLM` adapter: `hidden(input_ids, attention_mask)` → (B, T, D) final
+hidden states (after the final norm) and `head` the output projection, for Hugging Face causal LMs
+and for the project's own `policy/` model alike.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.utils.checkpoint
+
+from policy.norm import upcast
+
+
+def _chunk_logprobs(h_BCD, head_weight, head_bias, ids_BC, temperature: float, with_entropy: bool):
+    logits = upcast(torch.nn.functional.linear(h_BCD, head_weight, head_bias)) / temperature
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, ids_BC[..., None]).squeeze(-1)
+    ent = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else torch.zeros_like(logp)
+    return logp, ent
+
+
+def chunked_logprobs(hidden_BTD, head: torch.nn.Linear, ids_BT, *, temperature: float = 1.0,
+                     chunk_tokens: int = 1024, with_entropy: bool = False):
+    """log p(ids[:, t+1] | ids[:, :t+1]) for t < T-1 (B × T-1, fp32), and the entropies if asked."""
+    h = hidden_BTD[:, :-1]
+    targets = ids_BT[:, 1:]
+    recompute = torch.is_grad_enabled() and (h.requires_grad or head.weight.requires_grad)
+    lps, ents = [], []
+    for h_c, t_c in zip(h.split(chunk_tokens, dim=1), targets.split(chunk_tokens, dim=1)):
+        args = (h_c, head.weight, head.bias, t_c, temperature, with_entropy)
+        if recompute:
+            lp, ent = torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+        else:
+            lp, ent = _chunk_logprobs(*args)
+        lps.append(lp)
+        ents.append(ent)
+    return torch.cat(lps, 1), (torch.cat(ents, 1) if with_entropy else None)
+
+
+class CausalLM:
+    """What the learner needs from a model, for either kind of checkpoint."""
+
+    def __init__(self, module: torch.nn.Module, kind: str):
+        self.module, self.kind = module, kind
+
+    @property
+    def head(self) -> torch.nn.Linear:
+        return self.module.lm_head
+
+    def hidden(self, input_ids, attention_mask=None):
+        if self.kind == "policy":  # the project's policy: one sequence per row, no padding mask needed
+            return self.module.hidden_states(input_ids)[0]
+        return self.module.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+
+def load_causal_lm(path: str | Path, dtype: torch.dtype) -> CausalLM:
+    """A Hugging Face causal LM, or a `policy/` checkpoint (config.json model_type
+    `longhorizon_policy`), behind the same adapter."""
+    import json
+
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    if cfg.get("model_type") == "longhorizon_policy":
+        from policy.checkpoint import load_policy
+
+        return CausalLM(load_policy(path, dtype=dtype), "policy")
+    from transformers import AutoModelForCausalLM
+
+    return CausalLM(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), "hf")

@@ -1,0 +1,88 @@
+"""The learner's memory-bounded paths against the plain ones: chunked log-probs, micro-batches
+by token budget, activation checkpointing; and the project's own policy trained by the learner."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import REPO
+from policy.args import load_model_args
+from policy.checkpoint import save_policy
+from policy.model import Policy
+from rl.config import AlgoConfig
+from rl.grpo import token_logprobs
+from rl.learner import Learner
+from rl.logprobs import chunked_logprobs
+from rl.trajectory import Trajectory
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 64])
+def test_chunked_logprobs_equal_full_logits(chunk):
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=False).double()
+    h = torch.randn(2, 9, 8, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, 11, (2, 9))
+    ref = token_logprobs(head(h), ids, temperature=0.7)
+    ref_ent = -(torch.log_softmax(head(h)[:, :-1] / 0.7, -1).exp() * torch.log_softmax(head(h)[:, :-1] / 0.7, -1)).sum(-1)
+    got, ent = chunked_logprobs(h, head, ids, temperature=0.7, chunk_tokens=chunk, with_entropy=True)
+    assert torch.allclose(got, ref, atol=1e-12) and torch.allclose(ent, ref_ent, atol=1e-12)
+    g_ref = torch.autograd.grad((ref * 1.3).sum() + ref_ent.sum(), (h, head.weight))
+    g_got = torch.autograd.grad((got * 1.3).sum() + ent.sum(), (h, head.weight))
+    assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(g_ref, g_got))
+
+
+@pytest.fixture(scope="module")
+def policy_ckpt(tmp_path_factory):
+    args = load_model_args(REPO / "configs" / "policy" / "debug.yaml")
+    args = dataclasses.replace(args, vision=dataclasses.replace(args.vision, enabled=False))
+    torch.manual_seed(0)
+    return str(save_policy(Policy(args), tmp_path_factory.mktemp("policy-ckpt")))
+
+
+def _batch(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(2, 512, (n,), generator=g).tolist()
+        prompt = max(1, n // 4)
+        out.append(Trajectory(
+            episode_id=f"e{i}", iteration=0, group_id=i // 2, env_id="x", seed=0, prompt_len=prompt, token_ids=ids,
+            loss_mask=[0] * prompt + [1] * (n - prompt),
+            rollout_logprobs=[0.0] * prompt + (-6.0 - torch.rand(n - prompt, generator=g)).tolist(),
+            reward=float(i % 2)))
+    return out
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
+def test_micro_batches_and_chunks_give_the_same_update(policy_ckpt, aggregation):
+    batch = _batch([40, 25, 33, 18, 50, 27])
+    plain = Learner(policy_ckpt, AlgoConfig(loss_aggregation=aggregation, minibatch_episodes=6, threads=1,
+                                            entropy_coef=0.01))
+    small = Learner(policy_ckpt, AlgoConfig(loss_aggregation=aggregation, minibatch_episodes=6, threads=1,
+                                            entropy_coef=0.01, microbatch_tokens=60, logprob_chunk_tokens=7,
+                                            activation_checkpointing=True))
+    assert len(small.plan(batch)[0]) > 2 and len(plain.plan(batch)[0]) == 1
+    for learner in (plain, small):  # plain SGD, lr 1: the step *is* the gradient (Adam's first step
+        learner.opt = torch.optim.SGD(learner.model.parameters(), lr=1.0)  # is sign-like, amplifying fp32 noise)
+    a, b = plain.train_step(batch), small.train_step(batch)
+    assert b["microbatches"] > 2
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7)
+    assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    for p, q in zip(plain.model.parameters(), small.model.parameters()):
+        assert torch.allclose(p, q, atol=1e-5)
+
+
+def test_long_trajectory_trains_the_policy_model(policy_ckpt, tmp_path):
+    learner = Learner(policy_ckpt, AlgoConfig(minibatch_episodes=2, threads=2, logprob_chunk_tokens=1024,
+                                              activation_checkpointing=True))
+    batch = _batch([8192, 8192])
+    before = [p.detach().clone() for p in learner.model.parameters()]
+    stats = learner.train_step(batch)
+    assert torch.isfinite(torch.tensor(stats["loss"])) and stats["grad_norm"] > 0
+    assert any((p - b).abs().max() > 0 for p, b in zip(learner.model.parameters(), before))
+    saved = learner.save_checkpoint(str(tmp_path / "ckpt"), {"iteration": 0})
+    again = Learner(policy_ckpt, AlgoConfig(threads=1))
+    again.load_checkpoint(saved)
+    assert again.version == 1
+    assert all(torch.equal(p, q) for p, q in zip(learner.model.parameters(), again.model.parameters()))
