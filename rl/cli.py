@@ -3,6 +3,8 @@
     longhorizon train CONFIG [--run-dir DIR] [--iterations N] [section.key=value ...]
     longhorizon train --resume DIR [--iterations N]
     longhorizon inspect DIR [--episode ID] [--json]
+    longhorizon replay DIR (--episode ID | --all) [--rescore module:function] [--json]
+    longhorizon export DIR [--out FILE]
     longhorizon policy info CONFIG [--json]
 """
 
@@ -81,6 +83,54 @@ def _inspect(args) -> int:
     return 0
 
 
+def _replay(args) -> int:
+    from rl.replay import replay_episode, rescore, run_env_kwargs
+    from rl.store import TrajectoryStore
+
+    try:
+        store = TrajectoryStore(args.run_dir)
+        if not store.shards():
+            raise FileNotFoundError(f"{args.run_dir} holds no trajectory shards")
+        trajs = [t for t in store.trajectories() if args.all or t.episode_id == args.episode]
+        if not trajs:
+            raise KeyError(f"no episode {args.episode!r} in {args.run_dir}")
+        if args.rescore:
+            rows = rescore(trajs, args.rescore)
+            print(json.dumps(rows, indent=2) if args.json else
+                  "\n".join(f"{r['episode_id']}: {r['recorded']:g} -> {r['rescored']:g}" for r in rows))
+            return 0
+        kwargs = run_env_kwargs(args.run_dir)
+        results = [replay_episode(t, kwargs) for t in trajs]
+    except (FileNotFoundError, KeyError, ValueError, ImportError, AttributeError) as exc:
+        print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 2
+    bad = [r for r in results if not r.ok]
+    if args.json:
+        print(json.dumps({"replayed": len(results), "diverged": len(bad), "results": [r.to_dict() for r in results]}, indent=2))
+    else:
+        for r in bad:
+            print(f"{r.episode_id}: DIVERGED at {r.divergence}")
+        print(f"replayed {len(results)} episode(s): {len(results) - len(bad)} identical, {len(bad)} diverged")
+    return 1 if bad else 0
+
+
+def _export(args) -> int:
+    from rl.store import TrajectoryStore
+
+    store = TrajectoryStore(args.run_dir)
+    if not store.shards():
+        print(f"error: {args.run_dir} holds no trajectory shards", file=sys.stderr)
+        return 2
+    out = Path(args.out or Path(args.run_dir) / "trajectories.jsonl")
+    n = 0
+    with open(out, "w") as fh:
+        for row in store.rows():
+            fh.write(json.dumps(row) + "\n")
+            n += 1
+    print(f"wrote {n} episodes to {out}")
+    return 0
+
+
 def _policy_info(args) -> int:
     from rl.config import ConfigError
     from policy.args import load_model_args
@@ -129,6 +179,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--episode", help="episode id to show turn by turn")
     p.add_argument("--json", action="store_true", help="machine-readable summary")
     p.set_defaults(fn=_inspect)
+
+    p = sub.add_parser("replay", help="re-run recorded episodes in fresh environments and check them")
+    p.add_argument("run_dir")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--episode", help="episode id")
+    which.add_argument("--all", action="store_true", help="every episode of the run")
+    p.add_argument("--rescore", metavar="MODULE:FUNCTION", help="recompute rewards with fn(trajectory) -> float instead")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=_replay)
+
+    p = sub.add_parser("export", help="write the run's trajectories as JSON lines")
+    p.add_argument("run_dir")
+    p.add_argument("--out", help="output file (default RUN_DIR/trajectories.jsonl)")
+    p.set_defaults(fn=_export)
 
     p = sub.add_parser("policy", help="the project's sparse-MoE policy")
     psub = p.add_subparsers(dest="policy_command", required=True)

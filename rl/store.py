@@ -28,6 +28,7 @@ SCHEMA = pa.schema(
         ("group_id", pa.int32()),
         ("env_id", pa.string()),
         ("seed", pa.int64()),
+        ("task", pa.string()),
         ("prompt_len", pa.int32()),
         ("token_ids", pa.list_(pa.int32())),
         ("loss_mask", pa.list_(pa.int8())),
@@ -62,7 +63,7 @@ class TrajectoryStore:
         rows = {f.name: [] for f in SCHEMA}
         for t in trajectories:
             rows["schema_version"].append(SCHEMA_VERSION)
-            for key in ("episode_id", "iteration", "group_id", "env_id", "seed", "prompt_len",
+            for key in ("episode_id", "iteration", "group_id", "env_id", "seed", "task", "prompt_len",
                         "token_ids", "loss_mask", "rollout_logprobs", "reward", "stop_reason", "infra_error"):
                 rows[key].append(getattr(t, key))
             rows["policy_versions"].append(sorted({turn.policy_version for turn in t.turns}))
@@ -108,6 +109,7 @@ def row_to_trajectory(row: dict) -> Trajectory:
         group_id=row["group_id"],
         env_id=row["env_id"],
         seed=row["seed"],
+        task=row.get("task") or "",
         prompt_len=row["prompt_len"],
         token_ids=row["token_ids"],
         loss_mask=row["loss_mask"],

@@ -68,6 +68,8 @@ class Trajectory:
     """Why the environment failed (crash, sandbox death), when it did; such episodes never count as reward 0."""
     timings: dict = field(default_factory=dict)
     """Seconds spent generating and in the environment."""
+    task: str = ""
+    """The environment's first observation (the task as the model saw it, before templating)."""
 
     @property
     def num_generated(self) -> int:

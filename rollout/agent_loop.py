@@ -59,6 +59,7 @@ class _Episode:
         self.milestones: list[dict] = []
         self.reward = 0.0
         self.stop_reason = ""
+        self.task_text = ""
         self.infra_error = ""
         self.gen_s = 0.0
         self.env_s = 0.0
@@ -89,6 +90,7 @@ def run_episodes(
             obs, info = env.reset(seed=task.seed)
             prompt = chat.prompt_ids([{"role": "user", "content": obs}], info.get("tools"))
             ep = _Episode(task, env, prompt)
+            ep.task_text = obs
         except Exception as exc:  # the environment's failure, not the policy's: keep the worker up
             ep = _Episode(task, None, [])
             ep.fail(f"reset: {type(exc).__name__}: {exc}")
@@ -180,6 +182,7 @@ def run_episodes(
             group_id=ep.task.group_id,
             env_id=env_id,
             seed=ep.task.seed,
+            task=ep.task_text,
             prompt_len=ep.turns[0].gen_start if ep.turns else len(ep.ids),
             token_ids=ep.ids,
             loss_mask=ep.mask,

@@ -123,3 +123,43 @@ def test_learner_keeps_infra_failures_out_of_group_statistics():
     kept, stats = usable_episodes(batch)
     assert [t.episode_id for t in kept] == ["e0", "e1"]  # group 1 has one real episode left: dropped
     assert stats == {"infra_errors": 2, "groups_dropped": 1}
+
+
+class TamperedCalculator(envs.calculator.CalculatorEnv):
+    """The same task, but a calculator that is off by one: replay must notice."""
+
+    def _calculator(self, expression):
+        return str(int(super()._calculator(expression)) + 1)
+
+
+def test_replay_reproduces_expert_episodes_and_catches_a_tampered_env(tokenizer):
+    from rl.replay import replay_episode
+
+    chat = ChatFormat(tokenizer)
+    tasks = [EpisodeTask(f"e{s}", s, s, 0) for s in (31, 32)]
+    trajs = run_episodes(ExpertPolicy(chat, [31, 32]), chat, lambda: envs.make("tools/calculator-v0"),
+                         "tools/calculator-v0", tasks, max_turns=5, max_new_tokens=64, max_episode_tokens=4096)
+    for t in trajs:
+        assert t.task and t.task in tokenizer.decode(t.token_ids[: t.prompt_len])
+        r = replay_episode(t)
+        assert r.ok and r.turns_checked == 3, r.divergence
+        bad = replay_episode(t, make_env=TamperedCalculator)
+        assert not bad.ok and bad.divergence.startswith("turn 0: observation differs")
+    other_task = replay_episode(trajs[0], make_env=lambda: envs.make("tools/calculator-v0"))
+    assert other_task.ok
+    moved = trajs[0]
+    moved.seed = 99  # a different task than the one recorded
+    assert replay_episode(moved).divergence.startswith("turn 0: task differs")
+
+
+def test_rescoring_functions_on_an_expert_episode(tokenizer):
+    from rewards.milestones import milestone_sum, terminal_only
+
+    chat = ChatFormat(tokenizer)
+    (t,) = run_episodes(ExpertPolicy(chat, [41]), chat, lambda: envs.make("tools/calculator-v0"),
+                        "tools/calculator-v0", [EpisodeTask("e41", 0, 41, 0)], max_turns=5, max_new_tokens=64,
+                        max_episode_tokens=4096)
+    assert milestone_sum(t) == pytest.approx(t.reward) == pytest.approx(1.25)
+    assert terminal_only(t) == 1.0
+    t.milestones = t.milestones[:1]
+    assert terminal_only(t) == 0.0 and milestone_sum(t) == pytest.approx(0.25)

@@ -173,3 +173,21 @@ def test_cli_train_then_inspect(tmp_path):
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert again.returncode != 0 and "already holds trajectories" in again.stderr
     assert len(list((run_dir / "trajectories").glob("*.parquet"))) == 1  # nothing overwritten
+
+
+def test_replay_export_and_rescore_from_the_cli(e2e_run, stored):
+    _, _, run_dir = e2e_run
+    run = lambda *a: subprocess.run([sys.executable, "-m", "rl.cli", *a], capture_output=True, text=True,  # noqa: E731
+                                    timeout=300, cwd=REPO)
+    out = run("replay", str(run_dir), "--all", "--json")
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    res = json.loads(out.stdout)
+    assert res["replayed"] == 32 and res["diverged"] == 0
+    assert sum(r["turns_checked"] for r in res["results"]) == sum(len(t.turns) for t in stored)
+    out = run("replay", str(run_dir), "--all", "--rescore", "rewards.milestones:milestone_sum", "--json")
+    rows = json.loads(out.stdout)
+    assert [r["rescored"] for r in rows] == pytest.approx([r["recorded"] for r in rows])
+    assert run("replay", str(run_dir), "--all", "--rescore", "nope:fn").returncode == 2
+    out = run("export", str(run_dir), "--out", str(run_dir / "all.jsonl"))
+    lines = (run_dir / "all.jsonl").read_text().splitlines()
+    assert out.returncode == 0 and len(lines) == 32 and json.loads(lines[0])["episode_id"]

@@ -1,0 +1,82 @@
+"""Replay: re-run an episode's recorded actions in a fresh environment and check what it returns.
+
+The environment is made from the episode's env id with the run's `env.kwargs` and reset with the
+recorded seed; the first observation must equal the recorded task, and each recorded turn's text
+is stepped in order. Every observation, milestone and the total reward must match the record;
+the first difference is reported (turn, what, recorded vs replayed). Episodes that ended in an
+infrastructure error are replayed up to the failing turn.
+
+`rescore(run_dir, "module:function")` recomputes rewards with another function
+`fn(trajectory) -> float` and reports old against new, without touching the store.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import envs
+from rl.trajectory import Trajectory
+
+
+@dataclass
+class ReplayResult:
+    episode_id: str
+    ok: bool
+    turns_checked: int
+    divergence: str = ""
+
+    def to_dict(self) -> dict:
+        return dict(vars(self))
+
+
+def _short(x, n: int = 200) -> str:
+    s = repr(x)
+    return s if len(s) <= n else s[:n] + "…"
+
+
+def replay_episode(traj: Trajectory, env_kwargs: dict | None = None, make_env: Callable | None = None) -> ReplayResult:
+    env = make_env() if make_env is not None else envs.make(traj.env_id, **(env_kwargs or {}))
+    fail = lambda turn, what, rec, got: ReplayResult(  # noqa: E731
+        traj.episode_id, False, turn, f"turn {turn}: {what} differs: recorded {_short(rec)}, replayed {_short(got)}")
+    obs, _ = env.reset(seed=traj.seed)
+    if traj.task and obs != traj.task:
+        return fail(0, "task", traj.task, obs)
+    recorded = {}
+    for m in traj.milestones:
+        recorded.setdefault(m["turn"], []).append((m["name"], m["reward"]))
+    total = 0.0
+    last = len(traj.turns) - (1 if traj.infra_error and traj.turns else 0)  # the failing turn has no record
+    for i, turn in enumerate(traj.turns[:last]):
+        obs, reward, _, _, info = env.step(turn.text)
+        total += reward
+        if obs != turn.observation:
+            return fail(i, "observation", turn.observation, obs)
+        got = [(m["name"], m["reward"]) for m in info.get("milestones", [])]
+        if got != recorded.get(i, []):
+            return fail(i, "milestones", recorded.get(i, []), got)
+    if not traj.infra_error and abs(total - traj.reward) > 1e-9:
+        return fail(last, "total reward", traj.reward, total)
+    return ReplayResult(traj.episode_id, True, last)
+
+
+def load_function(spec: str) -> Callable:
+    module, _, attr = spec.partition(":")
+    if not module or not attr:
+        raise ValueError(f"--rescore wants module:function, got {spec!r}")
+    return getattr(importlib.import_module(module), attr)
+
+
+def rescore(trajectories, spec: str) -> list[dict]:
+    fn = load_function(spec)
+    return [{"episode_id": t.episode_id, "recorded": t.reward, "rescored": float(fn(t))} for t in trajectories]
+
+
+def run_env_kwargs(run_dir: str | Path) -> dict:
+    """`env.kwargs` of the config the run was made with."""
+    import yaml
+
+    cfg = yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}
+    return (cfg.get("env") or {}).get("kwargs") or {}
