@@ -6,7 +6,11 @@ Qwen3-MoE of the quickstart) and the project's own `policy/` checkpoints through
 into micro-batches by a token budget, the output projection runs a chunk of positions at a time,
 and layers can be recomputed in the backward pass (activation checkpointing).
 
-Not covered yet (issue 5): PPO/critic, milestone credit, routing replay, QB updates during RL.
+For the project's policy, every optimiser step also updates each MoE router's selection bias
+(quantile balancing, its histogram estimator or the sign update, per `moe.balance`) from the
+step's router scores, and reports the worst layer's max/mean expert load.
+
+Not covered yet (issue 5): PPO/critic, milestone credit, rollout routing replay.
 """
 
 from __future__ import annotations
@@ -86,10 +90,42 @@ class Learner:
         rollout = torch.tensor(_pad([t.rollout_logprobs for t in mb], 0.0))[:, 1:].float()
         return ids, attn, mask, rollout
 
-    def _logprobs(self, lm, ids, attn, with_entropy: bool = False):
-        h = lm.hidden(ids, attn)
+    def _logprobs(self, lm, ids, attn, with_entropy: bool = False, routing_out: list | None = None):
+        h, router_info = lm.hidden_and_routing(ids, attn)
+        if routing_out is not None and router_info is not None and router_info["scores"]:
+            valid = attn.reshape(-1).bool()  # padding takes no part in balancing
+            routing_out.append([s[valid] for s in router_info["scores"]])
         return chunked_logprobs(h, lm.head, ids, temperature=self.temperature,
                                 chunk_tokens=self.cfg.logprob_chunk_tokens, with_entropy=with_entropy)
+
+    @torch.no_grad()
+    def balance_routers(self, scores_per_micro: list[list[torch.Tensor]]) -> dict:
+        """Quantile-balancing (or sign) update of every MoE router's selection bias from the router
+        scores of this optimiser step's tokens, for the project's policy; returns load metrics.
+
+        The update uses the scores the step's forward produced, with the bias it had; it takes
+        effect from the next forward (rollouts see it after the next weight sync)."""
+        if self.lm.kind != "policy" or not scores_per_micro:
+            return {}
+        from policy.balance import QuantileHistogram, load_imbalance, quantile_bias, sign_update
+
+        out = {"router_load_max_over_mean": []}
+        for layer, router in enumerate(self.model.routers()):
+            a = router.a
+            scores = torch.cat([micro[layer] for micro in scores_per_micro])
+            idx = (scores + router.bias).topk(a.top_k, dim=-1).indices
+            load = torch.bincount(idx.flatten(), minlength=a.n_routed_experts)
+            out["router_load_max_over_mean"].append(load_imbalance(load))
+            if a.balance == "quantile":
+                router.bias.copy_(quantile_bias(scores, router.bias, a.top_k))
+            elif a.balance == "quantile_hist":
+                hist = QuantileHistogram(a.n_routed_experts, a.top_k, a.hist_bins, a.hist_range)
+                for micro in scores_per_micro:  # per-micro-batch counts add up (as across workers)
+                    hist.add(micro[layer], router.bias)
+                router.bias.copy_(hist.bias())
+            elif a.balance == "sign":
+                router.bias.copy_(sign_update(load, router.bias, a.balance_rate))
+        return {"router_load_max_over_mean": max(out["router_load_max_over_mean"])}
 
     def plan(self, batch: list[Trajectory]) -> list[list[list[int]]]:
         """Minibatches of `minibatch_episodes` episodes (one optimiser step each), each packed into
@@ -148,10 +184,11 @@ class Learner:
                 n_seqs = sum(len(m) for m in mb)
                 self.opt.zero_grad(set_to_none=True)
                 total = 0.0
+                routing: list = []
                 for micro in mb:
                     key = tuple(micro)
                     ids, attn, mask, rollout = self._tensors([batch[i] for i in micro])
-                    logp, ent = self._logprobs(self.lm, ids, attn, with_entropy=bool(c.entropy_coef))
+                    logp, ent = self._logprobs(self.lm, ids, attn, with_entropy=bool(c.entropy_coef), routing_out=routing)
                     loss, m = policy_loss(
                         logp, old[key], adv[list(micro)], mask,
                         clip_low=c.clip_low, clip_high=c.clip_high, aggregation=c.loss_aggregation,
@@ -161,11 +198,13 @@ class Learner:
                         entropy_BT=ent, entropy_coef=c.entropy_coef, num_tokens=n_tokens, num_seqs=n_seqs,
                     )
                     loss.backward()
-                    total += float(loss)
+                    total += loss.item()
                     for k, v in m.items():
                         stats.setdefault(k, []).append(v)
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.max_grad_norm)
                 self.opt.step()
+                for k, v in self.balance_routers(routing).items():
+                    stats.setdefault(k, []).append(v)
                 stats.setdefault("loss", []).append(total)
                 stats.setdefault("grad_norm", []).append(float(grad_norm))
         self.version += 1

@@ -57,9 +57,14 @@ class CausalLM:
         return self.module.lm_head
 
     def hidden(self, input_ids, attention_mask=None):
-        if self.kind == "policy":  # the project's policy: one sequence per row, no padding mask needed
-            return self.module.hidden_states(input_ids)[0]
-        return self.module.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self.hidden_and_routing(input_ids, attention_mask)[0]
+
+    def hidden_and_routing(self, input_ids, attention_mask=None):
+        """(hidden states, router_info or None). The project's policy reports its routing; right
+        padding needs no mask there (every layer is causal, padding only follows real tokens)."""
+        if self.kind == "policy":
+            return self.module.hidden_states(input_ids)
+        return self.module.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state, None
 
 
 def load_causal_lm(path: str | Path, dtype: torch.dtype) -> CausalLM:

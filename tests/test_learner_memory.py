@@ -86,3 +86,24 @@ def test_long_trajectory_trains_the_policy_model(policy_ckpt, tmp_path):
     again.load_checkpoint(saved)
     assert again.version == 1
     assert all(torch.equal(p, q) for p, q in zip(learner.model.parameters(), again.model.parameters()))
+
+
+@pytest.mark.parametrize("balance", ["quantile", "quantile_hist"])
+def test_router_balancing_during_rl_steps(tmp_path, balance):
+    """A deliberately skewed router becomes balanced over a few learner steps (QB during RL)."""
+    args = load_model_args(REPO / "configs" / "policy" / "debug.yaml")
+    args = dataclasses.replace(args, vision=dataclasses.replace(args.vision, enabled=False),
+                               moe=dataclasses.replace(args.moe, balance=balance))
+    torch.manual_seed(0)
+    model = Policy(args)
+    with torch.no_grad():
+        for r in model.routers():
+            r.weight[:2] += 0.5 * torch.randn(args.dim)  # experts 0 and 1 win almost every token
+    ckpt = str(save_policy(model, tmp_path / balance))
+    learner = Learner(ckpt, AlgoConfig(minibatch_episodes=4, threads=1, lr=1e-6, microbatch_tokens=300))
+    batch = _batch([200, 180, 190, 210], seed=1)
+    loads = [learner.train_step(batch)["router_load_max_over_mean"] for _ in range(8)]
+    # each layer's scores move when earlier layers' routing changes, so a few steps, not one
+    assert loads[0] > 1.6
+    assert max(loads[-3:]) <= 1.3
+    assert all(r.bias.abs().sum() > 0 for r in learner.model.routers())
