@@ -91,6 +91,12 @@ class AlgoConfig:
     """Ratio clip below: ratio >= 1 - clip_low."""
     clip_high: float = 0.28
     """Ratio clip above: ratio <= 1 + clip_high (asymmetric, as in DAPO)."""
+    credit: Literal["episode", "milestone"] = "episode"
+    """episode: one advantage per episode from its total reward (GRPO); milestone: each turn credited with its discounted reward-to-go against the group's other episodes at that turn (rl/credit.py)."""
+    gamma: float = 1.0
+    """Discount per turn for milestone credit."""
+    baseline: Literal["loo", "mean"] = "loo"
+    """Milestone credit's baseline: leave-one-out (unbiased) or the group mean including the episode (GRPO's; scales the gradient by 1 - 1/n)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """Divide group-centred rewards by the group's std, the batch's std, or nothing."""
     loss_aggregation: Literal["token_mean", "seq_mean", "seq_sum_norm"] = "token_mean"
@@ -176,6 +182,7 @@ class RunConfig:
             ("algo.dual_clip", self.algo.dual_clip == 0 or self.algo.dual_clip > 1, "must be 0 (off) or > 1"),
             ("algo.tis_cap", self.algo.tis_cap == 0 or self.algo.tis_cap >= 1, "must be 0 (off) or >= 1"),
             ("algo.kl_beta", self.algo.kl_beta >= 0, "must be >= 0"),
+            ("algo.gamma", 0 < self.algo.gamma <= 1, "must be in (0, 1]"),
         ]
         require(checks, source)
         return self

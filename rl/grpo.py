@@ -64,7 +64,8 @@ def policy_loss(
     num_tokens: float | None = None,
     num_seqs: int | None = None,
 ) -> tuple[torch.Tensor, dict]:
-    """The clipped surrogate loss and its diagnostics. Shapes: B episodes × T tokens.
+    """The clipped surrogate loss and its diagnostics. Shapes: B episodes × T tokens; advantages
+    per episode (B) or per token (B × T).
 
     aggregation: `token_mean` (DAPO: over every generated token of the batch), `seq_mean` (GRPO:
     mean of per-episode means), `seq_sum_norm` (Dr.GRPO: sum / (B · max_tokens)).
@@ -84,7 +85,7 @@ def policy_loss(
     elif ratio_level != "token":
         raise ValueError(f"unknown ratio level {ratio_level!r}")
     ratio = torch.exp(log_ratio)
-    adv = adv_B[:, None]
+    adv = adv_B[:, None] if adv_B.dim() == 1 else adv_B  # per episode, or per token (milestone credit)
     objective = torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv)
     if dual_clip > 1.0:
         objective = torch.where(adv < 0, torch.maximum(objective, dual_clip * adv), objective)

@@ -10,7 +10,9 @@ For the project's policy, every optimiser step also updates each MoE router's se
 (quantile balancing, its histogram estimator or the sign update, per `moe.balance`) from the
 step's router scores, and reports the worst layer's max/mean expert load.
 
-Not covered yet (issue 5): PPO/critic, milestone credit, rollout routing replay.
+Credit: `algo.credit = "milestone"` gives each turn's tokens its own advantage (rl/credit.py).
+
+Not covered yet (issue 5): PPO/critic, rollout routing replay.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import ray
 import torch
 
 from rl.config import AlgoConfig
+from rl.credit import token_advantages
 from rl.grpo import group_advantages, policy_loss, truncated_is_weights
 from rl.logprobs import chunked_logprobs, load_causal_lm
 from rl.trajectory import Trajectory
@@ -162,9 +165,17 @@ class Learner:
         if not batch:  # nothing to learn from; the version still advances so the loop stays uniform
             self.version += 1
             return {**dropped, "policy_version": self.version, "skipped_update": 1, "train_s": time.perf_counter() - t0}
-        rewards = torch.tensor([t.reward for t in batch])
-        groups = torch.tensor([t.group_id for t in batch])
-        adv = group_advantages(rewards, groups, scale=c.scale_rewards)
+        if c.credit == "milestone":
+            per_token = token_advantages(batch, gamma=c.gamma, baseline=c.baseline,
+                                         scale="group" if c.scale_rewards == "group" else "none")
+            adv_of = lambda micro: torch.tensor(_pad([per_token[i] for i in micro], 0.0))[:, 1:].float()  # noqa: E731
+            adv_abs = float(np.mean([abs(a) for i, t in enumerate(batch) for a, m in zip(per_token[i], t.loss_mask) if m]))
+        else:
+            rewards = torch.tensor([t.reward for t in batch])
+            groups = torch.tensor([t.group_id for t in batch])
+            adv = group_advantages(rewards, groups, scale=c.scale_rewards)
+            adv_of = lambda micro: adv[list(micro)]  # noqa: E731
+            adv_abs = float(adv.abs().mean())
         plan = self.plan(batch)
         old, ref, diffs = {}, {}, []
         with torch.no_grad():
@@ -190,7 +201,7 @@ class Learner:
                     ids, attn, mask, rollout = self._tensors([batch[i] for i in micro])
                     logp, ent = self._logprobs(self.lm, ids, attn, with_entropy=bool(c.entropy_coef), routing_out=routing)
                     loss, m = policy_loss(
-                        logp, old[key], adv[list(micro)], mask,
+                        logp, old[key], adv_of(micro), mask,
                         clip_low=c.clip_low, clip_high=c.clip_high, aggregation=c.loss_aggregation,
                         ratio_level=c.ratio_level, max_tokens=self.max_generated_tokens, dual_clip=c.dual_clip,
                         is_weight_BT=truncated_is_weights(old[key], rollout, c.tis_cap) if c.tis_cap else None,
@@ -211,7 +222,7 @@ class Learner:
         out.update({k: float(np.mean(v)) for k, v in stats.items()})
         out.update(
             policy_version=self.version,
-            adv_abs_mean=float(adv.abs().mean()),
+            adv_abs_mean=adv_abs,
             microbatches=sum(len(mb) for mb in plan),
             train_s=time.perf_counter() - t0,
         )
