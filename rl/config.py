@@ -81,8 +81,18 @@ class RolloutConfig:
 
 @dataclass
 class AlgoConfig:
-    name: Literal["grpo"] = "grpo"
-    """Algorithm. GRPO: group-relative advantages, clipped policy gradient, no critic."""
+    name: Literal["grpo", "ppo"] = "grpo"
+    """Algorithm. grpo: group-relative advantages, no critic; ppo: a value head and GAE (rl/ppo.py)."""
+    gae_lambda: float = 0.95
+    """PPO: GAE's lambda."""
+    ppo_level: Literal["token", "turn"] = "token"
+    """PPO: decision points are generated tokens, or turns (one value per turn)."""
+    vf_coef: float = 0.5
+    """PPO: weight of the value loss."""
+    value_clip: float = 0.2
+    """PPO: clip range of the value update."""
+    whiten_advantages: bool = True
+    """PPO: normalise advantages to zero mean, unit std over the batch's generated tokens."""
     lr: float = 1e-3
     """AdamW learning rate (tiny random models need a large one to move at all)."""
     weight_decay: float = 0.0
@@ -94,7 +104,7 @@ class AlgoConfig:
     credit: Literal["episode", "milestone"] = "episode"
     """episode: one advantage per episode from its total reward (GRPO); milestone: each turn credited with its discounted reward-to-go against the group's other episodes at that turn (rl/credit.py)."""
     gamma: float = 1.0
-    """Discount per turn for milestone credit."""
+    """Discount per turn (milestone credit) or per decision point (PPO)."""
     baseline: Literal["loo", "mean"] = "loo"
     """Milestone credit's baseline: leave-one-out (unbiased) or the group mean including the episode (GRPO's; scales the gradient by 1 - 1/n)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"

@@ -12,7 +12,10 @@ step's router scores, and reports the worst layer's max/mean expert load.
 
 Credit: `algo.credit = "milestone"` gives each turn's tokens its own advantage (rl/credit.py).
 
-Not covered yet (issue 5): PPO/critic, rollout routing replay.
+PPO (`algo.name = "ppo"`): a value head on the shared trunk, GAE over tokens or turns, the clipped
+value loss added with `vf_coef` (rl/ppo.py).
+
+Not covered yet (issue 5): rollout routing replay.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 
 from rl.config import AlgoConfig
 from rl.credit import token_advantages
+from rl.ppo import ValueHead, episode_targets, value_loss
 from rl.grpo import group_advantages, policy_loss, truncated_is_weights
 from rl.logprobs import chunked_logprobs, load_causal_lm
 from rl.trajectory import Trajectory
@@ -61,6 +65,7 @@ class Learner:
         self.dtype = getattr(torch, dtype)
         self.max_generated_tokens = max_generated_tokens
         self._tokenizer_path = policy_path
+        self.value_head = None
         self._load(policy_path)
         self.ref = None
         if algo.kl_beta:  # frozen copy of the starting policy
@@ -77,7 +82,11 @@ class Learner:
                 self.model.activation_checkpointing = True
             else:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        params = list(self.model.parameters())
+        if self.cfg.name == "ppo":  # value head on the shared trunk
+            self.value_head = ValueHead(self.lm.head.in_features).to(self.dtype)
+            params += list(self.value_head.parameters())
+        self.opt = torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
 
     @property
     def ref_model(self):
@@ -94,12 +103,16 @@ class Learner:
         return ids, attn, mask, rollout
 
     def _logprobs(self, lm, ids, attn, with_entropy: bool = False, routing_out: list | None = None):
+        """(log-probs, entropies or None, values or None), all aligned to next-token targets."""
         h, router_info = lm.hidden_and_routing(ids, attn)
         if routing_out is not None and router_info is not None and router_info["scores"]:
             valid = attn.reshape(-1).bool()  # padding takes no part in balancing
             routing_out.append([s[valid] for s in router_info["scores"]])
-        return chunked_logprobs(h, lm.head, ids, temperature=self.temperature,
-                                chunk_tokens=self.cfg.logprob_chunk_tokens, with_entropy=with_entropy)
+        logp, ent = chunked_logprobs(h, lm.head, ids, temperature=self.temperature,
+                                     chunk_tokens=self.cfg.logprob_chunk_tokens, with_entropy=with_entropy)
+        # the value of the state before token p comes from the hidden state at p-1, like its logits
+        values = self.value_head(h[:, :-1]) if (self.value_head is not None and lm is self.lm) else None
+        return logp, ent, values
 
     @torch.no_grad()
     def balance_routers(self, scores_per_micro: list[list[torch.Tensor]]) -> dict:
@@ -151,6 +164,46 @@ class Learner:
             plan.append(packed)
         return plan
 
+    def _advantages(self, batch, plan, old_v):
+        """(advantages for a micro-batch's index list, PPO returns {episode: {position: R}}, mean |A|)."""
+        c = self.cfg
+        returns: dict = {}
+        if c.name == "ppo" or c.credit == "milestone":
+            if c.name == "ppo":
+                per_token = [None] * len(batch)
+                for micro in (m for mb in plan for m in mb):
+                    for row, i in enumerate(micro):
+                        v = [0.0] + old_v[tuple(micro)][row].tolist()  # v[p]: value before token p
+                        per_token[i], returns[i] = episode_targets(batch[i], v, level=c.ppo_level, gamma=c.gamma,
+                                                                   lam=c.gae_lambda)
+                if c.whiten_advantages:
+                    vals = torch.tensor([a for i, t in enumerate(batch) for a, m in zip(per_token[i], t.loss_mask) if m])
+                    mu, sd = float(vals.mean()), float(vals.std()) if vals.numel() > 1 else 1.0
+                    per_token = [[(a - mu) / (sd + 1e-8) for a in row] for row in per_token]
+            else:
+                per_token = token_advantages(batch, gamma=c.gamma, baseline=c.baseline,
+                                             scale="group" if c.scale_rewards == "group" else "none")
+            adv_abs = float(np.mean([abs(a) for i, t in enumerate(batch) for a, m in zip(per_token[i], t.loss_mask) if m]))
+            return (lambda micro: torch.tensor(_pad([per_token[i] for i in micro], 0.0))[:, 1:].float()), returns, adv_abs
+        rewards = torch.tensor([t.reward for t in batch])
+        groups = torch.tensor([t.group_id for t in batch])
+        adv = group_advantages(rewards, groups, scale=c.scale_rewards)
+        return (lambda micro: adv[list(micro)]), returns, float(adv.abs().mean())
+
+    def _value_loss(self, values, old_values, returns, micro, mb) -> torch.Tensor:
+        """Clipped value loss over the micro-batch's decision points, normalised by the minibatch's."""
+        rows, cols, targets = [], [], []
+        for row, i in enumerate(micro):
+            for p, r in returns[i].items():
+                rows.append(row)
+                cols.append(p - 1)  # values are aligned to next-token targets
+                targets.append(r)
+        n_points = sum(len(returns[i]) for m in mb for i in m)
+        if not rows:
+            return values.sum() * 0.0
+        r, c_ = torch.tensor(rows), torch.tensor(cols)
+        return value_loss(values[r, c_], old_values[r, c_], torch.tensor(targets), self.cfg.value_clip) / max(n_points, 1)
+
     def train_step(self, batch: list[Trajectory]) -> dict:
         """One GRPO update over `batch`: one optimiser step per minibatch, `epochs` passes, gradients
         accumulated over its micro-batches (their losses add up to the minibatch's loss).
@@ -165,29 +218,19 @@ class Learner:
         if not batch:  # nothing to learn from; the version still advances so the loop stays uniform
             self.version += 1
             return {**dropped, "policy_version": self.version, "skipped_update": 1, "train_s": time.perf_counter() - t0}
-        if c.credit == "milestone":
-            per_token = token_advantages(batch, gamma=c.gamma, baseline=c.baseline,
-                                         scale="group" if c.scale_rewards == "group" else "none")
-            adv_of = lambda micro: torch.tensor(_pad([per_token[i] for i in micro], 0.0))[:, 1:].float()  # noqa: E731
-            adv_abs = float(np.mean([abs(a) for i, t in enumerate(batch) for a, m in zip(per_token[i], t.loss_mask) if m]))
-        else:
-            rewards = torch.tensor([t.reward for t in batch])
-            groups = torch.tensor([t.group_id for t in batch])
-            adv = group_advantages(rewards, groups, scale=c.scale_rewards)
-            adv_of = lambda micro: adv[list(micro)]  # noqa: E731
-            adv_abs = float(adv.abs().mean())
         plan = self.plan(batch)
-        old, ref, diffs = {}, {}, []
+        old, old_v, ref, diffs = {}, {}, {}, []
         with torch.no_grad():
             for micro in (m for mb in plan for m in mb):
                 ids, attn, mask, rollout = self._tensors([batch[i] for i in micro])
                 key = tuple(micro)
-                old[key], _ = self._logprobs(self.lm, ids, attn)
+                old[key], _, old_v[key] = self._logprobs(self.lm, ids, attn)
                 diffs.append((old[key] - rollout).abs()[mask.bool()])
                 if self.ref is not None:
-                    ref[key], _ = self._logprobs(self.ref, ids, attn)
+                    ref[key], _, _ = self._logprobs(self.ref, ids, attn)
         d = torch.cat(diffs)
         out = {**dropped, "rollout_logprob_diff_mean": float(d.mean()), "rollout_logprob_diff_max": float(d.max())}
+        adv_of, returns, adv_abs = self._advantages(batch, plan, old_v)
         stats: dict[str, list[float]] = {}
         for _ in range(c.epochs):
             for mb in plan:
@@ -199,7 +242,8 @@ class Learner:
                 for micro in mb:
                     key = tuple(micro)
                     ids, attn, mask, rollout = self._tensors([batch[i] for i in micro])
-                    logp, ent = self._logprobs(self.lm, ids, attn, with_entropy=bool(c.entropy_coef), routing_out=routing)
+                    logp, ent, values = self._logprobs(self.lm, ids, attn, with_entropy=bool(c.entropy_coef),
+                                                       routing_out=routing)
                     loss, m = policy_loss(
                         logp, old[key], adv_of(micro), mask,
                         clip_low=c.clip_low, clip_high=c.clip_high, aggregation=c.loss_aggregation,
@@ -208,6 +252,10 @@ class Learner:
                         kl_beta=c.kl_beta, ref_logp_BT=ref.get(key), kl_estimator=c.kl_estimator,
                         entropy_BT=ent, entropy_coef=c.entropy_coef, num_tokens=n_tokens, num_seqs=n_seqs,
                     )
+                    if self.value_head is not None:
+                        vl = self._value_loss(values, old_v[key], returns, micro, mb)
+                        m["value_loss"] = vl.item()
+                        loss = loss + c.vf_coef * vl
                     loss.backward()
                     total += loss.item()
                     for k, v in m.items():
@@ -261,7 +309,7 @@ class Learner:
             self.model.save_pretrained(tmp)
             AutoTokenizer.from_pretrained(self._tokenizer_path).save_pretrained(tmp)
         state = {"optimizer": self.opt.state_dict(), "version": self.version, "torch_rng": torch.get_rng_state(),
-                 **(extra or {})}
+                 "value_head": self.value_head.state_dict() if self.value_head is not None else None, **(extra or {})}
         torch.save(state, tmp / "trainer_state.pt")
         if out.exists():
             shutil.rmtree(out)
@@ -272,10 +320,12 @@ class Learner:
         """Restore weights, optimiser state, version and RNG from `save_checkpoint`'s directory."""
         state = torch.load(Path(path) / "trainer_state.pt", weights_only=False)
         self._load(path)
+        if self.value_head is not None and state.get("value_head"):
+            self.value_head.load_state_dict(state["value_head"])
         self.opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         self.version = state["version"]
-        return {k: v for k, v in state.items() if k not in ("optimizer", "torch_rng")}
+        return {k: v for k, v in state.items() if k not in ("optimizer", "torch_rng", "value_head")}
 
 
 LearnerActor = ray.remote(Learner)
