@@ -45,7 +45,12 @@ def summary(run_dir: str | Path) -> dict:
         raise FileNotFoundError(f"{run_dir} holds no trajectory shards (expected {store.dir}/*.parquet)")
     per_iter: dict[int, list[dict]] = defaultdict(list)
     versions: set[int] = set()
-    for row in store.rows(SUMMARY_COLUMNS):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # reported in the summary instead
+        rows = list(store.rows(SUMMARY_COLUMNS))
+    for row in rows:
         per_iter[row["iteration"]].append(row)
         versions.update(row["policy_versions"])
     iters = sorted(per_iter)
@@ -65,6 +70,7 @@ def summary(run_dir: str | Path) -> dict:
         "mean_generated_tokens": [sum(r["num_generated"] for r in per_iter[i]) / len(per_iter[i]) for i in iters],
         "policy_versions": sorted(versions),
         "shards": [str(p) for p in store.shards()],
+        "corrupt_shards": dict(store.corrupt),
     }
 
 
@@ -82,6 +88,8 @@ def print_summary(run_dir: str | Path, console: Console) -> None:
             f"{m['sync_s'] * 1e3:.0f}" if "sync_s" in m else "-",
         )
     console.print(table)
+    for shard, why in s["corrupt_shards"].items():
+        console.print(f"[red]corrupt shard skipped[/]: {shard}: {why}")
 
 
 def find_episode(run_dir: str | Path, episode_id: str):

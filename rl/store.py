@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -57,6 +58,7 @@ def _fsync_dir(path: Path) -> None:
 class TrajectoryStore:
     def __init__(self, run_dir: str | Path):
         self.dir = Path(run_dir) / "trajectories"
+        self.corrupt: dict[str, str] = {}  # shard path -> why it could not be read
 
     def write(self, name: str, trajectories: list[Trajectory]) -> Path:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -88,13 +90,21 @@ class TrajectoryStore:
     def shards(self) -> list[Path]:
         return sorted(self.dir.glob("*.parquet")) if self.dir.exists() else []
 
-    def rows(self, columns: list[str] | None = None) -> Iterator[dict]:
-        """Every stored episode as a dict of columns, shard by shard (one shard in memory at a time)."""
+    def rows(self, columns: list[str] | None = None, strict: bool = False) -> Iterator[dict]:
+        """Every stored episode as a dict of columns, shard by shard (one shard in memory at a time).
+
+        A shard that cannot be read is skipped and named in `self.corrupt` (with a warning), so the
+        rest of the run stays readable; `strict=True` raises instead."""
         for shard in self.shards():
             try:
                 table = pq.read_table(shard, columns=columns)
             except (pa.ArrowInvalid, OSError) as exc:
-                raise ValueError(f"corrupt trajectory shard {shard}: {exc}") from exc
+                if strict:
+                    raise ValueError(f"corrupt trajectory shard {shard}: {exc}") from exc
+                if str(shard) not in self.corrupt:
+                    warnings.warn(f"skipping corrupt trajectory shard {shard}: {exc}", stacklevel=2)
+                self.corrupt[str(shard)] = str(exc)
+                continue
             yield from table.to_pylist()
 
     def trajectories(self) -> Iterator[Trajectory]:
