@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.longhorizon-installed
 RUN    ?= runs/quickstart
 
-.PHONY: install demo test test-fast clean
+.PHONY: install system-deps demo test test-fast clean
 
 install: $(STAMP)
 
@@ -24,13 +24,20 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import vllm, ray, trl, torch; print('installed: torch', torch.__version__, '| vllm', vllm.__version__, '| ray', ray.__version__, '| trl', trl.__version__)"
 	touch $(STAMP)
 
+# Debian's chromium, for the test that renders the HTML viewer in a headless browser.
+system-deps:
+	@if command -v chromium >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
+	else echo "note: chromium is not installed (needs root and apt-get); the HTML viewer's browser test will skip"; fi
+
 demo: install
 	rm -rf $(RUN)
 	$(VENV)/bin/longhorizon train configs/quickstart.yaml --run-dir $(RUN)
 	$(VENV)/bin/longhorizon inspect $(RUN)
 	@echo "results: $(RUN) (metrics.jsonl, trajectories/*.parquet, checkpoints/); try: $(VENV)/bin/longhorizon inspect $(RUN) --episode i0-g0-e0"
 
-test: install
+test: install system-deps
 	$(PY) -m pytest -q -rs
 
 test-fast: install

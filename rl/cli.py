@@ -2,7 +2,7 @@
 
     longhorizon train CONFIG [--run-dir DIR] [--iterations N] [section.key=value ...]
     longhorizon train --resume DIR [--iterations N]
-    longhorizon inspect DIR [--episode ID] [--json]
+    longhorizon inspect DIR [--episode ID] [--json] [--html OUT.html]
     longhorizon replay DIR (--episode ID | --all) [--rescore module:function] [--json]
     longhorizon export DIR [--out FILE]
     longhorizon policy info CONFIG [--json]
@@ -71,7 +71,11 @@ def _inspect(args) -> int:
 
     console = Console()
     try:
-        if args.json:
+        if args.html:
+            from rl.viewer import write_html
+
+            print(f"wrote {write_html(args.run_dir, args.html)}")
+        elif args.json:
             print(json.dumps(insp.summary(args.run_dir), indent=2))
         elif args.episode:
             insp.print_episode(args.run_dir, args.episode, console)
@@ -178,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dir")
     p.add_argument("--episode", help="episode id to show turn by turn")
     p.add_argument("--json", action="store_true", help="machine-readable summary")
+    p.add_argument("--html", metavar="OUT.html", help="write a self-contained HTML viewer of the run")
     p.set_defaults(fn=_inspect)
 
     p = sub.add_parser("replay", help="re-run recorded episodes in fresh environments and check them")

@@ -191,3 +191,35 @@ def test_replay_export_and_rescore_from_the_cli(e2e_run, stored):
     out = run("export", str(run_dir), "--out", str(run_dir / "all.jsonl"))
     lines = (run_dir / "all.jsonl").read_text().splitlines()
     assert out.returncode == 0 and len(lines) == 32 and json.loads(lines[0])["episode_id"]
+
+
+def test_html_viewer_renders_in_headless_chromium(e2e_run, stored):
+    import shutil
+
+    _, _, run_dir = e2e_run
+    page = run_dir / "viewer.html"
+    out = subprocess.run([sys.executable, "-m", "rl.cli", "inspect", str(run_dir), "--html", str(page)],
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = page.read_text()
+    assert "http://" not in text.replace("http://www.w3.org", "") and "https://" not in text  # self-contained
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("chromium is not installed (make test installs Debian's chromium when run as root)")
+    import tempfile
+
+    flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={tempfile.mkdtemp()}", "--window-size=1400,1000", "--virtual-time-budget=5000"]
+    dom = subprocess.run(flags + ["--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120).stdout
+    import re
+
+    rows = re.findall(r'<tr class="episode-row(?: sel)?" data-id="(i\d+-g\d+-e\d+)"', dom)
+    assert sorted(rows) == sorted(t.episode_id for t in stored)  # the episode list, rendered by the page's script
+    assert f'<h1 id="episode-title">{stored[0].episode_id}</h1>' in dom  # and the first episode
+    assert "milestone timeline" in dom and 'id="tokens"' in dom
+    artifacts = REPO / "runs" / "test-artifacts"
+    artifacts.mkdir(parents=True, exist_ok=True)
+    shot = artifacts / "viewer.png"
+    subprocess.run(flags + [f"--screenshot={shot}", page.as_uri()], capture_output=True, timeout=120)
+    assert shot.exists() and shot.stat().st_size > 10_000

@@ -1,0 +1,137 @@
+"""`longhorizon inspect DIR --html OUT.html`: one self-contained page (no network, no server).
+
+The page holds the run summary (a reward curve), the episode list with a filter, and for the
+selected episode its turns (generated text, tool results), a milestone timeline along the token
+axis and a per-token view coloured by the engine's log-prob (generated tokens) or marked as
+context (prompt and observations). Data is embedded as JSON and rendered by a small script.
+
+Limits: at most `max_episodes` episodes (the newest) and `max_tokens` tokens per episode are
+embedded, so a page stays small for long runs; the page says when it cut something.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+
+from rl.inspect import summary
+from rl.store import TrajectoryStore
+
+
+def _tokenizer(run_dir: Path):
+    """The run's tokenizer (newest checkpoint, else policy-init), or None."""
+    from transformers import AutoTokenizer
+
+    candidates = sorted((run_dir / "checkpoints").glob("version-*"), reverse=True) + [run_dir / "policy-init"]
+    for c in candidates:
+        if (c / "tokenizer.json").exists():
+            return AutoTokenizer.from_pretrained(c)
+    return None
+
+
+def episode_payload(t, tok, max_tokens: int) -> dict:
+    n = min(len(t.token_ids), max_tokens)
+    pieces = (tok.convert_ids_to_tokens(t.token_ids[:n]) if tok is not None else [str(i) for i in t.token_ids[:n]])
+    pieces = [p.replace("Ġ", " ").replace("Ċ", "\n") if isinstance(p, str) else str(p) for p in pieces]
+    return {
+        "id": t.episode_id, "iteration": t.iteration, "group": t.group_id, "env": t.env_id, "seed": t.seed,
+        "reward": t.reward, "stop": t.stop_reason, "infra_error": t.infra_error, "task": t.task,
+        "n_tokens": len(t.token_ids), "n_generated": t.num_generated, "cut": n < len(t.token_ids),
+        "tokens": pieces, "mask": t.loss_mask[:n], "logprobs": [round(x, 4) for x in t.rollout_logprobs[:n]],
+        "turns": [vars(turn) for turn in t.turns],
+        "milestones": t.milestones,
+    }
+
+
+def write_html(run_dir: str | Path, out: str | Path, max_episodes: int = 500, max_tokens: int = 20000) -> Path:
+    run_dir = Path(run_dir)
+    s = summary(run_dir)
+    tok = _tokenizer(run_dir)
+    episodes = list(TrajectoryStore(run_dir).trajectories())
+    cut = len(episodes) > max_episodes
+    episodes = episodes[-max_episodes:]
+    data = {
+        "summary": s,
+        "episodes": [episode_payload(t, tok, max_tokens) for t in episodes],
+        "episodes_cut": cut,
+    }
+    blob = json.dumps(data).replace("</", "<\\/")  # keep "</script>" out of the JSON
+    page = _TEMPLATE.replace("__TITLE__", html.escape(str(run_dir))).replace("__DATA__", blob)
+    out = Path(out)
+    out.write_text(page, encoding="utf-8")
+    return out
+
+
+_TEMPLATE = r"""<!doctype html>
+<html><head><meta charset="utf-8"><title>longhorizon · __TITLE__</title>
+<style>
+body{font:14px system-ui,sans-serif;margin:0;color:#222;display:grid;grid-template-columns:420px 1fr;height:100vh}
+#left{border-right:1px solid #ddd;overflow:auto;padding:12px} #right{overflow:auto;padding:12px 20px}
+h1{font-size:16px;margin:0 0 8px} h2{font-size:15px;margin:16px 0 6px}
+table{border-collapse:collapse;width:100%} td,th{padding:3px 6px;border-bottom:1px solid #eee;text-align:left}
+tr.episode-row{cursor:pointer} tr.episode-row:hover{background:#f3f6ff} tr.sel{background:#e3ebff}
+input{width:100%;padding:5px;margin:6px 0;box-sizing:border-box}
+.turn{border:1px solid #cfe0ff;border-radius:6px;margin:8px 0;padding:6px 10px}
+.obs{border-color:#ddd;background:#fafafa} pre{white-space:pre-wrap;margin:4px 0;font:12px ui-monospace,monospace}
+.tok{font:12px ui-monospace,monospace;white-space:pre-wrap;border-radius:2px}
+.ctx{color:#888} .ms{fill:#2a8} .note{color:#a60}
+</style></head><body>
+<div id="left"><h1>__TITLE__</h1><div id="runsum"></div><svg id="curve" width="390" height="120"></svg>
+<input id="filter" placeholder="filter: id, env, stop reason, reward>0.5 ...">
+<table id="eplist"><thead><tr><th>episode</th><th>iter</th><th>reward</th><th>turns</th><th>stop</th></tr></thead><tbody></tbody></table></div>
+<div id="right"><div id="episode">select an episode</div></div>
+<script id="data" type="application/json">__DATA__</script>
+<script>
+const D = JSON.parse(document.getElementById('data').textContent);
+const esc = s => String(s).replace(/[&<>]/g, c => ({'&':'&amp;','<':'&lt;','>':'&gt;'}[c]));
+const S = D.summary;
+document.getElementById('runsum').innerHTML = `${S.iterations} iterations · ${S.episodes} episodes · policy versions ${S.policy_versions.join(', ')}`
+  + (D.episodes_cut ? `<div class="note">showing the newest ${D.episodes.length} episodes</div>` : '')
+  + (Object.keys(S.corrupt_shards||{}).length ? `<div class="note">corrupt shards skipped: ${Object.keys(S.corrupt_shards).join(', ')}</div>` : '');
+(function curve(){
+  const r = S.mean_reward, svg = document.getElementById('curve'), W = 380, H = 100;
+  if (!r.length) return;
+  const lo = Math.min(0, ...r), hi = Math.max(1e-9, ...r);
+  const pts = r.map((v,i) => `${10 + (r.length>1 ? i*(W-20)/(r.length-1) : W/2)},${H - 10 - (v-lo)/(hi-lo)*(H-20)}`);
+  svg.innerHTML = `<text x="10" y="12" font-size="11">mean reward per iteration (${lo.toFixed(2)} … ${hi.toFixed(2)})</text>`
+    + `<polyline fill="none" stroke="#36c" stroke-width="2" points="${pts.join(' ')}"/>`
+    + pts.map(p => `<circle r="3" fill="#36c" cx="${p.split(',')[0]}" cy="${p.split(',')[1]}"/>`).join('');
+})();
+function matches(e, q){
+  if (!q) return true;
+  const m = q.match(/^reward\s*([<>]=?)\s*([-\d.]+)$/);
+  if (m) { const v = parseFloat(m[2]); return m[1][0]=='>' ? e.reward > v || (m[1]=='>=' && e.reward==v) : e.reward < v || (m[1]=='<=' && e.reward==v); }
+  return [e.id, e.env, e.stop, e.infra_error].join(' ').toLowerCase().includes(q.toLowerCase());
+}
+function list(){
+  const q = document.getElementById('filter').value.trim();
+  document.querySelector('#eplist tbody').innerHTML = D.episodes.filter(e => matches(e, q)).map(e =>
+    `<tr class="episode-row" data-id="${esc(e.id)}"><td>${esc(e.id)}</td><td>${e.iteration}</td><td>${e.reward.toFixed(3)}</td><td>${e.turns.length}</td><td>${esc(e.stop)}</td></tr>`).join('');
+  document.querySelectorAll('.episode-row').forEach(r => r.onclick = () => show(r.dataset.id));
+}
+function colour(lp){ const x = Math.max(0, Math.min(1, Math.exp(lp) * 4)); return `rgba(${Math.round(230*(1-x))},${Math.round(120+100*x)},80,0.35)`; }
+function show(id){
+  const e = D.episodes.find(x => x.id == id); if (!e) return;
+  document.querySelectorAll('.episode-row').forEach(r => r.classList.toggle('sel', r.dataset.id == id));
+  const byTurn = {}; e.milestones.forEach(m => (byTurn[m.turn] = byTurn[m.turn] || []).push(m));
+  const W = 700, scale = x => 10 + x / Math.max(1, e.n_tokens) * (W - 20);
+  const timeline = `<svg width="${W}" height="46"><line x1="10" y1="24" x2="${W-10}" y2="24" stroke="#999"/>`
+    + e.turns.map((t,i) => `<rect x="${scale(t.gen_start)}" y="16" width="${Math.max(1, scale(t.gen_end)-scale(t.gen_start))}" height="16" fill="#9bd" ><title>turn ${i}</title></rect>`).join('')
+    + e.milestones.map(m => `<circle class="ms" r="6" cx="${scale(m.token)}" cy="24"><title>${esc(m.name)} +${m.reward}</title></circle><text x="${scale(m.token)-10}" y="44" font-size="10">${esc(m.name)}</text>`).join('')
+    + `</svg>`;
+  const turns = e.turns.map((t,i) => `<div class="turn"><b>turn ${i}</b> · v${t.policy_version} · ${t.gen_end-t.gen_start} tokens · ${t.tool_calls} tool result(s), ${t.tool_errors} error(s) · ${esc(t.finish_reason)}`
+    + (byTurn[i] ? ` · <b>milestones: ${byTurn[i].map(m => esc(m.name)+' +'+m.reward).join(', ')}</b>` : '')
+    + `<pre>${esc(t.text)}</pre></div>` + (t.observation ? `<div class="turn obs"><pre>${esc(t.observation)}</pre></div>` : '')).join('');
+  const toks = e.tokens.map((p,i) => e.mask[i] ? `<span class="tok" style="background:${colour(e.logprobs[i])}" title="logprob ${e.logprobs[i]}">${esc(p)}</span>` : `<span class="tok ctx">${esc(p)}</span>`).join('');
+  document.getElementById('episode').innerHTML = `<h1 id="episode-title">${esc(e.id)}</h1>`
+    + `<div>${esc(e.env)} · seed ${e.seed} · reward ${e.reward} · stop ${esc(e.stop)} · ${e.n_tokens} tokens (${e.n_generated} generated)`
+    + (e.infra_error ? ` · <span class="note">infra error: ${esc(e.infra_error)}</span>` : '') + `</div>`
+    + `<h2>milestone timeline</h2>${timeline}<h2>turns</h2><div><i>task:</i> ${esc(e.task)}</div>${turns}`
+    + `<h2>tokens</h2><div class="note">${e.cut ? 'first tokens only; ' : ''}generated tokens coloured by the engine's log-prob (green: likely), context grey</div><div id="tokens">${toks}</div>`;
+}
+document.getElementById('filter').oninput = list;
+list();
+if (D.episodes.length) show(D.episodes[0].id);
+</script></body></html>
+"""
