@@ -35,7 +35,8 @@ demo: install
 	rm -rf $(RUN)
 	$(VENV)/bin/longhorizon train configs/quickstart.yaml --run-dir $(RUN)
 	$(VENV)/bin/longhorizon inspect $(RUN)
-	@echo "results: $(RUN) (metrics.jsonl, trajectories/*.parquet, checkpoints/); try: $(VENV)/bin/longhorizon inspect $(RUN) --episode i0-g0-e0"
+	$(VENV)/bin/longhorizon inspect $(RUN) --html $(RUN)/viewer.html
+	@echo "results: $(RUN) (metrics.jsonl, trajectories/*.parquet, checkpoints/, viewer.html); try: $(VENV)/bin/longhorizon inspect $(RUN) --episode i0-g0-e0"
 
 test: install system-deps
 	$(PY) -m pytest -q -rs
