@@ -80,10 +80,10 @@ def _decay_products(qc, kc, G, pairwise: bool):
             torch.einsum("bhtk,bhik,bhtik->bhti", qc, kc, decay))
 
 
-def _kda_chunk(qc, kc, vc, gc, bc, S, pairwise: bool = False):
-    """One chunk (heads first: B H L ·) from state S; returns (o, new S)."""
+def _kda_chunk(qc, kc, vc, G, bc, S, pairwise: bool = False):
+    """One chunk (heads first: B H L ·) from state S, with G the chunk's inclusive cumulative log
+    decay; returns (o, new S)."""
     L, K = qc.shape[2], qc.shape[3]
-    G = gc.cumsum(2)  # inclusive
     kk, qk = _decay_products(qc, kc, G, pairwise)
     causal = torch.ones(L, L, dtype=torch.bool, device=qc.device).tril()
     A = (kk * bc[..., None]).tril(-1)
@@ -114,9 +114,11 @@ def kda_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV=None, chunk_siz
     outs = []
     # split, not slice: the backward of a slice writes into a zero tensor of the full length, which
     # would make the backward quadratic in the number of chunks
-    for chunk in zip(*(t.split(chunk_size, dim=2) for t in (q, k, v, g, beta))):
+    for qc, kc, vc, gc, bc in zip(*(t.split(chunk_size, dim=2) for t in (q, k, v, g, beta))):
+        G = gc.cumsum(2)  # inclusive, once per chunk: decides the form and feeds it
+        chunk = (qc, kc, vc, G, bc)
         with torch.no_grad():
-            pairwise = _needs_pairwise(chunk[3].cumsum(2))
+            pairwise = _needs_pairwise(G)
         if pairwise and grad:
             o, S = torch.utils.checkpoint.checkpoint(_kda_chunk, *chunk, S, True, use_reentrant=False)
         else:

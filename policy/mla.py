@@ -96,10 +96,10 @@ class GatedMLA(nn.Module):
             c_all, kr_all = c_new, kr_new
         S = c_all.shape[1]
 
-        w = self.wkv_b.weight.view(H, N + Vd, a.kv_lora_rank)
-        w_uk, w_uv = w[:, :N], w[:, N:]
         use_absorbed = absorbed if absorbed is not None else (cache is not None and T == 1)
         if use_absorbed:
+            w = self.wkv_b.weight.view(H, N + Vd, a.kv_lora_rank)
+            w_uk, w_uv = w[:, :N], w[:, N:]
             q_lat = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)
             scores = torch.einsum("bthc,bsc->bhts", q_lat, c_all) + torch.einsum("bthr,bsr->bhts", q_rope, kr_all)
             p = self._softmax(scores, pos, S).to(c_all.dtype)

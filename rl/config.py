@@ -279,13 +279,9 @@ def load_dataclass(cls, path: str | Path):
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
     """Read a YAML file (or the defaults when `path` is None), apply overrides, validate."""
-    raw: dict = {}
-    source = "defaults"
-    if path is not None:
-        source = str(path)
-        raw = dataclasses.asdict(load_dataclass(RunConfig, path))  # checked once, by the file's name
-    cfg = build_dataclass(RunConfig, raw, "", source)
-    cfg.validate(source)
+    source = "defaults" if path is None else str(path)
+    cfg = (RunConfig() if path is None else load_dataclass(RunConfig, path)).validate(source)
+    raw = dataclasses.asdict(cfg)
     for ov in overrides:  # one at a time, so an error names the override that caused it
         _apply_override(raw, ov)
         cfg = build_dataclass(RunConfig, raw, "", f"command-line override {ov!r}").validate(f"command-line override {ov!r}")

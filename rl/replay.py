@@ -75,8 +75,7 @@ def rescore(trajectories, spec: str) -> list[dict]:
 
 
 def run_env_kwargs(run_dir: str | Path) -> dict:
-    """`env.kwargs` of the config the run was made with."""
-    import yaml
+    """`env.kwargs` of the config the run was made with (loaded and checked like any config)."""
+    from rl.config import load_config
 
-    cfg = yaml.safe_load((Path(run_dir) / "config.yaml").read_text()) or {}
-    return (cfg.get("env") or {}).get("kwargs") or {}
+    return load_config(Path(run_dir) / "config.yaml").env.kwargs
