@@ -24,12 +24,15 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import vllm, ray, trl, torch; print('installed: torch', torch.__version__, '| vllm', vllm.__version__, '| ray', ray.__version__, '| trl', trl.__version__)"
 	touch $(STAMP)
 
-# Debian's chromium, for the test that renders the HTML viewer in a headless browser.
+# Debian's chromium, for the test that renders the HTML viewer in a headless browser, and docker.io,
+# whose dockerd the docker sandbox tests start on a private socket (no engine runs here by default).
+SYSTEM_PKGS := chromium:chromium dockerd:docker.io
 system-deps:
-	@if command -v chromium >/dev/null 2>&1; then :; \
+	@missing=""; for p in $(SYSTEM_PKGS); do command -v $${p%%:*} >/dev/null 2>&1 || missing="$$missing $${p#*:}"; done; \
+	if [ -z "$$missing" ]; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; \
-	else echo "note: chromium is not installed (needs root and apt-get); the HTML viewer's browser test will skip"; fi
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	else echo "note: not installed (needs root and apt-get):$$missing; the browser and docker sandbox tests will skip"; fi
 
 demo: install
 	rm -rf $(RUN)

@@ -1,0 +1,135 @@
+"""Run one process tree under a wall-clock limit with bounded output capture (bwrap and none backends).
+
+Output is read on two threads and only the first `output_bytes` of each stream are kept; a command
+that keeps printing far past that (16x) is killed rather than left to burn CPU until the timeout.
+The process starts in its own session, and the whole session's process group is killed at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import subprocess
+import threading
+import time
+from typing import Callable
+
+from envs.sandbox import Limits, SandboxResult
+
+_FLOOD_FACTOR = 16
+
+
+class _Capture(threading.Thread):
+    def __init__(self, stream, keep: int, on_flood: Callable[[], None]):
+        super().__init__(daemon=True)
+        self.stream, self.keep, self.on_flood = stream, keep, on_flood
+        self.chunks: list[bytes] = []
+        self.kept = 0
+        self.total = 0
+
+    def run(self):
+        flooded = False
+        while True:
+            try:
+                data = self.stream.read1(65536)
+            except (OSError, ValueError):
+                break
+            if not data:
+                break
+            self.total += len(data)
+            if self.kept < self.keep:
+                piece = data[: self.keep - self.kept]
+                self.chunks.append(piece)
+                self.kept += len(piece)
+            if not flooded and self.total > _FLOOD_FACTOR * self.keep:
+                flooded = True
+                self.on_flood()
+
+    def text(self) -> str:
+        return b"".join(self.chunks).decode("utf-8", errors="replace")
+
+
+def rlimit_setter(limits: Limits, *, processes: int | None = None) -> Callable[[], None]:
+    """A preexec function applying the per-process limits (runs in the child before exec)."""
+    mem = limits.memory_mb << 20
+    fsize = limits.file_mb << 20
+    cpu = int(limits.cpu_s)
+    nproc = processes if processes is not None else limits.processes
+
+    def apply():
+        # Soft CPU limit sends SIGXCPU; the hard one, a second later, SIGKILL for a process that ignores it.
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        if nproc:
+            resource.setrlimit(resource.RLIMIT_NPROC, (nproc, nproc))
+
+    return apply
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run_process(argv: list[str], *, limits: Limits, backend: str, cwd: str | None = None,
+                env: dict | None = None, stdin: str | None = None,
+                preexec: Callable[[], None] | None = None, pass_fds=()) -> tuple[SandboxResult, subprocess.Popen]:
+    """Run `argv`; return the result (resource not yet classified) and the finished Popen."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        argv, cwd=cwd, env=env, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        preexec_fn=preexec, pass_fds=pass_fds,
+    )
+    flooded = threading.Event()
+
+    def on_flood():
+        flooded.set()
+        _kill_group(proc.pid)
+
+    out = _Capture(proc.stdout, limits.output_bytes, on_flood)
+    err = _Capture(proc.stderr, limits.output_bytes, on_flood)
+    out.start()
+    err.start()
+    if stdin is not None:
+        def feed():
+            try:
+                proc.stdin.write(stdin.encode())
+                proc.stdin.close()
+            except (BrokenPipeError, OSError):
+                pass
+
+        threading.Thread(target=feed, daemon=True).start()
+    timed_out = False
+    try:
+        proc.wait(timeout=limits.timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _kill_group(proc.pid)
+        proc.wait()
+    _kill_group(proc.pid)  # stragglers left in the session (the none backend has no pid namespace)
+    out.join(timeout=2)
+    err.join(timeout=2)
+    code = proc.returncode
+    result = SandboxResult(
+        exit_code=128 - code if code < 0 else code,
+        stdout=out.text(),
+        stderr=err.text(),
+        truncated=out.total > out.kept or err.total > err.kept,
+        timed_out=timed_out,
+        killed=timed_out or flooded.is_set() or code < 0,
+        duration_s=time.monotonic() - t0,
+        backend=backend,
+    )
+    if timed_out:
+        result.resource = "wall_time"
+        result.events.append(f"killed at the wall-time limit ({limits.timeout_s:g}s)")
+    elif flooded.is_set():
+        result.resource = "output"
+        result.events.append(f"killed for output flooding (> {_FLOOD_FACTOR}x {limits.output_bytes} bytes)")
+    return result, proc

