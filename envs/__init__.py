@@ -48,6 +48,12 @@ def spec(env_id: str) -> EnvSpec:
     return _REGISTRY[env_id]
 
 
+def list_specs() -> list[EnvSpec]:
+    """Every registered environment, plugins included (listed without importing them)."""
+    _load_plugins()
+    return [_REGISTRY[k] for k in sorted(_REGISTRY)]
+
+
 def make(env_id: str, **kwargs) -> ToolEnv:
     s = spec(env_id)
     module, _, attr = s.entry_point.partition(":")
@@ -56,5 +62,15 @@ def make(env_id: str, **kwargs) -> ToolEnv:
 
 
 register("tools/calculator-v0", "envs.calculator:CalculatorEnv")
+register("tools/shell-v0", "envs.shell:ShellEnv")
+register("code/fix-tests-v0", "envs.fix_tests:FixTestsEnv")
+register("long/needle-v0", "envs.needle:NeedleEnv")
+register("vision/maze-v0", "envs.maze:MazeEnv")
 
-__all__ = ["register", "make", "spec", "EnvSpec", "ToolEnv", "ToolSpec", "ToolFailure"]
+def check_env(env, **kwargs) -> dict:
+    from envs.check import check_env as _check
+
+    return _check(env, **kwargs)
+
+
+__all__ = ["register", "make", "spec", "list_specs", "check_env", "EnvSpec", "ToolEnv", "ToolSpec", "ToolFailure"]

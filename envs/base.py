@@ -9,6 +9,11 @@ template can render.
 - `info["milestones"]`: milestone events reached this step, each `{"name", "reward"}`; the step's
   reward is their sum (sparse: nothing is paid between milestones).
 - `info["tool_errors"]`: how many tool calls in this turn were malformed or failed.
+- `info["infra_error"]`: set when the environment's own machinery failed (a sandbox that could not
+  start, an engine that went away): not the policy's fault, so the learner keeps the episode out of
+  its statistics. A tool raises `SandboxError` (or `InfraError`) for that.
+- `info["sandbox_events"]`: limits hit and clean-ups done by sandboxed tools this step.
+- `info["images"]`: images the observation adds (H×W×3 uint8 arrays), for environments that show them.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any, Callable
 
 import gymnasium as gym
 
+from envs.sandbox import SandboxError
 from envs.tool_calls import ToolCall, ToolCallError, parse_tool_calls
 
 
@@ -54,6 +60,9 @@ class ToolEnv(gym.Env):
         self._turn = 0
         self._done = False
         self._milestones_hit: set[str] = set()
+        self._events: list[dict] = []
+        self._sandbox_events: list[str] = []
+        self._images: list = []
 
     # --- subclass hooks ---
     def _reset_task(self) -> str:
@@ -69,20 +78,35 @@ class ToolEnv(gym.Env):
             self._milestones_hit.add(name)
             events.append({"name": name, "reward": float(reward)})
 
+    def show_image(self, image) -> None:
+        """Attach an image (H×W×3 uint8 array) to the current observation."""
+        self._images.append(image)
+
+    def record_sandbox(self, result) -> None:
+        """Keep a sandboxed call's notable events (limits hit) for `info["sandbox_events"]`."""
+        if result.resource:
+            self._sandbox_events.append(f"{result.backend}: {result.resource} limit reached")
+        self._sandbox_events += [f"{result.backend}: {e}" for e in result.events]
+
     # --- gym API ---
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
         self._turn = 0
         self._done = False
         self._milestones_hit = set()
-        self._events: list[dict] = []
-        return self._reset_task(), {"tools": [t.to_openai() for t in self.tools]}
+        self._events, self._sandbox_events, self._images = [], [], []
+        task = self._reset_task()
+        info = {"tools": [t.to_openai() for t in self.tools]}
+        if self._images:
+            info["images"], self._images = self._images, []
+        return task, info
 
     def step(self, action: str):
         if self._done:
             raise RuntimeError("step() called on a finished episode; call reset() first")
         self._turn += 1
-        self._events = []
+        self._events, self._sandbox_events, self._images = [], [], []
+        infra_error = ""
         calls, errors = parse_tool_calls(action)
         messages: list[dict[str, Any]] = []
         n_errors = len(errors)
@@ -100,11 +124,14 @@ class ToolEnv(gym.Env):
                 except ToolFailure as exc:
                     n_errors += 1
                     result = f"error: {exc}"
+                except (SandboxError, InfraError) as exc:  # the environment's failure, not the policy's
+                    infra_error = f"{call.name}: {exc}"
+                    result = f"error: the tool could not run ({exc})"
                 except Exception as exc:  # model-written arguments must never crash the worker
                     n_errors += 1
                     result = f"error: {call.name} failed: {type(exc).__name__}: {exc}"
             messages.append({"role": "tool", "content": str(result)})
-            if self._done:
+            if self._done or infra_error:
                 break
         if not calls and not errors:
             messages.append({"role": "user", "content": "No tool call found. Call one of the tools."})
@@ -114,6 +141,12 @@ class ToolEnv(gym.Env):
         reward = sum(e["reward"] for e in self._events)
         observation = "\n".join(m["content"] for m in messages)
         info = {"messages": messages, "milestones": list(self._events), "tool_errors": n_errors}
+        if infra_error:
+            info["infra_error"] = infra_error
+        if self._sandbox_events:
+            info["sandbox_events"] = list(self._sandbox_events)
+        if self._images:
+            info["images"] = list(self._images)
         return observation, reward, terminated, truncated, info
 
     def finish(self) -> None:
@@ -125,4 +158,8 @@ class ToolFailure(Exception):
     """A tool's clear, expected failure; its message becomes the observation."""
 
 
-__all__ = ["ToolEnv", "ToolSpec", "ToolFailure", "ToolCall", "ToolCallError"]
+class InfraError(RuntimeError):
+    """The environment's machinery failed (not the policy): the episode ends as an infra error."""
+
+
+__all__ = ["ToolEnv", "ToolSpec", "ToolFailure", "InfraError", "ToolCall", "ToolCallError"]

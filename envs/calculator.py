@@ -14,10 +14,10 @@ Deterministic given the reset seed. No sandbox: the calculator runs no model-wri
 from __future__ import annotations
 
 import ast
-import json
 import operator
 
 from envs.base import ToolEnv, ToolFailure, ToolSpec
+from envs.tool_calls import format_tool_call as call
 
 _STORIES = [
     "A warehouse holds {a} crates with {b} bottles in each. {c} bottles are shipped out. "
@@ -130,9 +130,6 @@ class CalculatorEnv(ToolEnv):
 
     def expert_turns(self) -> list[str]:
         """A scripted expert's assistant turns that solve the current task (tests, demonstrations)."""
-
-        def call(name, **args):
-            return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
 
         product = self.a * self.b
         return [

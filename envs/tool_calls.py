@@ -44,6 +44,11 @@ def _load_obj(text: str):
         return None
 
 
+def format_tool_call(name: str, **arguments) -> str:
+    """One tool call as a model writes it (scripted experts, demonstrations, tests)."""
+    return OPEN + "\n" + json.dumps({"name": name, "arguments": arguments}) + "\n" + CLOSE
+
+
 def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[ToolCallError]]:
     """Every `<tool_call>` block in `text`, in order, as calls or as errors."""
     calls: list[ToolCall] = []

@@ -6,6 +6,8 @@
     longhorizon replay DIR (--episode ID | --all) [--rescore module:function] [--json]
     longhorizon export DIR [--out FILE]
     longhorizon policy info CONFIG [--json]
+    longhorizon envs list|show|check|play ...          (envs/cli.py)
+    longhorizon sandbox run [--backend B] ... -- CMD   (envs/cli.py)
 """
 
 from __future__ import annotations
@@ -205,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
     pi.add_argument("config", help="policy config, e.g. configs/policy/k3.yaml")
     pi.add_argument("--json", action="store_true")
     pi.set_defaults(fn=_policy_info)
+
+    from envs.cli import add_parsers as add_env_parsers
+
+    add_env_parsers(sub)
 
     # Overrides may come before or after the options; argparse alone stops collecting positionals
     # at the first option, so gather the leftovers here.

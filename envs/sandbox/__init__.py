@@ -57,6 +57,12 @@ class Limits:
     disk_mb: int = 64
     """Workspace size after the call, in MiB; above it the result reports `resource="disk"`."""
 
+    @classmethod
+    def within(cls, timeout_s: float, **kwargs) -> "Limits":
+        """Limits for a `timeout_s` wall clock, with CPU time at half of it so a busy loop is reported
+        as `cpu_time` rather than running into the wall."""
+        return cls(timeout_s=timeout_s, cpu_s=max(1, int(timeout_s / 2)), **kwargs)
+
     def __post_init__(self):
         for f in fields(self):
             v = getattr(self, f.name)

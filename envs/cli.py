@@ -1,0 +1,190 @@
+"""The `envs` and `sandbox` subcommands of `longhorizon` (wired in by `rl.cli`).
+
+    longhorizon envs list [--json]
+    longhorizon envs show ID [--json]
+    longhorizon envs check ID [--seed N] [key=value ...]
+    longhorizon envs play ID [--seed N] [key=value ...]    # you type the turns
+    longhorizon sandbox run [--backend B] [--timeout S] [--memory MB] [--workspace DIR] -- CMD ...
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+
+import yaml
+
+
+def _kwargs(pairs: list[str]) -> dict:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"environment argument {pair!r} must look like key=value")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def _make(env_id: str, pairs: list[str]):
+    import envs
+
+    return envs.make(env_id, **_kwargs(pairs))
+
+
+def _list(args) -> int:
+    import envs
+
+    rows = [{"id": s.id, "entry_point": s.entry_point, "kwargs": s.kwargs} for s in envs.list_specs()]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for r in rows:
+            print(f"{r['id']:<28} {r['entry_point']}")
+    return 0
+
+
+def _show(args) -> int:
+    env = _make(args.env_id, args.kwargs)
+    doc = (sys.modules[type(env).__module__].__doc__ or "").strip()
+    info = {"id": args.env_id, "class": f"{type(env).__module__}:{type(env).__name__}", "max_turns": env.max_turns,
+            "tools": [t.to_openai()["function"] for t in env.tools], "description": doc}
+    if args.json:
+        print(json.dumps(info, indent=2))
+    else:
+        print(f"{info['id']}  ({info['class']}, max_turns {info['max_turns']})\n")
+        print(doc + "\n\ntools:")
+        for t in info["tools"]:
+            params = ", ".join(t["parameters"].get("properties", {}))
+            print(f"  {t['name']}({params}): {t['description']}")
+    if hasattr(env, "close"):
+        env.close()
+    return 0
+
+
+def _check(args) -> int:
+    from envs.check import EnvCheckError, check_env
+
+    env = _make(args.env_id, args.kwargs)
+    try:
+        report = check_env(env, seed=args.seed)
+    except EnvCheckError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    print(f"{args.env_id}: ok — tools {', '.join(report['tools'])}; expert reward {report['expert_reward']} "
+          f"with milestones {', '.join(report['expert_milestones']) or 'none'}")
+    return 0
+
+
+def as_turn(line: str) -> str:
+    """What a person types, as a model turn: raw text with <tool_call> blocks is kept; `name key=value
+    ...` or `name {json}` becomes one tool call."""
+    from envs.tool_calls import format_tool_call
+
+    line = line.strip()
+    if "<tool_call>" in line or not line:
+        return line
+    name, _, rest = line.partition(" ")
+    rest = rest.strip()
+    if rest.startswith("{"):
+        return format_tool_call(name, **json.loads(rest))
+    return format_tool_call(name, **_kwargs(shlex.split(rest)))
+
+
+def _play(args) -> int:
+    from rich.console import Console
+
+    console = Console()
+    env = _make(args.env_id, args.kwargs)
+    obs, info = env.reset(seed=args.seed)
+    console.print(f"[bold]{args.env_id}[/] seed {args.seed}. Type a turn: `tool key=value ...`, `tool {{json}}`, "
+                  "or raw text with <tool_call> blocks; `quit` ends.")
+    console.print("tools: " + ", ".join(t.name for t in env.tools))
+    console.print("[cyan]task[/]:", end=" ")
+    console.print(obs, markup=False, highlight=False)
+    total = 0.0
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if line.strip() in ("quit", "exit"):
+            break
+        try:
+            turn = as_turn(line)
+        except (ValueError, json.JSONDecodeError) as exc:
+            console.print(f"[red]cannot read that turn[/]: {exc}")
+            continue
+        obs, reward, terminated, truncated, info = env.step(turn)
+        total += reward
+        console.print(obs, markup=False, highlight=False)
+        for m in info.get("milestones", []):
+            console.print(f"[green]milestone[/] {m['name']} +{m['reward']:g}")
+        if info.get("images"):
+            img = info["images"][-1]
+            console.print(f"[dim](image {img.shape[1]}x{img.shape[0]})[/]")
+        if terminated or truncated:
+            console.print(f"[bold]episode {'terminated' if terminated else 'truncated'}[/]; total reward {total:g}")
+            break
+    if hasattr(env, "close"):
+        env.close()
+    return 0
+
+
+def _sandbox_run(args) -> int:
+    from envs.sandbox import Limits, SandboxError, open_sandbox
+
+    cmd = args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd
+    if not cmd:
+        print("error: give the command after --, e.g. longhorizon sandbox run -- echo hi", file=sys.stderr)
+        return 2
+    try:
+        limits = Limits.within(args.timeout, memory_mb=args.memory)
+        with open_sandbox(args.backend, workspace=args.workspace, limits=limits) as sb:
+            result = sb.run(cmd)
+    except (SandboxError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.to_dict(), indent=2))
+    return 0
+
+
+def _guarded(fn):
+    """Bad ids and arguments end with one clear line, not a traceback."""
+    def run(args) -> int:
+        try:
+            return fn(args)
+        except (KeyError, ValueError, TypeError) as exc:
+            print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+            return 2
+
+    return run
+
+
+def add_parsers(sub) -> None:
+    p = sub.add_parser("envs", help="list, show, check and play environments")
+    esub = p.add_subparsers(dest="envs_command", required=True)
+    e = esub.add_parser("list", help="registered environments, plugins included")
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(fn=_guarded(_list))
+    for name, fn, help_ in (("show", _show, "an environment's description and tools"),
+                            ("check", _check, "run check_env and the scripted expert's episode"),
+                            ("play", _play, "type the turns yourself")):
+        e = esub.add_parser(name, help=help_)
+        e.add_argument("env_id")
+        e.add_argument("kwargs", nargs="*", help="constructor arguments as key=value")
+        if name == "show":
+            e.add_argument("--json", action="store_true")
+        else:
+            e.add_argument("--seed", type=int, default=0)
+        e.set_defaults(fn=_guarded(fn))
+
+    p = sub.add_parser("sandbox", help="run a command in a sandbox")
+    ssub = p.add_subparsers(dest="sandbox_command", required=True)
+    s = ssub.add_parser("run", help="run CMD in a sandbox and print a JSON result")
+    s.add_argument("--backend", default="bwrap", help="bwrap (default), docker or none")
+    s.add_argument("--timeout", type=float, default=10.0, help="wall-clock seconds (default 10)")
+    s.add_argument("--memory", type=int, default=512, help="memory limit in MiB (default 512)")
+    s.add_argument("--workspace", help="directory to use as the workspace (default: a fresh temporary one)")
+    s.add_argument("cmd", nargs="*", help="-- CMD ARGS...")
+    s.set_defaults(fn=_sandbox_run)

@@ -1,0 +1,2 @@
+"""A plugin package: importing it must not be needed to list its environment."""
+IMPORTED = True
