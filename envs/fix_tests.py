@@ -57,6 +57,7 @@ BANK = {
 MODULE, TESTS = "textkit.py", "test_textkit.py"
 _PROTECTED = {TESTS, "conftest.py", "pytest.ini", "pyproject.toml", "setup.cfg", "tox.ini", "sitecustomize.py",
               "usercustomize.py"}
+_DURATION = re.compile(r" in \d+\.\d+s( \(\d+:\d\d:\d\d\))?(?=( =*)?$)", re.MULTILINE)
 _RESULT = re.compile(r"^(PASSED|FAILED|ERROR) test_textkit\.py::(test_\w+)", re.MULTILINE)
 
 
@@ -91,7 +92,8 @@ class FixTestsEnv(ToolEnv):
             f"def test_{f}():\n{BANK[f][2]}" for f in self.functions)
         self.sandbox.workspace.write_text(TESTS, self.test_source)
         self.passing: dict[str, bool] = {}
-        return (f"The project in the workspace has a module {MODULE} and its tests in {TESTS}; some tests fail. "
+        return (f"The project in the workspace has a module {MODULE} ({', '.join(self.functions)}) and its tests "
+                f"in {TESTS}; some tests fail. "
                 f"Fix {MODULE} (not the tests) so that every test passes, then call submit.")
 
     def tool_functions(self):
@@ -134,6 +136,8 @@ class FixTestsEnv(ToolEnv):
         for f in self.broken:
             if outcome[f"test_{f}"]:
                 self.reach(f"pass:test_{f}", 1.0 / len(self.broken), self._events)
+        # pytest prints its run time ("2 failed in 0.31s"): dropped, so that replays compare equal
+        result.stdout = _DURATION.sub("", result.stdout)
         return outcome, result.observation(max_chars=3000)
 
     def _run_tests(self) -> str:

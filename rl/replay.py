@@ -39,6 +39,13 @@ def _short(x, n: int = 200) -> str:
 
 def replay_episode(traj: Trajectory, env_kwargs: dict | None = None, make_env: Callable | None = None) -> ReplayResult:
     env = make_env() if make_env is not None else envs.make(traj.env_id, **(env_kwargs or {}))
+    try:
+        return _replay(env, traj)
+    finally:
+        env.close()  # a sandboxed environment's workspace goes with it
+
+
+def _replay(env, traj: Trajectory) -> ReplayResult:
     fail = lambda turn, what, rec, got: ReplayResult(  # noqa: E731
         traj.episode_id, False, turn, f"turn {turn}: {what} differs: recorded {_short(rec)}, replayed {_short(got)}")
     obs, _ = env.reset(seed=traj.seed)

@@ -175,6 +175,12 @@ def run_episodes(
                 )
             )
 
+    for ep in episodes:  # sandboxed environments hold a workspace and processes until closed
+        if ep.env is not None and hasattr(ep.env, "close"):
+            try:
+                ep.env.close()
+            except Exception:
+                pass
     return [
         Trajectory(
             episode_id=ep.task.episode_id,

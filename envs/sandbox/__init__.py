@@ -133,12 +133,16 @@ def classify(result: SandboxResult, *, cpu_exceeded: bool = False, oom: bool = F
             result.resource = result.resource or "cpu_time"
     if oom:
         result.resource = result.resource or "memory"
-    if result.resource is None and code is not None:
-        err = result.stderr[-4000:] + result.stdout[-1000:]
-        if code != 0 and any(w in err for w in _MEMORY_WORDS):
-            result.resource = "memory"
-        elif any(w in err for w in _PROCESS_WORDS):  # a fork bomb's children fail even when its parent exits 0
-            result.resource = "processes"
+    err = result.stderr[-4000:] + result.stdout[-1000:]
+    found = None
+    if code != 0 and any(w in err for w in _MEMORY_WORDS):
+        found = "memory"
+    elif any(w in err for w in _PROCESS_WORDS):  # a fork bomb's children fail even when its parent exits 0
+        found = "processes"
+    if found and result.resource is None:
+        result.resource = found
+    elif found and found != result.resource:  # e.g. a fork bomb that also ran into the wall clock
+        result.events.append(f"{found} limit reached too")
 
 
 def workspace_bytes(path: Path) -> int:

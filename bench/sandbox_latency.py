@@ -1,0 +1,75 @@
+"""Per-call latency of each sandbox backend against a bare subprocess, measured in the same run.
+
+    .venv/bin/python bench/sandbox_latency.py [--calls 30] [--docker-host unix:///path/docker.sock]
+
+Two commands: `true` (pure start-up cost) and `python3 -c pass` (what a Python tool pays). Calls
+alternate between the variants, round-robin, so load on this noisy machine hits each alike. Prints a
+Markdown table: median and p90 milliseconds, and each backend's median over the bare subprocess's.
+The docker row needs a reachable engine (DOCKER_HOST, --docker-host, or the default socket).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from envs.sandbox import Limits, backend_status, open_sandbox  # noqa: E402
+
+COMMANDS = {"true": ["true"], "python3 -c pass": ["python3", "-c", "pass"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--calls", type=int, default=30)
+    ap.add_argument("--docker-host")
+    args = ap.parse_args()
+
+    runners = {"bare subprocess": None}
+    sandboxes = []
+    for backend in ("none", "bwrap", "docker"):
+        opts = {"docker_host": args.docker_host} if backend == "docker" and args.docker_host else {}
+        reason = backend_status(backend) if backend != "docker" else None
+        try:
+            if reason:
+                raise RuntimeError(reason)
+            sb = open_sandbox(backend, limits=Limits(timeout_s=30), **opts)
+        except Exception as exc:
+            print(f"skipping {backend}: {exc}", file=sys.stderr)
+            continue
+        sandboxes.append(sb)
+        runners[backend] = sb
+
+    times = {(name, cmd): [] for name in runners for cmd in COMMANDS}
+    for _ in range(args.calls):
+        for cmd, argv in COMMANDS.items():
+            for name, sb in runners.items():
+                t0 = time.perf_counter()
+                if sb is None:
+                    subprocess.run(argv, capture_output=True, check=True)
+                else:
+                    r = sb.run(argv)
+                    assert r.exit_code == 0, r
+                times[(name, cmd)].append((time.perf_counter() - t0) * 1000)
+    for sb in sandboxes:
+        sb.close()
+
+    print(f"python {platform.python_version()}, {platform.machine()}, {args.calls} calls per cell\n")
+    print("| command | runner | median ms | p90 ms | median / bare |")
+    print("|---|---|---:|---:|---:|")
+    for cmd in COMMANDS:
+        bare = statistics.median(times[("bare subprocess", cmd)])
+        for name in runners:
+            xs = sorted(times[(name, cmd)])
+            med, p90 = statistics.median(xs), xs[int(0.9 * (len(xs) - 1))]
+            print(f"| `{cmd}` | {name} | {med:.1f} | {p90:.1f} | {med / bare:.1f}x |")
+
+
+if __name__ == "__main__":
+    main()
