@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/sandbox_latency.py [--calls 30] [--docker-host unix:///path/docker.sock]
 
-Two commands: `true` (pure start-up cost) and `python3 -c pass` (what a Python tool pays). Calls
+Two commands: `true` (pure start-up cost) and `python -c pass` (what a Python tool pays). Calls
 alternate between the variants, round-robin, so load on this noisy machine hits each alike. Prints a
 Markdown table: median and p90 milliseconds, and each backend's median over the bare subprocess's.
 The docker row needs a reachable engine (DOCKER_HOST, --docker-host, or the default socket).
@@ -22,7 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from envs.sandbox import Limits, backend_status, open_sandbox  # noqa: E402
 
-COMMANDS = {"true": ["true"], "python3 -c pass": ["python3", "-c", "pass"]}
+# The interpreter by its full path: a bare `python3` may be a pyenv shim (a shell script) outside and
+# the venv's binary inside, which would compare two different programs.
+COMMANDS = {"true": ["/bin/true"], "python -c pass": [sys.executable, "-c", "pass"]}
 
 
 def main() -> None:

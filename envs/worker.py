@@ -1,6 +1,8 @@
 """EnvWorker: many environment instances in one process, stepped concurrently.
 
-A plain class (tests and debugging run it in-process); `EnvWorkerActor` is its thin Ray shell.
+A plain class (tests and debugging run it in-process); `EnvWorkerActor` is its thin Ray shell
+(start it with `.options(max_concurrency=N)` so calls from many rollout threads overlap), and
+`RemoteEnv` is one of its slots seen as an ordinary environment.
 Instances live in slots (`reset(slot, seed)` makes one when the slot is new). `step_many` steps
 several slots at once on a thread pool: the slow part of a tool environment is its sandboxed
 subprocesses, which release the GIL.
@@ -76,3 +78,20 @@ class EnvWorker:
 
 
 EnvWorkerActor = ray.remote(EnvWorker)
+
+
+class RemoteEnv:
+    """One environment slot on an EnvWorker actor, behind the env's own reset/step/close, so the
+    agent loop cannot tell it from an in-process environment."""
+
+    def __init__(self, actor, slot: int):
+        self.actor, self.slot = actor, slot
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        return ray.get(self.actor.reset.remote(self.slot, seed))
+
+    def step(self, action: str):
+        return ray.get(self.actor.step.remote(self.slot, action))
+
+    def close(self) -> None:
+        ray.get(self.actor.close.remote(self.slot))

@@ -30,6 +30,7 @@ from rl.ray_utils import init_ray
 from rl.store import TrajectoryStore
 from rl.trajectory import Trajectory
 from rollout.agent_loop import EpisodeTask
+from envs.worker import EnvWorkerActor
 from rollout.worker import RolloutWorkerActor
 
 SYNC_TIMEOUT_S = 300
@@ -73,6 +74,7 @@ class Trainer:
         self.version = 0
         self.start_iteration = 0
         self.workers: list = []
+        self.env_workers: list = []
         self.learner = None
 
     # --- set-up ---
@@ -103,14 +105,20 @@ class Trainer:
         path = self.policy_path()
         init_ray(self.cfg.ray)
         c = self.cfg
-        self.console.log(f"starting {c.rollout.num_workers} rollout worker(s) and the learner")
+        self.console.log(f"starting {c.rollout.num_workers} rollout worker(s), {c.env.workers} env worker(s) "
+                         "and the learner")
         self.learner = LearnerActor.options(num_cpus=0).remote(
             path, c.algo, seed=c.seed, dtype=c.policy.dtype, temperature=c.rollout.temperature,
             max_generated_tokens=c.rollout.max_turns * c.rollout.max_new_tokens,
         )
+        self.env_workers = [
+            EnvWorkerActor.options(num_cpus=c.env.cpus_per_worker, max_concurrency=c.env.worker_concurrency)
+            .remote(c.env.id, c.env.kwargs)
+            for _ in range(c.env.workers)
+        ]
         self.workers = [
             RolloutWorkerActor.options(num_cpus=c.rollout.cpus_per_worker).remote(
-                path, c.rollout, c.env, seed=c.seed + i, dtype=c.policy.dtype
+                path, c.rollout, c.env, seed=c.seed + i, dtype=c.policy.dtype, env_actors=self.env_workers
             )
             for i in range(c.rollout.num_workers)
         ]
@@ -202,6 +210,6 @@ class Trainer:
         return rows
 
     def close(self) -> None:
-        for actor in self.workers + ([self.learner] if self.learner is not None else []):
+        for actor in self.workers + self.env_workers + ([self.learner] if self.learner is not None else []):
             ray.kill(actor)
-        self.workers, self.learner = [], None
+        self.workers, self.env_workers, self.learner = [], [], None

@@ -9,6 +9,9 @@ An environment that raises (in reset or step) or reports `info["infra_error"]` e
 with stop reason `infra_error` and the message; the batch and the worker carry on, and the
 learner keeps such episodes out of its group statistics.
 
+The episodes' environments are reset and stepped concurrently on a thread pool: sandboxed tools
+spend their time in subprocesses, remote environments (`envs.worker.RemoteEnv`) in Ray calls.
+
 Not covered yet: partial (resumable) rollouts across iterations and per-episode asynchrony (a slow
 environment holds back its batch); both come with the orchestration work.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -63,9 +67,44 @@ class _Episode:
         self.infra_error = ""
         self.gen_s = 0.0
         self.env_s = 0.0
+        self.turn_start = 0
 
     def fail(self, message: str) -> None:
         self.stop_reason, self.infra_error = "infra_error", message
+
+
+def _start(task: EpisodeTask, make_env, chat: ChatFormat, max_episode_tokens: int) -> _Episode:
+    """Make and reset one episode's environment and render its prompt."""
+    t0 = time.perf_counter()
+    try:
+        env = make_env()
+        obs, info = env.reset(seed=task.seed)
+        if info.get("infra_error"):  # reported by an EnvWorker that could not build the environment
+            raise RuntimeError(info["infra_error"])
+        prompt = chat.prompt_ids([{"role": "user", "content": obs}], info.get("tools"))
+        ep = _Episode(task, env, prompt)
+        ep.task_text = obs
+    except Exception as exc:  # the environment's failure, not the policy's: keep the worker up
+        ep = _Episode(task, None, [])
+        ep.fail(f"reset: {type(exc).__name__}: {exc}")
+    ep.env_s += time.perf_counter() - t0
+    if not ep.stop_reason and not _room_to_generate(len(ep.ids), max_episode_tokens):
+        ep.stop_reason = "max_tokens"
+    return ep
+
+
+def _step(ep: _Episode, text: str, turn: int) -> tuple:
+    """One env step, timed; an environment's failure becomes the episode's infra error."""
+    t0 = time.perf_counter()
+    try:
+        out = ep.env.step(text)
+    except Exception as exc:  # environment crash: an infrastructure error, not reward 0
+        out = ("", 0.0, False, False, {})
+        ep.fail(f"step {turn}: {type(exc).__name__}: {exc}")
+    if out[4].get("infra_error"):  # reported by the environment itself (sandbox died, ...)
+        ep.fail(str(out[4]["infra_error"]))
+    ep.env_s += time.perf_counter() - t0
+    return out
 
 
 def run_episodes(
@@ -82,123 +121,113 @@ def run_episodes(
     top_p: float = 1.0,
     run_seed: int = 0,
 ) -> list[Trajectory]:
-    episodes = []
-    for task in tasks:
-        t0 = time.perf_counter()
-        try:
-            env = make_env()
-            obs, info = env.reset(seed=task.seed)
-            prompt = chat.prompt_ids([{"role": "user", "content": obs}], info.get("tools"))
-            ep = _Episode(task, env, prompt)
-            ep.task_text = obs
-        except Exception as exc:  # the environment's failure, not the policy's: keep the worker up
-            ep = _Episode(task, None, [])
-            ep.fail(f"reset: {type(exc).__name__}: {exc}")
-        ep.env_s += time.perf_counter() - t0
-        if not ep.stop_reason and not _room_to_generate(len(ep.ids), max_episode_tokens):
-            ep.stop_reason = "max_tokens"
-        episodes.append(ep)
+    pool = ThreadPoolExecutor(max_workers=max(1, min(32, len(tasks))))
+    episodes: list[_Episode] = []
+    try:
+        episodes = list(pool.map(lambda task: _start(task, make_env, chat, max_episode_tokens), tasks))
+        for turn in range(max_turns):
+            live = [ep for ep in episodes if not ep.stop_reason]
+            if not live:
+                break
+            _turn(engine, chat, live, turn, pool, max_turns=max_turns, max_new_tokens=max_new_tokens,
+                  max_episode_tokens=max_episode_tokens, temperature=temperature, top_p=top_p, run_seed=run_seed)
+    finally:
+        pool.shutdown()
+        for ep in episodes:  # sandboxed environments hold a workspace and processes until closed
+            if ep.env is not None and hasattr(ep.env, "close"):
+                try:
+                    ep.env.close()
+                except Exception:
+                    pass
+    return [_record(ep, env_id) for ep in episodes]
 
-    for turn in range(max_turns):
-        live = [ep for ep in episodes if not ep.stop_reason]
-        if not live:
-            break
-        # Each episode may generate at most what its token budget still allows, keeping one token
-        # for the end-of-turn token appended when a turn is cut by the limit.
-        budgets = [min(max_new_tokens, max_episode_tokens - len(ep.ids) - 1) for ep in live]
-        t0 = time.perf_counter()
-        gens = engine.generate(
-            [ep.ids for ep in live],
-            max_tokens=budgets,
-            temperature=temperature,
-            top_p=top_p,
-            stop_token_ids=[chat.eot_id],
-            seeds=[turn_seed(run_seed, ep.task.episode_id, turn) for ep in live],
-        )
-        dt = (time.perf_counter() - t0) / max(1, len(live))
-        for ep, gen in zip(live, gens):
-            ep.gen_s += dt
-            gen_start = len(ep.ids)
-            ep.ids += gen.token_ids
-            ep.mask += [1] * len(gen.token_ids)
-            ep.logprobs += gen.logprobs
-            if not gen.token_ids or gen.token_ids[-1] != chat.eot_id:
-                # Cut by the token limit: close the turn so the next observation is well formed.
-                # The closing token is not the policy's, so it is masked out.
-                ep.ids.append(chat.eot_id)
-                ep.mask.append(0)
-                ep.logprobs.append(0.0)
-            gen_end = len(ep.ids)
-            text = chat.decode(gen.token_ids)
 
-            t1 = time.perf_counter()
-            try:
-                obs, reward, terminated, truncated, info = ep.env.step(text)
-            except Exception as exc:  # environment crash: an infrastructure error, not reward 0
-                obs, reward, terminated, truncated, info = "", 0.0, False, False, {}
-                ep.fail(f"step {turn}: {type(exc).__name__}: {exc}")
-            if info.get("infra_error"):  # reported by the environment itself (sandbox died, ...)
-                ep.fail(str(info["infra_error"]))
-            ep.env_s += time.perf_counter() - t1
-            ep.reward += float(reward)
-            for m in info.get("milestones", []):
-                ep.milestones.append({**m, "turn": turn, "token": gen_end - 1})
-            n_errors = int(info.get("tool_errors", 0))
-            n_calls = sum(1 for m in info.get("messages", []) if m.get("role") == "tool")
+def _turn(engine, chat: ChatFormat, live: list[_Episode], turn: int, pool, *, max_turns, max_new_tokens,
+          max_episode_tokens, temperature, top_p, run_seed) -> None:
+    """One batched generation over the live episodes, then all their env steps at once."""
+    # Each episode may generate at most what its token budget still allows, keeping one token
+    # for the end-of-turn token appended when a turn is cut by the limit.
+    budgets = [min(max_new_tokens, max_episode_tokens - len(ep.ids) - 1) for ep in live]
+    t0 = time.perf_counter()
+    gens = engine.generate(
+        [ep.ids for ep in live],
+        max_tokens=budgets,
+        temperature=temperature,
+        top_p=top_p,
+        stop_token_ids=[chat.eot_id],
+        seeds=[turn_seed(run_seed, ep.task.episode_id, turn) for ep in live],
+    )
+    dt = (time.perf_counter() - t0) / max(1, len(live))
+    texts = []
+    for ep, gen in zip(live, gens):
+        ep.gen_s += dt
+        ep.turn_start = len(ep.ids)
+        ep.ids += gen.token_ids
+        ep.mask += [1] * len(gen.token_ids)
+        ep.logprobs += gen.logprobs
+        if not gen.token_ids or gen.token_ids[-1] != chat.eot_id:
+            # Cut by the token limit: close the turn so the next observation is well formed.
+            # The closing token is not the policy's, so it is masked out.
+            ep.ids.append(chat.eot_id)
+            ep.mask.append(0)
+            ep.logprobs.append(0.0)
+        texts.append(chat.decode(gen.token_ids))
+    steps = list(pool.map(lambda pair: _step(pair[0], pair[1], turn), zip(live, texts)))
 
-            if ep.stop_reason == "infra_error":
-                pass
-            elif terminated or truncated:
-                ep.stop_reason = "terminated" if terminated else "truncated"
-            elif turn + 1 >= max_turns:
-                ep.stop_reason = "max_turns"
+    for ep, gen, text, (obs, reward, terminated, truncated, info) in zip(live, gens, texts, steps):
+        gen_start, gen_end = ep.turn_start, len(ep.ids)
+        ep.reward += float(reward)
+        for m in info.get("milestones", []):
+            ep.milestones.append({**m, "turn": turn, "token": gen_end - 1})
+        n_errors = int(info.get("tool_errors", 0))
+        n_calls = sum(1 for m in info.get("messages", []) if m.get("role") == "tool")
+
+        if ep.stop_reason == "infra_error":
+            pass
+        elif terminated or truncated:
+            ep.stop_reason = "terminated" if terminated else "truncated"
+        elif turn + 1 >= max_turns:
+            ep.stop_reason = "max_turns"
+        else:
+            obs_ids = chat.observation_ids(info["messages"])
+            if not _room_to_generate(len(ep.ids) + len(obs_ids), max_episode_tokens):
+                ep.stop_reason = "max_tokens"
             else:
-                obs_ids = chat.observation_ids(info["messages"])
-                if not _room_to_generate(len(ep.ids) + len(obs_ids), max_episode_tokens):
-                    ep.stop_reason = "max_tokens"
-                else:
-                    ep.ids += obs_ids
-                    ep.mask += [0] * len(obs_ids)
-                    ep.logprobs += [0.0] * len(obs_ids)
-            ep.turns.append(
-                Turn(
-                    gen_start=gen_start,
-                    gen_end=gen_end,
-                    obs_end=len(ep.ids),
-                    text=text,
-                    observation=obs,
-                    tool_calls=n_calls,
-                    tool_errors=n_errors,
-                    policy_version=engine.version,
-                    seed=turn_seed(run_seed, ep.task.episode_id, turn),
-                    finish_reason=gen.finish_reason,
-                )
+                ep.ids += obs_ids
+                ep.mask += [0] * len(obs_ids)
+                ep.logprobs += [0.0] * len(obs_ids)
+        ep.turns.append(
+            Turn(
+                gen_start=gen_start,
+                gen_end=gen_end,
+                obs_end=len(ep.ids),
+                text=text,
+                observation=obs,
+                tool_calls=n_calls,
+                tool_errors=n_errors,
+                policy_version=engine.version,
+                seed=turn_seed(run_seed, ep.task.episode_id, turn),
+                finish_reason=gen.finish_reason,
             )
-
-    for ep in episodes:  # sandboxed environments hold a workspace and processes until closed
-        if ep.env is not None and hasattr(ep.env, "close"):
-            try:
-                ep.env.close()
-            except Exception:
-                pass
-    return [
-        Trajectory(
-            episode_id=ep.task.episode_id,
-            iteration=ep.task.iteration,
-            group_id=ep.task.group_id,
-            env_id=env_id,
-            seed=ep.task.seed,
-            task=ep.task_text,
-            prompt_len=ep.turns[0].gen_start if ep.turns else len(ep.ids),
-            token_ids=ep.ids,
-            loss_mask=ep.mask,
-            rollout_logprobs=ep.logprobs,
-            turns=ep.turns,
-            milestones=ep.milestones,
-            reward=ep.reward,
-            stop_reason=ep.stop_reason or "max_turns",
-            infra_error=ep.infra_error,
-            timings={"generate_s": ep.gen_s, "env_s": ep.env_s},
         )
-        for ep in episodes
-    ]
+
+
+def _record(ep: _Episode, env_id: str) -> Trajectory:
+    return Trajectory(
+        episode_id=ep.task.episode_id,
+        iteration=ep.task.iteration,
+        group_id=ep.task.group_id,
+        env_id=env_id,
+        seed=ep.task.seed,
+        task=ep.task_text,
+        prompt_len=ep.turns[0].gen_start if ep.turns else len(ep.ids),
+        token_ids=ep.ids,
+        loss_mask=ep.mask,
+        rollout_logprobs=ep.logprobs,
+        turns=ep.turns,
+        milestones=ep.milestones,
+        reward=ep.reward,
+        stop_reason=ep.stop_reason or "max_turns",
+        infra_error=ep.infra_error,
+        timings={"generate_s": ep.gen_s, "env_s": ep.env_s},
+    )

@@ -1,12 +1,14 @@
 """RolloutWorker: one vLLM engine, a tokenizer-level chat format and environment instances.
 
 A plain class; `RolloutWorkerActor` is its thin Ray shell, so the same code runs in-process in
-tests and debugging. Environments run in the worker's process for now (the separate, sandboxed
-EnvWorker actors come with the environments work).
+tests and debugging. Environments run in the worker's process, or, given `env_actors`, in
+EnvWorker actors (`envs/worker.py`), one slot per episode, spread over the actors round-robin.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 import time
 import warnings
 
@@ -14,6 +16,7 @@ import ray
 
 import envs
 from rl.config import EnvConfig, RolloutConfig
+from envs.worker import RemoteEnv
 from rl.trajectory import Trajectory
 from rollout.agent_loop import EpisodeTask, run_episodes
 from rollout.chat import ChatFormat
@@ -22,10 +25,13 @@ from rollout.vllm_engine import Generation, VLLMEngine
 
 class RolloutWorker:
     def __init__(self, policy_path: str, rollout: RolloutConfig, env: EnvConfig, *, seed: int = 0,
-                 dtype: str = "float32"):
+                 dtype: str = "float32", env_actors: list | None = None):
         from transformers import AutoTokenizer
 
         self.cfg, self.env_cfg, self.seed = rollout, env, seed
+        self.env_actors = list(env_actors or [])
+        # slots on shared EnvWorkers: a random 32-bit prefix per rollout worker keeps them apart
+        self._slots = itertools.count(int.from_bytes(os.urandom(4), "little") << 32)
         envs.spec(env.id)  # fail here, by name, if the environment is unknown
         self.chat = ChatFormat(AutoTokenizer.from_pretrained(policy_path))
         self.engine = VLLMEngine(
@@ -45,7 +51,7 @@ class RolloutWorker:
         return run_episodes(
             self.engine,
             self.chat,
-            lambda: envs.make(self.env_cfg.id, **self.env_cfg.kwargs),
+            self.make_env,
             self.env_cfg.id,
             tasks,
             max_turns=c.max_turns,
@@ -55,6 +61,12 @@ class RolloutWorker:
             top_p=c.top_p,
             run_seed=self.seed,
         )
+
+    def make_env(self):
+        if not self.env_actors:
+            return envs.make(self.env_cfg.id, **self.env_cfg.kwargs)
+        slot = next(self._slots)
+        return RemoteEnv(self.env_actors[slot % len(self.env_actors)], slot)
 
     def load_weights(self, named_arrays: list, version: int) -> dict:
         """Load published weights (HF names → arrays) in place; returns timing and the new version."""

@@ -186,3 +186,23 @@ def test_every_builtin_env_records_and_replays_through_the_loop(tokenizer, env_i
             "tools/calculator-v0", "long/needle-v0") else 1.0), (t.stop_reason, t.milestones)
         r = replay_episode(t, kwargs)
         assert r.ok and r.turns_checked == len(t.turns), r.divergence
+
+
+def test_expert_episodes_through_env_worker_actors(tokenizer, ray_cluster):
+    """The same loop with each episode's environment in a slot of an EnvWorker actor."""
+    from envs.worker import EnvWorkerActor, RemoteEnv
+    from rl.replay import replay_episode
+
+    chat = ChatFormat(tokenizer)
+    actor = EnvWorkerActor.options(max_concurrency=4).remote("tools/shell-v0", {})
+    slots = iter(range(100))
+    seeds = [5, 6]
+    trajs = []
+    for s in seeds:
+        trajs += run_episodes(ExpertPolicy(chat, [s], "tools/shell-v0"), chat, lambda: RemoteEnv(actor, next(slots)),
+                              "tools/shell-v0", [EpisodeTask(f"r{s}", s, s, 0)], max_turns=6, max_new_tokens=256,
+                              max_episode_tokens=8192)
+    assert [t.reward for t in trajs] == [1.0, 1.0] and {t.stop_reason for t in trajs} == {"terminated"}
+    assert all(replay_episode(t).ok for t in trajs)  # recorded remotely, replayed in-process: the same
+    assert ray_cluster.get(actor.stats.remote()) == {"slots": 0, "failures": 0}  # closed after each episode
+    ray_cluster.kill(actor)

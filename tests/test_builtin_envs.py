@@ -229,3 +229,10 @@ def test_cli_sandbox_run_and_envs_commands(tmp_path):
     r = cli("envs", "play", "tools/calculator-v0", "--seed", "1", input=typed)
     assert "milestone product +0.25" in r.stdout and "milestone solved +1" in r.stdout
     assert "total reward 1.25" in r.stdout
+
+
+@pytest.mark.parametrize("env_id", ["tools/shell-v0", "code/fix-tests-v0"])
+def test_sandboxed_envs_on_the_docker_backend(env_id, docker_host):
+    env = envs.make(env_id, backend="docker", docker_host=docker_host)
+    report = check_env(env, seed=1)
+    assert report["expert_reward"] == pytest.approx(1.0)

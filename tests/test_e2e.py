@@ -31,6 +31,15 @@ def test_versions_advance_on_every_worker(e2e_run):
     assert len(trainer.workers) == 2
 
 
+def test_environments_ran_in_the_env_worker(e2e_run, stored):
+    trainer, _, _ = e2e_run
+    (env_worker,) = trainer.env_workers
+    # every episode's slot was closed after its episode, and none failed
+    assert ray.get(env_worker.stats.remote()) == {"slots": 0, "failures": 0}
+    assert all(t.stop_reason != "infra_error" for t in stored)
+    assert all(t.turns and t.task for t in stored)
+
+
 def test_learner_weights_moved(e2e_run, hf_model, stored):
     trainer, _, _ = e2e_run
     ids = stored[0].token_ids
