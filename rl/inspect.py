@@ -114,3 +114,5 @@ def print_episode(run_dir: str | Path, episode_id: str, console: Console) -> Non
             console.print(Panel(turn.observation, title="observation", title_align="left", border_style="dim"))
         if by_turn.get(i):
             console.print(f"  [green]milestones: {', '.join(by_turn[i])}[/]")
+        for event in turn.sandbox_events:
+            console.print(f"  [yellow]sandbox: {event}[/]", markup=True, highlight=False)

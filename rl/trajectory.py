@@ -34,6 +34,8 @@ class Turn:
     """Sampling seed of this turn (with the same weights and prompt, vLLM reproduces the turn)."""
     finish_reason: str
     """`stop` (end-of-turn token) or `length` (hit `max_new_tokens`)."""
+    sandbox_events: list[str] = field(default_factory=list)
+    """Limits hit by the turn's sandboxed tool calls (e.g. `bwrap: memory limit reached`)."""
 
 
 @dataclass

@@ -208,6 +208,7 @@ def _turn(engine, chat: ChatFormat, live: list[_Episode], turn: int, pool, *, ma
                 policy_version=engine.version,
                 seed=turn_seed(run_seed, ep.task.episode_id, turn),
                 finish_reason=gen.finish_reason,
+                sandbox_events=list(info.get("sandbox_events", [])),
             )
         )
 

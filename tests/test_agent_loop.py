@@ -17,14 +17,14 @@ class ExpertPolicy:
 
     version = 0
 
-    def __init__(self, chat, seeds, env_id="tools/calculator-v0", **env_kwargs):
+    def __init__(self, chat, seeds, env_id="tools/calculator-v0", turns=None, **env_kwargs):
         self.chat = chat
         self.tasks = []
         for s in seeds:
             env = envs.make(env_id, **env_kwargs)
             obs, info = env.reset(seed=s)
             prompt = chat.prompt_ids([{"role": "user", "content": obs}], info["tools"])
-            self.tasks.append((prompt, env.expert_turns(), [0]))
+            self.tasks.append((prompt, turns or env.expert_turns(), [0]))
             env.close()
 
     def generate(self, prompts, *, max_tokens, temperature, top_p, stop_token_ids, seeds):
@@ -206,3 +206,26 @@ def test_expert_episodes_through_env_worker_actors(tokenizer, ray_cluster):
     assert all(replay_episode(t).ok for t in trajs)  # recorded remotely, replayed in-process: the same
     assert ray_cluster.get(actor.stats.remote()) == {"slots": 0, "failures": 0}  # closed after each episode
     ray_cluster.kill(actor)
+
+
+def test_sandbox_events_are_recorded_stored_and_shown(tokenizer, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from envs.tool_calls import format_tool_call as call
+    from rl.store import TrajectoryStore
+
+    chat = ChatFormat(tokenizer)
+    turns = [call("bash", command="yes"), call("bash", command="echo calm"), call("submit")]
+    (t,) = run_episodes(ExpertPolicy(chat, [1], "tools/shell-v0", turns=turns), chat,
+                        lambda: envs.make("tools/shell-v0"), "tools/shell-v0", [EpisodeTask("i0-g0-e0", 0, 1, 0)],
+                        max_turns=4, max_new_tokens=128, max_episode_tokens=8192)
+    assert any("output limit reached" in e for e in t.turns[0].sandbox_events)
+    assert t.turns[1].sandbox_events == []
+    TrajectoryStore(tmp_path).write("iter-000000", [t])
+    (back,) = TrajectoryStore(tmp_path).trajectories()
+    assert back.turns[0].sandbox_events == t.turns[0].sandbox_events
+    shown = subprocess.run([sys.executable, "-m", "rl.cli", "inspect", str(tmp_path), "--episode", "i0-g0-e0"],
+                           cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert "sandbox: bwrap: output limit reached" in shown.stdout, shown.stderr
