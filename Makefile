@@ -24,15 +24,16 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -c "import vllm, ray, trl, torch; print('installed: torch', torch.__version__, '| vllm', vllm.__version__, '| ray', ray.__version__, '| trl', trl.__version__)"
 	touch $(STAMP)
 
-# Debian's chromium, for the test that renders the HTML viewer in a headless browser, and docker.io,
-# whose dockerd the docker sandbox tests start on a private socket (no engine runs here by default).
-SYSTEM_PKGS := chromium:chromium dockerd:docker.io
+# Debian's chromium, for the test that renders the HTML viewer in a headless browser; docker.io,
+# whose dockerd the docker sandbox tests start on a private socket (no engine runs here by default);
+# runsc, gVisor's runtime, which that dockerd adds for the gVisor sandbox tests.
+SYSTEM_PKGS := chromium:chromium dockerd:docker.io runsc:runsc
 system-deps:
 	@missing=""; for p in $(SYSTEM_PKGS); do command -v $${p%%:*} >/dev/null 2>&1 || missing="$$missing $${p#*:}"; done; \
 	if [ -z "$$missing" ]; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
-	else echo "note: not installed (needs root and apt-get):$$missing; the browser and docker sandbox tests will skip"; fi
+	else echo "note: not installed (needs root and apt-get):$$missing; the browser, docker and gVisor tests will skip"; fi
 
 demo: install
 	rm -rf $(RUN)

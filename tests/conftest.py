@@ -88,6 +88,7 @@ def docker_host(tmp_path_factory):
     reaches, else a private `dockerd` this fixture starts (root, Debian's docker.io: `make
     system-deps` installs it) on its own socket with no bridge and no iptables changes, stopped by
     PID at the end. Where neither is possible the tests skip saying why; under CI they fail."""
+    import json
     import shutil
     import signal
     import subprocess
@@ -112,8 +113,12 @@ def docker_host(tmp_path_factory):
     d.mkdir(exist_ok=True)
     sock = f"unix://{d}/docker.sock"
     log = open(d / "dockerd.log", "w")
+    # gVisor as a second runtime when Debian's runsc is there (`make system-deps` installs it)
+    runsc = shutil.which("runsc") or ("/usr/bin/runsc" if os.path.exists("/usr/bin/runsc") else None)
+    runtimes = {"runtimes": {"runsc": {"path": runsc, "runtimeArgs": ["--network=none"]}}} if runsc else {}
+    (d / "daemon.json").write_text(json.dumps(runtimes))
     proc = subprocess.Popen(
-        [dockerd, f"--host={sock}", f"--data-root={d}/data", f"--exec-root={d}/exec", f"--pidfile={d}/dockerd.pid",
+        [dockerd, f"--config-file={d}/daemon.json", f"--host={sock}", f"--data-root={d}/data", f"--exec-root={d}/exec", f"--pidfile={d}/dockerd.pid",
          "--bridge=none", "--iptables=false", "--ip6tables=false", "--ip-masq=false"],
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
     )
@@ -132,3 +137,19 @@ def docker_host(tmp_path_factory):
         proc.wait()
     log.close()
     shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def gvisor_host(docker_host):
+    """The docker engine above, when it has gVisor's `runsc` runtime (skip, or fail under CI, if not)."""
+    import docker
+
+    client = docker.DockerClient(base_url=docker_host) if docker_host else docker.from_env()
+    runtimes = client.info().get("Runtimes", {})
+    client.close()
+    if "runsc" not in runtimes:
+        reason = "the Docker engine has no runsc runtime (apt-get install runsc; a test-started dockerd adds it)"
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the gVisor sandbox tests: {reason}")
+        pytest.skip(reason)
+    return docker_host

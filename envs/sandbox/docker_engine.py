@@ -13,6 +13,10 @@ at the end of the call, taking every process in it along. Pass `runtime="runsc"`
 gVisor (an engine configured with that runtime), which also puts a user-space kernel between the
 code and the host's.
 
+Under `runsc` (tested with Debian's gVisor release): the guest's processes are limited by
+RLIMIT_NPROC, since the pids cgroup also counts gVisor's own threads; RLIMIT_CPU is not enforced,
+so a busy loop ends at the wall clock (with one CPU's quota); each call costs ~1 s.
+
 Does NOT protect against: kernel exploits under the default `runc` runtime (use `runsc`); anyone
 who can reach the engine's socket (that is root on the host); filling the workspace faster than the
 check after the call (bounded by file size × wall time). About 0.3–0.5 s a call: for tools called
@@ -142,6 +146,9 @@ class DockerSandbox(SandboxBase):
                 os.chown(io_dir / name, self.uid, self.uid)
         os.chmod(io_dir, 0o755)
         argv = ["/bin/sh", "-c", '"$@" < /.io/in > /.io/out 2> /.io/err; exit $?', "sh", *argv]
+        # Under gVisor the pids cgroup also counts the sandbox kernel's own threads (a limit of 32
+        # keeps it from starting): the guest's processes are then limited by RLIMIT_NPROC alone.
+        pids_limit = limits.processes if self.runtime != "runsc" else limits.processes + 512
         self.workspace.chown()
         t0 = time.monotonic()
         container = None
@@ -151,10 +158,11 @@ class DockerSandbox(SandboxBase):
                 self.image, argv, detach=True, user=f"{self.uid}:{self.uid}", working_dir="/workspace",
                 environment=self.env, volumes=self._volumes(str(io_dir)), network_mode="none", read_only=True,
                 tmpfs={"/tmp": f"size={limits.disk_mb}m,mode=1777"}, mem_limit=f"{limits.memory_mb}m",
-                memswap_limit=f"{limits.memory_mb}m", pids_limit=limits.processes, nano_cpus=10**9,
+                memswap_limit=f"{limits.memory_mb}m", pids_limit=pids_limit, nano_cpus=10**9,
                 ulimits=[docker.types.Ulimit(name="cpu", soft=int(limits.cpu_s), hard=int(limits.cpu_s) + 1),
                          docker.types.Ulimit(name="fsize", soft=limits.file_mb << 20, hard=limits.file_mb << 20),
-                         docker.types.Ulimit(name="core", soft=0, hard=0)],
+                         docker.types.Ulimit(name="core", soft=0, hard=0),
+                         docker.types.Ulimit(name="nproc", soft=limits.processes, hard=limits.processes)],
                 cap_drop=["ALL"], security_opt=["no-new-privileges"], runtime=self.runtime,
                 log_config=docker.types.LogConfig(type="none"),
             )
