@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import gymnasium as gym
 
-from envs.sandbox import SandboxError
+from envs.sandbox import Limits, SandboxError, open_sandbox
 from envs.tool_calls import ToolCall, ToolCallError, parse_tool_calls
 
 
@@ -154,6 +154,28 @@ class ToolEnv(gym.Env):
         self._done = True
 
 
+class SandboxedEnv(ToolEnv):
+    """A ToolEnv whose tools run model-written code: each episode gets a fresh sandbox and workspace
+    (`new_sandbox()` in `_reset_task`), closed at the next reset or by `close()`."""
+
+    def __init__(self, max_turns: int, backend: str = "bwrap", timeout_s: float = 10.0, **sandbox_options):
+        super().__init__()
+        self.max_turns = max_turns
+        self.backend, self.sandbox_options = backend, sandbox_options
+        self.limits = Limits.within(timeout_s)
+        self.sandbox = None
+
+    def new_sandbox(self):
+        self.close()
+        self.sandbox = open_sandbox(self.backend, limits=self.limits, **self.sandbox_options)
+        return self.sandbox
+
+    def close(self) -> None:
+        if self.sandbox is not None:
+            self.sandbox.close()
+            self.sandbox = None
+
+
 class ToolFailure(Exception):
     """A tool's clear, expected failure; its message becomes the observation."""
 
@@ -162,4 +184,4 @@ class InfraError(RuntimeError):
     """The environment's machinery failed (not the policy): the episode ends as an infra error."""
 
 
-__all__ = ["ToolEnv", "ToolSpec", "ToolFailure", "InfraError", "ToolCall", "ToolCallError"]
+__all__ = ["ToolEnv", "SandboxedEnv", "ToolSpec", "ToolFailure", "InfraError", "ToolCall", "ToolCallError"]

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import re
 
-from envs.base import ToolEnv, ToolFailure, ToolSpec
-from envs.sandbox import Limits, open_sandbox
+from envs.base import SandboxedEnv, ToolFailure, ToolSpec
 from envs.tool_calls import format_tool_call as call
 
 # name: (correct source, buggy source, test body)
@@ -61,7 +60,7 @@ _DURATION = re.compile(r" in \d+\.\d+s( \(\d+:\d\d:\d\d\))?(?=( =*)?$)", re.MULT
 _RESULT = re.compile(r"^(PASSED|FAILED|ERROR) test_textkit\.py::(test_\w+)", re.MULTILINE)
 
 
-class FixTestsEnv(ToolEnv):
+class FixTestsEnv(SandboxedEnv):
     tools = [
         ToolSpec("read_file", "Read a file of the project.",
                  {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}),
@@ -73,19 +72,14 @@ class FixTestsEnv(ToolEnv):
     ]
 
     def __init__(self, max_turns: int = 10, backend: str = "bwrap", timeout_s: float = 30.0, **sandbox_options):
-        super().__init__()
-        self.max_turns = max_turns
-        self.backend, self.sandbox_options = backend, sandbox_options
-        self.limits = Limits.within(timeout_s)
-        self.sandbox = None
+        super().__init__(max_turns, backend, timeout_s, **sandbox_options)
 
     def _reset_task(self) -> str:
-        self.close()
         rng = self.np_random
         names = sorted(BANK)
         self.functions = [names[i] for i in sorted(rng.choice(len(names), size=4, replace=False))]
         self.broken = sorted(self.functions[i] for i in rng.choice(4, size=2, replace=False))
-        self.sandbox = open_sandbox(self.backend, limits=self.limits, **self.sandbox_options)
+        self.new_sandbox()
         module = "\n\n".join(BANK[f][1] if f in self.broken else BANK[f][0] for f in self.functions)
         self.sandbox.workspace.write_text(MODULE, module)
         self.test_source = f"from textkit import {', '.join(self.functions)}\n\n\n" + "\n\n".join(
@@ -154,8 +148,3 @@ class FixTestsEnv(ToolEnv):
         fixed = "\n\n".join(BANK[f][0] for f in self.functions)
         return [call("read_file", path=MODULE), call("run_tests"), call("write_file", path=MODULE, content=fixed),
                 call("run_tests"), call("submit")]
-
-    def close(self) -> None:
-        if self.sandbox is not None:
-            self.sandbox.close()
-            self.sandbox = None

@@ -17,15 +17,14 @@ ends the episode as an infrastructure error.
 
 from __future__ import annotations
 
-from envs.base import ToolEnv, ToolSpec
-from envs.sandbox import Limits, open_sandbox
+from envs.base import SandboxedEnv, ToolSpec
 from envs.tool_calls import format_tool_call as call
 
 _WORDS = ["disk", "cache", "worker", "request", "token", "shard", "socket", "queue", "lease", "batch", "retry", "node"]
 _VERBS = ["started", "failed", "timed out", "recovered", "stalled", "flushed", "rejected", "completed"]
 
 
-class ShellEnv(ToolEnv):
+class ShellEnv(SandboxedEnv):
     tools = [
         ToolSpec("bash", "Run a shell command in the workspace (a sandbox without network); returns exit code and output.",
                  {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}),
@@ -33,17 +32,12 @@ class ShellEnv(ToolEnv):
     ]
 
     def __init__(self, max_turns: int = 8, backend: str = "bwrap", timeout_s: float = 10.0, **sandbox_options):
-        super().__init__()
-        self.max_turns = max_turns
-        self.backend, self.sandbox_options = backend, sandbox_options
-        self.limits = Limits.within(timeout_s)
-        self.sandbox = None
+        super().__init__(max_turns, backend, timeout_s, **sandbox_options)
 
     def _reset_task(self) -> str:
-        self.close()
         rng = self.np_random
         self.level = ["ERROR", "WARN"][int(rng.integers(2))]
-        self.sandbox = open_sandbox(self.backend, limits=self.limits, **self.sandbox_options)
+        self.new_sandbox()
         lines_all = []
         for f in range(int(rng.integers(3, 6))):
             lines = []
@@ -101,8 +95,3 @@ class ShellEnv(ToolEnv):
             call("bash", command="wc -l < report/matches.txt | tr -d ' ' > report/count.txt && cat report/count.txt"),
             call("submit"),
         ]
-
-    def close(self) -> None:
-        if self.sandbox is not None:
-            self.sandbox.close()
-            self.sandbox = None

@@ -139,11 +139,11 @@ def test_check_env_names_every_problem():
     class Broken(envs.ToolEnv):
         tools = [envs.ToolSpec("a", "x", {"type": "string"})]
 
-        def _reset_task(self):
-            return f"task {self.np_random.integers(1000)}"  # the seed is ignored below
+        resets = 0
 
-        def reset(self, *, seed=None, options=None):
-            return super().reset(seed=None)
+        def _reset_task(self):  # a task that changes at every reset, whatever the seed
+            self.resets += 1
+            return f"task {self.resets}"
 
         def tool_functions(self):
             return {}
