@@ -2,6 +2,7 @@
 
     longhorizon train CONFIG [--run-dir DIR] [--iterations N] [section.key=value ...]
     longhorizon train --resume DIR [--iterations N]
+    longhorizon train CONFIG --from-store RUN_DIR [...]   # learner only, on stored trajectories
     longhorizon inspect DIR [--episode ID] [--json] [--html OUT.html]
     longhorizon replay DIR (--episode ID | --all) [--rescore module:function] [--json]
     longhorizon export DIR [--out FILE]
@@ -51,7 +52,11 @@ def _train(args) -> int:
 
     from rl.trainer import Trainer
 
-    trainer = Trainer(cfg, run_dir, console)
+    try:
+        trainer = Trainer(cfg, run_dir, console, from_store=args.from_store)
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         trainer.start(resume=bool(args.resume))
         trainer.run()
@@ -177,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", help="where the run writes everything (default runs/NAME-TIME)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
     p.add_argument("--iterations", type=int, help="override the config's iterations")
+    p.add_argument("--from-store", metavar="RUN_DIR",
+                   help="no rollouts: iteration i trains on the i-th trajectory shard of RUN_DIR")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. rollout.group_size=8")
     p.set_defaults(fn=_train)
 

@@ -90,12 +90,13 @@ class TrajectoryStore:
     def shards(self) -> list[Path]:
         return sorted(self.dir.glob("*.parquet")) if self.dir.exists() else []
 
-    def rows(self, columns: list[str] | None = None, strict: bool = False) -> Iterator[dict]:
-        """Every stored episode as a dict of columns, shard by shard (one shard in memory at a time).
+    def rows(self, columns: list[str] | None = None, strict: bool = False, shards: list[Path] | None = None) -> Iterator[dict]:
+        """Every stored episode (of `shards`, default all) as a dict of columns, shard by shard (one
+        shard in memory at a time).
 
         A shard that cannot be read is skipped and named in `self.corrupt` (with a warning), so the
         rest of the run stays readable; `strict=True` raises instead."""
-        for shard in self.shards():
+        for shard in self.shards() if shards is None else shards:
             try:
                 table = pq.read_table(shard, columns=columns)
             except (pa.ArrowInvalid, OSError) as exc:
@@ -107,8 +108,8 @@ class TrajectoryStore:
                 continue
             yield from table.to_pylist()
 
-    def trajectories(self) -> Iterator[Trajectory]:
-        for row in self.rows():
+    def trajectories(self, shard: Path | None = None) -> Iterator[Trajectory]:
+        for row in self.rows(shards=None if shard is None else [shard]):
             yield row_to_trajectory(row)
 
 

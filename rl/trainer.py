@@ -66,11 +66,20 @@ def summarise(trajs: list[Trajectory]) -> dict:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, run_dir: str | Path, console: Console | None = None):
+    """The driver. With `from_store=RUN_DIR` it starts no rollout or env workers: iteration i trains
+    on the i-th trajectory shard of that run (for debugging a learner change on fixed data)."""
+
+    def __init__(self, cfg: RunConfig, run_dir: str | Path, console: Console | None = None,
+                 from_store: str | Path | None = None):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.console = console or Console(stderr=True)
         self.store = TrajectoryStore(self.run_dir)
+        self.source = None
+        if from_store is not None:
+            self.source = TrajectoryStore(from_store)
+            if not self.source.shards():
+                raise FileNotFoundError(f"--from-store {from_store}: no trajectory shards there")
         self.version = 0
         self.start_iteration = 0
         self.workers: list = []
@@ -81,6 +90,11 @@ class Trainer:
     def policy_path(self) -> str:
         if self.cfg.policy.path:
             return self.cfg.policy.path
+        if self.source is not None:  # the stored token ids are that run's tokenizer's: train its policy
+            init = self.source.dir.parent / "policy-init"
+            if not (init / "config.json").exists():
+                raise FileNotFoundError(f"--from-store: set policy.path; {init} holds no policy")
+            return str(init)
         from policy.tiny_hf import make_tiny_qwen3_moe
 
         init = self.run_dir / "policy-init"
@@ -111,16 +125,17 @@ class Trainer:
             path, c.algo, seed=c.seed, dtype=c.policy.dtype, temperature=c.rollout.temperature,
             max_generated_tokens=c.rollout.max_turns * c.rollout.max_new_tokens,
         )
+        rollouts = self.source is None  # training from a store needs no engines and no environments
         self.env_workers = [
             EnvWorkerActor.options(num_cpus=c.env.cpus_per_worker, max_concurrency=c.env.worker_concurrency)
             .remote(c.env.id, c.env.kwargs)
-            for _ in range(c.env.workers)
+            for _ in range(c.env.workers if rollouts else 0)
         ]
         self.workers = [
             RolloutWorkerActor.options(num_cpus=c.rollout.cpus_per_worker).remote(
                 path, c.rollout, c.env, seed=c.seed + i, dtype=c.policy.dtype, env_actors=self.env_workers
             )
-            for i in range(c.rollout.num_workers)
+            for i in range(c.rollout.num_workers if rollouts else 0)
         ]
         ray.get([w.version.remote() for w in self.workers] + [self.learner.logprobs.remote([0, 0])])
         if ckpt is not None:
@@ -150,6 +165,12 @@ class Trainer:
 
     # --- one iteration ---
     def rollout(self, iteration: int) -> list[Trajectory]:
+        if self.source is not None:
+            shards = self.source.shards()
+            if iteration >= len(shards):
+                raise FileNotFoundError(f"--from-store {self.source.dir.parent} holds {len(shards)} iteration(s); "
+                                        f"iteration {iteration} has no data")
+            return list(self.source.trajectories(shards[iteration]))
         tasks = iteration_tasks(self.cfg, iteration)
         shares = [tasks[i :: len(self.workers)] for i in range(len(self.workers))]
         results = ray.get([w.rollout.remote(s) for w, s in zip(self.workers, shares) if s])
@@ -157,6 +178,8 @@ class Trainer:
 
     def sync(self) -> dict:
         """Publish the learner's weights once; every worker loads them in place."""
+        if not self.workers:  # training from a store: nobody to sync
+            return {"sync_s": 0.0, "load_s_max": 0.0}
         t0 = time.perf_counter()
         ref = self.learner.weights.remote()  # stays in the object store; workers read it directly
         pending = {w.load_weights.remote(ref, self.version): i for i, w in enumerate(self.workers)}

@@ -232,3 +232,34 @@ def test_html_viewer_renders_in_headless_chromium(e2e_run, stored):
     shot = artifacts / "viewer.png"
     subprocess.run(flags + [f"--screenshot={shot}", page.as_uri()], capture_output=True, timeout=120)
     assert shot.exists() and shot.stat().st_size > 10_000
+
+
+def test_train_from_store_replays_the_learning_without_rollouts(e2e_run, tiny_policy, tmp_path):
+    """`--from-store`: the learner alone, fed the stored shards in order; with the same starting
+    weights and seed it takes the same steps as the run that collected them."""
+    from rl.config import load_config
+    from rl.trainer import Trainer
+
+    _, rows, source = e2e_run
+    cfg = load_config(REPO / "configs" / "quickstart.yaml",
+                      ["iterations=2", f"policy.path={tiny_policy}", "algo.entropy_coef=0.01"])
+    trainer = Trainer(cfg, tmp_path / "from-store", from_store=source)
+    try:
+        trainer.start()
+        assert trainer.workers == [] and trainer.env_workers == []
+        again = trainer.run()
+    finally:
+        trainer.close()
+    assert [r["policy_version"] for r in again] == [1, 2]
+    for a, b in zip(again, rows):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
+        assert a["mean_reward"] == b["mean_reward"] and a["sync_s"] == 0.0
+    copied = sorted(t.episode_id for t in TrajectoryStore(tmp_path / "from-store").trajectories())
+    assert copied == sorted(t.episode_id for t in TrajectoryStore(source).trajectories())
+
+
+def test_train_from_store_names_a_missing_store(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "rl.cli", "train", "configs/quickstart.yaml", "--run-dir",
+                        str(tmp_path / "x"), "--from-store", str(tmp_path / "nothing")], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--from-store" in r.stderr and "no trajectory shards" in r.stderr
