@@ -3,7 +3,7 @@
     longhorizon train CONFIG [--run-dir DIR] [--iterations N] [section.key=value ...]
     longhorizon train --resume DIR [--iterations N]
     longhorizon train CONFIG --from-store RUN_DIR [...]   # learner only, on stored trajectories
-    longhorizon inspect DIR [--episode ID] [--json] [--html OUT.html]
+    longhorizon inspect DIR [--episode ID [--tokens]] [--episodes FILTERS] [--json] [--html OUT.html]
     longhorizon replay DIR (--episode ID | --all) [--rescore module:function] [--json]
     longhorizon export DIR [--out FILE]
     longhorizon policy info CONFIG [--json]
@@ -82,6 +82,21 @@ def _inspect(args) -> int:
             from rl.viewer import write_html
 
             print(f"wrote {write_html(args.run_dir, args.html)}")
+        elif args.episodes:
+            rows = insp.episode_list(args.run_dir, env=args.env, min_reward=args.min_reward,
+                                     max_reward=args.max_reward, version=args.version,
+                                     min_generated=args.min_generated, max_generated=args.max_generated,
+                                     stop=args.stop)
+            if args.json:
+                print(json.dumps(rows, indent=2))
+            else:
+                insp.print_episode_list(rows, console, limit=args.limit)
+        elif args.episode and args.tokens:
+            page = insp.token_rows(args.run_dir, args.episode, start=args.start, count=args.count)
+            if args.json:
+                print(json.dumps(page, indent=2))
+            else:
+                insp.print_tokens(page, console)
         elif args.json:
             print(json.dumps(insp.summary(args.run_dir), indent=2))
         elif args.episode:
@@ -192,6 +207,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--episode", help="episode id to show turn by turn")
     p.add_argument("--json", action="store_true", help="machine-readable summary")
     p.add_argument("--html", metavar="OUT.html", help="write a self-contained HTML viewer of the run")
+    p.add_argument("--episodes", action="store_true", help="list episodes (filters below)")
+    p.add_argument("--env", help="only this environment id")
+    p.add_argument("--min-reward", type=float)
+    p.add_argument("--max-reward", type=float)
+    p.add_argument("--version", type=int, help="only episodes with a turn of this policy version")
+    p.add_argument("--min-generated", type=int, help="at least this many generated tokens")
+    p.add_argument("--max-generated", type=int)
+    p.add_argument("--stop", help="only this stop reason (terminated, max_turns, infra_error, ...)")
+    p.add_argument("--limit", type=int, default=50, help="rows shown (default 50)")
+    p.add_argument("--tokens", action="store_true", help="with --episode: a page of its tokens")
+    p.add_argument("--start", type=int, default=0, help="first token of the page")
+    p.add_argument("--count", type=int, default=200, help="tokens per page (default 200)")
     p.set_defaults(fn=_inspect)
 
     p = sub.add_parser("replay", help="re-run recorded episodes in fresh environments and check them")

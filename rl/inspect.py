@@ -1,16 +1,21 @@
 """`longhorizon inspect RUN_DIR`: what a run did, from its store and metrics.
 
 - default: a per-iteration table (episodes, reward, milestones, lengths, loss, versions);
-- `--episode ID`: one episode turn by turn (generated text, tool results, milestones);
+- `--episodes [filters]`: the episode list, filtered by environment, reward, policy version,
+  generated length or stop reason;
+- `--episode ID`: one episode turn by turn (generated text, tool results, milestones, sandbox events);
+- `--episode ID --tokens [--start N --count N]`: a page of its tokens with the engine's and the
+  learner's log-probs, their ratio, and the advantage each generated token was trained with;
 - `--json`: a machine-readable summary.
 
-Reads the Parquet store shard by shard and never needs the actors. (The HTML viewer, token view
-and filters come with the store/inspect work.)
+Reads the Parquet store shard by shard (one episode's row group for the episode views) and never
+needs the actors.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from pathlib import Path
 
@@ -18,7 +23,7 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
-from rl.store import TrajectoryStore, row_to_trajectory
+from rl.store import TrajectoryStore
 
 SUMMARY_COLUMNS = ["episode_id", "iteration", "reward", "policy_versions", "num_turns",
                    "num_generated", "milestones", "stop_reason"]
@@ -93,10 +98,7 @@ def print_summary(run_dir: str | Path, console: Console) -> None:
 
 
 def find_episode(run_dir: str | Path, episode_id: str):
-    for row in TrajectoryStore(run_dir).rows():
-        if row["episode_id"] == episode_id:
-            return row_to_trajectory(row)
-    raise KeyError(f"no episode {episode_id!r} in {run_dir}")
+    return TrajectoryStore(run_dir).episode(episode_id)
 
 
 def print_episode(run_dir: str | Path, episode_id: str, console: Console) -> None:
@@ -116,3 +118,89 @@ def print_episode(run_dir: str | Path, episode_id: str, console: Console) -> Non
             console.print(f"  [green]milestones: {', '.join(by_turn[i])}[/]")
         for event in turn.sandbox_events:
             console.print(f"  [yellow]sandbox: {event}[/]", markup=True, highlight=False)
+
+
+LIST_COLUMNS = ["episode_id", "iteration", "env_id", "reward", "policy_versions", "num_turns", "num_generated",
+                "stop_reason", "infra_error"]
+
+
+def episode_list(run_dir: str | Path, *, env: str | None = None, min_reward: float | None = None,
+                 max_reward: float | None = None, version: int | None = None, min_generated: int | None = None,
+                 max_generated: int | None = None, stop: str | None = None) -> list[dict]:
+    """Episodes matching every given filter (a few columns only: no token ids are read)."""
+    out = []
+    for row in TrajectoryStore(run_dir).rows(LIST_COLUMNS):
+        if ((env is None or row["env_id"] == env)
+                and (min_reward is None or row["reward"] >= min_reward)
+                and (max_reward is None or row["reward"] <= max_reward)
+                and (version is None or version in row["policy_versions"])
+                and (min_generated is None or row["num_generated"] >= min_generated)
+                and (max_generated is None or row["num_generated"] <= max_generated)
+                and (stop is None or row["stop_reason"] == stop)):
+            out.append(row)
+    return out
+
+
+def print_episode_list(rows: list[dict], console: Console, limit: int = 50) -> None:
+    table = Table(title=f"{len(rows)} episode(s)" + (f", first {limit} shown" if len(rows) > limit else ""))
+    for col in ("episode", "iter", "env", "reward", "versions", "turns", "generated", "stop"):
+        table.add_column(col, justify="right" if col in ("iter", "reward", "turns", "generated") else "left")
+    for r in rows[:limit]:
+        table.add_row(r["episode_id"], str(r["iteration"]), r["env_id"], f"{r['reward']:.3f}",
+                      ",".join(map(str, r["policy_versions"])), str(r["num_turns"]), str(r["num_generated"]),
+                      r["stop_reason"])
+    console.print(table)
+
+
+def run_tokenizer(run_dir: Path):
+    """The run's tokenizer (newest checkpoint, else policy-init), or None."""
+    from transformers import AutoTokenizer
+
+    candidates = sorted((run_dir / "checkpoints").glob("version-*"), reverse=True) + [run_dir / "policy-init"]
+    for c in candidates:
+        if (c / "tokenizer.json").exists():
+            return AutoTokenizer.from_pretrained(c)
+    return None
+
+
+def token_rows(run_dir: str | Path, episode_id: str, start: int = 0, count: int = 200) -> dict:
+    """A page of one episode's tokens: position, role, text, engine and learner log-probs, ratio, advantage."""
+    run_dir = Path(run_dir)
+    store = TrajectoryStore(run_dir)
+    t = store.episode(episode_id)
+    learner = store.learner_record(episode_id)
+    tok = run_tokenizer(run_dir)
+    end = min(len(t.token_ids), start + count)
+    ids = t.token_ids[start:end]
+    pieces = tok.convert_ids_to_tokens(ids) if tok is not None else [str(i) for i in ids]
+    rows = []
+    for k, (tid, piece) in enumerate(zip(ids, pieces)):
+        p = start + k
+        gen = bool(t.loss_mask[p])
+        row = {"pos": p, "id": tid, "text": str(piece).replace("Ġ", " ").replace("Ċ", "\n"),
+               "role": "prompt" if p < t.prompt_len else ("generated" if gen else "observation"),
+               "rollout_logprob": t.rollout_logprobs[p] if gen else None,
+               "learner_logprob": None, "ratio": None, "advantage": None}
+        if learner is not None and gen:
+            row["learner_logprob"] = learner["learner_logprobs"][p]
+            row["ratio"] = math.exp(row["learner_logprob"] - row["rollout_logprob"])
+            row["advantage"] = learner["advantages"][p]
+        rows.append(row)
+    return {"episode_id": episode_id, "tokens": len(t.token_ids), "start": start, "end": end,
+            "learner_version": learner["policy_version"] if learner else None, "rows": rows}
+
+
+def print_tokens(page: dict, console: Console) -> None:
+    title = (f"{page['episode_id']}: tokens {page['start']}–{page['end'] - 1} of {page['tokens']}"
+             + (f"; learner log-probs of version {page['learner_version']}" if page["learner_version"] is not None
+                else "; no learner record (not trained on)"))
+    table = Table(title=title)
+    for col in ("pos", "role", "token", "rollout lp", "learner lp", "ratio", "advantage"):
+        table.add_column(col, justify="left" if col in ("role", "token") else "right")
+    fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
+    style = {"prompt": "dim", "observation": "cyan", "generated": ""}
+    for r in page["rows"]:
+        table.add_row(str(r["pos"]), r["role"], repr(r["text"])[1:-1], fmt(r["rollout_logprob"], ".4f"),
+                      fmt(r["learner_logprob"], ".4f"), fmt(r["ratio"], ".4f"), fmt(r["advantage"], "+.4f"),
+                      style=style[r["role"]])
+    console.print(table)

@@ -204,6 +204,25 @@ class Learner:
         r, c_ = torch.tensor(rows), torch.tensor(cols)
         return value_loss(values[r, c_], old_values[r, c_], torch.tensor(targets), self.cfg.value_clip) / max(n_points, 1)
 
+    @staticmethod
+    def _annotations(batch, plan, old, adv_of) -> dict:
+        """Per episode, token-aligned like `token_ids`: the learner's log-prob of each token before the
+        update (0.0 at position 0) and the advantage each generated token was trained with (0.0
+        elsewhere), for the store's learner records and the token views."""
+        notes = {}
+        for micro in (m for mb in plan for m in mb):
+            adv = adv_of(micro)
+            for row, i in enumerate(micro):
+                t = batch[i]
+                n = len(t.token_ids)
+                a = adv[row]
+                per = [float(a)] * n if a.dim() == 0 else [0.0] + a[: n - 1].tolist()
+                notes[t.episode_id] = {
+                    "learner_logprobs": [0.0] + old[tuple(micro)][row, : n - 1].tolist(),
+                    "advantages": [x if m else 0.0 for x, m in zip(per, t.loss_mask)],
+                }
+        return notes
+
     def train_step(self, batch: list[Trajectory]) -> dict:
         """One GRPO update over `batch`: one optimiser step per minibatch, `epochs` passes, gradients
         accumulated over its micro-batches (their losses add up to the minibatch's loss).
@@ -231,6 +250,7 @@ class Learner:
         d = torch.cat(diffs)
         out = {**dropped, "rollout_logprob_diff_mean": float(d.mean()), "rollout_logprob_diff_max": float(d.max())}
         adv_of, returns, adv_abs = self._advantages(batch, plan, old_v)
+        out["annotations"] = self._annotations(batch, plan, old, adv_of)
         stats: dict[str, list[float]] = {}
         for _ in range(c.epochs):
             for mb in plan:

@@ -47,6 +47,20 @@ SCHEMA = pa.schema(
 )
 
 
+# The learner's view of each trained episode, in a sidecar shard per iteration written after the
+# update (`trajectories/learner/iter-NNNNNN.parquet`): trajectories never wait for the learner, and a
+# learner crash loses no episode.
+LEARNER_SCHEMA = pa.schema(
+    [
+        ("schema_version", pa.int32()),
+        ("episode_id", pa.string()),
+        ("policy_version", pa.int32()),
+        ("learner_logprobs", pa.list_(pa.float32())),
+        ("advantages", pa.list_(pa.float32())),
+    ]
+)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -74,18 +88,67 @@ class TrajectoryStore:
             rows["num_turns"].append(len(t.turns))
             rows["num_generated"].append(t.num_generated)
             rows["timings"].append(json.dumps(t.timings))
-        table = pa.table(rows, schema=SCHEMA)
-        final = self.dir / f"{name}.parquet"
+        return self._write_atomic(self.dir, name, pa.table(rows, schema=SCHEMA))
+
+    def write_learner(self, name: str, annotations: dict, policy_version: int) -> Path:
+        """The learner's per-token log-probs and advantages of the episodes it trained on."""
+        ids = sorted(annotations)
+        table = pa.table({
+            "schema_version": [SCHEMA_VERSION] * len(ids), "episode_id": ids,
+            "policy_version": [policy_version] * len(ids),
+            "learner_logprobs": [annotations[i]["learner_logprobs"] for i in ids],
+            "advantages": [annotations[i]["advantages"] for i in ids],
+        }, schema=LEARNER_SCHEMA)
+        return self._write_atomic(self.learner_dir, name, table)
+
+    @staticmethod
+    def _write_atomic(directory: Path, name: str, table: pa.Table) -> Path:
+        directory.mkdir(parents=True, exist_ok=True)
+        final = directory / f"{name}.parquet"
         if final.exists():
             raise FileExistsError(f"shard {final} already exists; the store never overwrites a shard")
-        tmp = self.dir / f".{name}.parquet.tmp"
+        tmp = directory / f".{name}.parquet.tmp"
         with open(tmp, "wb") as fh:
-            pq.write_table(table, fh)
+            # one row group per episode: a reader filtering by episode id loads only that episode
+            pq.write_table(table, fh, row_group_size=1)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, final)
-        _fsync_dir(self.dir)
+        _fsync_dir(directory)
         return final
+
+    @property
+    def learner_dir(self) -> Path:
+        return self.dir / "learner"
+
+    def learner_shards(self) -> list[Path]:
+        return sorted(self.learner_dir.glob("*.parquet")) if self.learner_dir.exists() else []
+
+    def episode(self, episode_id: str) -> Trajectory:
+        """One episode, reading only its row group of each shard (a 1M-token episode never brings
+        the rest of the run into memory)."""
+        for shard in self.shards():
+            try:
+                table = pq.read_table(shard, filters=[("episode_id", "=", episode_id)])
+            except (pa.ArrowInvalid, OSError) as exc:
+                self.corrupt[str(shard)] = str(exc)
+                continue
+            if table.num_rows:
+                return row_to_trajectory(table.slice(0, 1).to_pylist()[0])
+        raise KeyError(f"no episode {episode_id!r} in {self.dir.parent}")
+
+    def learner_record(self, episode_id: str) -> dict | None:
+        """The learner's record of an episode (`policy_version`, `learner_logprobs`, `advantages`), or
+        None when it was not trained on (infra error, dropped group) or predates these records."""
+        for shard in self.learner_shards():
+            try:
+                table = pq.read_table(shard, filters=[("episode_id", "=", episode_id)])
+            except (pa.ArrowInvalid, OSError) as exc:
+                self.corrupt[str(shard)] = str(exc)
+                continue
+            if table.num_rows:
+                return table.slice(0, 1).to_pylist()[0]
+        return None
 
     def shards(self) -> list[Path]:
         return sorted(self.dir.glob("*.parquet")) if self.dir.exists() else []

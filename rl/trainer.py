@@ -151,10 +151,11 @@ class Trainer:
         self.start_iteration = state["iteration"] + 1
         self.sync()
         aside = self.store.dir / "superseded"
-        for shard in self.store.shards():
+        for shard in self.store.shards() + self.store.learner_shards():
             if int(shard.stem.split("-")[1]) >= self.start_iteration:
                 aside.mkdir(exist_ok=True)
-                os.replace(shard, aside / f"{shard.stem}-{int(time.time())}.parquet")
+                prefix = "learner-" if shard.parent == self.store.learner_dir else ""
+                os.replace(shard, aside / f"{prefix}{shard.stem}-{int(time.time())}.parquet")
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.exists():
             kept = [line for line in metrics.read_text().splitlines()
@@ -201,6 +202,9 @@ class Trainer:
         self.store.write(f"iter-{it:06d}", trajs)
         stats = ray.get(self.learner.train_step.remote(trajs))
         self.version = stats.pop("policy_version")
+        annotations = stats.pop("annotations", {})
+        if annotations:
+            self.store.write_learner(f"iter-{it:06d}", annotations, self.version - 1)
         sync = self.sync()
         row = {"iteration": it, "policy_version": self.version, **summarise(trajs), **stats, **sync,
                "rollout_s": rollout_s,

@@ -15,19 +15,8 @@ import html
 import json
 from pathlib import Path
 
-from rl.inspect import summary
+from rl.inspect import run_tokenizer, summary
 from rl.store import TrajectoryStore
-
-
-def _tokenizer(run_dir: Path):
-    """The run's tokenizer (newest checkpoint, else policy-init), or None."""
-    from transformers import AutoTokenizer
-
-    candidates = sorted((run_dir / "checkpoints").glob("version-*"), reverse=True) + [run_dir / "policy-init"]
-    for c in candidates:
-        if (c / "tokenizer.json").exists():
-            return AutoTokenizer.from_pretrained(c)
-    return None
 
 
 def episode_payload(t, tok, max_tokens: int) -> dict:
@@ -47,7 +36,7 @@ def episode_payload(t, tok, max_tokens: int) -> dict:
 def write_html(run_dir: str | Path, out: str | Path, max_episodes: int = 500, max_tokens: int = 20000) -> Path:
     run_dir = Path(run_dir)
     s = summary(run_dir)
-    tok = _tokenizer(run_dir)
+    tok = run_tokenizer(run_dir)
     episodes = list(TrajectoryStore(run_dir).trajectories())
     cut = len(episodes) > max_episodes
     episodes = episodes[-max_episodes:]

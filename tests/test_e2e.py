@@ -40,6 +40,20 @@ def test_environments_ran_in_the_env_worker(e2e_run, stored):
     assert all(t.turns and t.task for t in stored)
 
 
+def test_learner_records_every_trained_episode(e2e_run, stored):
+    _, _, run_dir = e2e_run
+    store = TrajectoryStore(run_dir)
+    assert [p.name for p in store.learner_shards()] == ["iter-000000.parquet", "iter-000001.parquet"]
+    for t in stored:
+        rec = store.learner_record(t.episode_id)
+        assert rec["policy_version"] == t.iteration  # the weights that generated the episode
+        gen = [p for p, m in enumerate(t.loss_mask) if m]
+        # before its update the learner holds the engine's weights: the same log-probs (fp32)
+        assert max(abs(rec["learner_logprobs"][p] - t.rollout_logprobs[p]) for p in gen) < TOL
+        assert all(rec["advantages"][p] == 0.0 for p, m in enumerate(t.loss_mask) if not m)
+        assert len({rec["advantages"][p] for p in gen}) == 1  # episode credit: one advantage per episode
+
+
 def test_learner_weights_moved(e2e_run, hf_model, stored):
     trainer, _, _ = e2e_run
     ids = stored[0].token_ids

@@ -70,3 +70,53 @@ def test_a_crash_mid_write_leaves_no_partial_shard(tmp_path):
     store = TrajectoryStore(tmp_path)
     assert [p.name for p in store.shards()] == ["iter-000000.parquet"]
     assert [t.episode_id for t in store.trajectories()] == ["e0"] and not store.corrupt
+
+
+def test_one_episode_and_its_learner_record_are_read_alone(tmp_path):
+    import pyarrow.parquet as pq
+
+    store = TrajectoryStore(tmp_path)
+    path = store.write("iter-000000", [_traj(i, n=40 + i) for i in range(5)])
+    assert pq.ParquetFile(path).num_row_groups == 5  # one row group per episode: a filter reads one
+    assert store.episode("e3") == _traj(3, n=43)
+    with pytest.raises(KeyError, match="no episode 'e9'"):
+        store.episode("e9")
+    assert store.learner_record("e3") is None  # nothing trained yet
+    notes = {f"e{i}": {"learner_logprobs": [0.0] + [-1.25] * (39 + i), "advantages": [0.0, 0.0] + [0.5] * (38 + i)}
+             for i in (1, 3)}
+    store.write_learner("iter-000000", notes, policy_version=0)
+    rec = store.learner_record("e3")
+    assert rec["policy_version"] == 0 and rec["advantages"][2:] == [0.5] * 41 and len(rec["learner_logprobs"]) == 43
+    assert store.learner_record("e2") is None
+    assert store.shards() == [path]  # learner shards live apart and are not trajectory shards
+    with pytest.raises(FileExistsError):
+        store.write_learner("iter-000000", notes, policy_version=0)
+
+
+def test_inspect_episode_list_filters_and_token_page(tmp_path):
+    store = TrajectoryStore(tmp_path)
+    trajs = [_traj(i) for i in range(4)]
+    trajs[1].reward, trajs[2].stop_reason, trajs[3].env_id = 0.0, "max_turns", "tools/shell-v0"
+    store.write("iter-000000", trajs)
+    store.write_learner("iter-000000", {"e0": {"learner_logprobs": [0.0] + [-1.0] * 49,
+                                               "advantages": [0.0, 0.0] + [0.75] * 48}}, policy_version=0)
+
+    def cli(*args):
+        r = subprocess.run([sys.executable, "-m", "rl.cli", "inspect", str(tmp_path), *args], cwd=REPO,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    ids = lambda *a: [r["episode_id"] for r in json.loads(cli("--episodes", "--json", *a))]  # noqa: E731
+    assert ids() == ["e0", "e1", "e2", "e3"]
+    assert ids("--min-reward", "0.5") == ["e0", "e2", "e3"]
+    assert ids("--stop", "max_turns") == ["e2"] and ids("--env", "tools/shell-v0") == ["e3"]
+    assert ids("--version", "0") == ["e0", "e1", "e2", "e3"] and ids("--version", "1") == []
+    page = json.loads(cli("--episode", "e0", "--tokens", "--start", "1", "--count", "3", "--json"))
+    assert [r["role"] for r in page["rows"]] == ["prompt", "generated", "generated"]
+    gen = page["rows"][1]
+    assert gen["rollout_logprob"] == -1.5 and gen["learner_logprob"] == -1.0 and gen["advantage"] == 0.75
+    assert abs(gen["ratio"] - 1.6487212707) < 1e-6  # exp(learner - rollout) = exp(0.5)
+    assert page["rows"][0]["ratio"] is None and page["learner_version"] == 0
+    text = cli("--episode", "e1", "--tokens", "--count", "5")
+    assert "no learner record" in text and "tokens 0–4 of 50" in text
