@@ -5,7 +5,7 @@
     longhorizon train CONFIG --from-store RUN_DIR [...]   # learner only, on stored trajectories
     longhorizon inspect DIR [--episode ID [--tokens]] [--episodes FILTERS] [--json] [--html OUT.html]
     longhorizon replay DIR (--episode ID | --all) [--rescore module:function] [--json]
-    longhorizon export DIR [--out FILE]
+    longhorizon export DIR [--out FILE] [--format jsonl|datasets]
     longhorizon policy info CONFIG [--json]
     longhorizon envs list|show|check|play ...          (envs/cli.py)
     longhorizon sandbox run [--backend B] ... -- CMD   (envs/cli.py)
@@ -147,6 +147,18 @@ def _export(args) -> int:
     if not store.shards():
         print(f"error: {args.run_dir} holds no trajectory shards", file=sys.stderr)
         return 2
+    if args.format == "datasets":  # a `datasets` directory: datasets.load_from_disk(OUT)
+        from datasets import Dataset
+
+        import tempfile
+
+        out = Path(args.out or Path(args.run_dir) / "trajectories-dataset")
+        # a private cache: datasets would otherwise reuse an earlier export of the same store, stale
+        with tempfile.TemporaryDirectory() as cache:
+            ds = Dataset.from_generator(store.rows, cache_dir=cache)
+            ds.save_to_disk(str(out))
+        print(f"wrote {len(ds)} episodes to {out} (datasets.load_from_disk)")
+        return 0
     out = Path(args.out or Path(args.run_dir) / "trajectories.jsonl")
     n = 0
     with open(out, "w") as fh:
@@ -230,9 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=_replay)
 
-    p = sub.add_parser("export", help="write the run's trajectories as JSON lines")
+    p = sub.add_parser("export", help="write the run's trajectories as JSON lines or a datasets directory")
     p.add_argument("run_dir")
-    p.add_argument("--out", help="output file (default RUN_DIR/trajectories.jsonl)")
+    p.add_argument("--out", help="output file or directory (default RUN_DIR/trajectories.jsonl or -dataset)")
+    p.add_argument("--format", choices=["jsonl", "datasets"], default="jsonl",
+                   help="JSON lines (default) or a Hugging Face `datasets` directory")
     p.set_defaults(fn=_export)
 
     p = sub.add_parser("policy", help="the project's sparse-MoE policy")

@@ -137,6 +137,14 @@ class TrajectoryStore:
                 return row_to_trajectory(table.slice(0, 1).to_pylist()[0])
         raise KeyError(f"no episode {episode_id!r} in {self.dir.parent}")
 
+    def learner_records(self) -> Iterator[dict]:
+        """Every learner record, shard by shard (unreadable shards are named in `self.corrupt`)."""
+        for shard in self.learner_shards():
+            try:
+                yield from pq.read_table(shard).to_pylist()
+            except (pa.ArrowInvalid, OSError) as exc:
+                self.corrupt[str(shard)] = str(exc)
+
     def learner_record(self, episode_id: str) -> dict | None:
         """The learner's record of an episode (`policy_version`, `learner_logprobs`, `advantages`), or
         None when it was not trained on (infra error, dropped group) or predates these records."""

@@ -1,9 +1,9 @@
 """`longhorizon inspect DIR --html OUT.html`: one self-contained page (no network, no server).
 
 The page holds the run summary (a reward curve), the episode list with a filter, and for the
-selected episode its turns (generated text, tool results), a milestone timeline along the token
-axis and a per-token view coloured by the engine's log-prob (generated tokens) or marked as
-context (prompt and observations). Data is embedded as JSON and rendered by a small script.
+selected episode its turns (generated text, tool results, sandbox events), a milestone timeline
+along the token axis and a per-token heat map of the generated tokens coloured by the engine's
+log-prob, the learner/engine ratio or the advantage (from the learner records), context grey. Data is embedded as JSON and rendered by a small script.
 
 Limits: at most `max_episodes` episodes (the newest) and `max_tokens` tokens per episode are
 embedded, so a page stays small for long runs; the page says when it cut something.
@@ -19,7 +19,7 @@ from rl.inspect import run_tokenizer, summary
 from rl.store import TrajectoryStore
 
 
-def episode_payload(t, tok, max_tokens: int) -> dict:
+def episode_payload(t, tok, max_tokens: int, learner: dict | None = None) -> dict:
     n = min(len(t.token_ids), max_tokens)
     pieces = (tok.convert_ids_to_tokens(t.token_ids[:n]) if tok is not None else [str(i) for i in t.token_ids[:n]])
     pieces = [p.replace("Ġ", " ").replace("Ċ", "\n") if isinstance(p, str) else str(p) for p in pieces]
@@ -30,6 +30,9 @@ def episode_payload(t, tok, max_tokens: int) -> dict:
         "tokens": pieces, "mask": t.loss_mask[:n], "logprobs": [round(x, 4) for x in t.rollout_logprobs[:n]],
         "turns": [vars(turn) for turn in t.turns],
         "milestones": t.milestones,
+        # the learner's pre-update log-probs and the advantages it trained with, when it trained on it
+        "learner": [round(x, 4) for x in learner["learner_logprobs"][:n]] if learner else None,
+        "adv": [round(x, 4) for x in learner["advantages"][:n]] if learner else None,
     }
 
 
@@ -40,9 +43,11 @@ def write_html(run_dir: str | Path, out: str | Path, max_episodes: int = 500, ma
     episodes = list(TrajectoryStore(run_dir).trajectories())
     cut = len(episodes) > max_episodes
     episodes = episodes[-max_episodes:]
+    shown = {t.episode_id for t in episodes}
+    learner = {r["episode_id"]: r for r in TrajectoryStore(run_dir).learner_records() if r["episode_id"] in shown}
     data = {
         "summary": s,
-        "episodes": [episode_payload(t, tok, max_tokens) for t in episodes],
+        "episodes": [episode_payload(t, tok, max_tokens, learner.get(t.episode_id)) for t in episodes],
         "episodes_cut": cut,
     }
     blob = json.dumps(data).replace("</", "<\\/")  # keep "</script>" out of the JSON
@@ -69,7 +74,9 @@ input{width:100%;padding:5px;margin:6px 0;box-sizing:border-box}
 <div id="left"><h1>__TITLE__</h1><div id="runsum"></div><svg id="curve" width="390" height="120"></svg>
 <input id="filter" placeholder="filter: id, env, stop reason, reward>0.5 ...">
 <table id="eplist"><thead><tr><th>episode</th><th>iter</th><th>reward</th><th>turns</th><th>stop</th></tr></thead><tbody></tbody></table></div>
-<div id="right"><div id="episode">select an episode</div></div>
+<div id="right"><div>colour tokens by <select id="colour-by"><option value="lp">engine log-prob (green: likely)</option>
+<option value="ratio">learner / engine ratio (green &gt; 1, red &lt; 1)</option><option value="adv">advantage (green &gt; 0, red &lt; 0)</option></select></div>
+<div id="episode">select an episode</div></div>
 <script id="data" type="application/json">__DATA__</script>
 <script>
 const D = JSON.parse(document.getElementById('data').textContent);
@@ -100,6 +107,19 @@ function list(){
   document.querySelectorAll('.episode-row').forEach(r => r.onclick = () => show(r.dataset.id));
 }
 function colour(lp){ const x = Math.max(0, Math.min(1, Math.exp(lp) * 4)); return `rgba(${Math.round(230*(1-x))},${Math.round(120+100*x)},80,0.35)`; }
+function diverging(v, span){ const x = Math.max(-1, Math.min(1, v / span)); return x >= 0 ? `rgba(40,170,90,${0.1 + 0.5*x})` : `rgba(220,60,60,${0.1 - 0.5*x})`; }
+let current = null;
+function tokenView(e){
+  const by = document.getElementById('colour-by').value;
+  const span = e.adv ? Math.max(1e-6, ...e.adv.map(Math.abs)) : 1;
+  return e.tokens.map((p,i) => {
+    if (!e.mask[i]) return `<span class="tok ctx">${esc(p)}</span>`;
+    const lr = e.learner ? e.learner[i] : null, ratio = lr === null ? null : Math.exp(lr - e.logprobs[i]);
+    const bg = by == 'adv' && e.adv ? diverging(e.adv[i], span) : by == 'ratio' && ratio !== null ? diverging(Math.log(ratio), 0.2) : colour(e.logprobs[i]);
+    const tip = `engine lp ${e.logprobs[i]}` + (lr === null ? '' : ` · learner lp ${lr} · ratio ${ratio.toFixed(4)} · advantage ${e.adv[i]}`);
+    return `<span class="tok" style="background:${bg}" title="${tip}">${esc(p)}</span>`;
+  }).join('');
+}
 function show(id){
   const e = D.episodes.find(x => x.id == id); if (!e) return;
   document.querySelectorAll('.episode-row').forEach(r => r.classList.toggle('sel', r.dataset.id == id));
@@ -111,14 +131,17 @@ function show(id){
     + `</svg>`;
   const turns = e.turns.map((t,i) => `<div class="turn"><b>turn ${i}</b> · v${t.policy_version} · ${t.gen_end-t.gen_start} tokens · ${t.tool_calls} tool result(s), ${t.tool_errors} error(s) · ${esc(t.finish_reason)}`
     + (byTurn[i] ? ` · <b>milestones: ${byTurn[i].map(m => esc(m.name)+' +'+m.reward).join(', ')}</b>` : '')
-    + `<pre>${esc(t.text)}</pre></div>` + (t.observation ? `<div class="turn obs"><pre>${esc(t.observation)}</pre></div>` : '')).join('');
-  const toks = e.tokens.map((p,i) => e.mask[i] ? `<span class="tok" style="background:${colour(e.logprobs[i])}" title="logprob ${e.logprobs[i]}">${esc(p)}</span>` : `<span class="tok ctx">${esc(p)}</span>`).join('');
+    + `<pre>${esc(t.text)}</pre></div>` + (t.observation ? `<div class="turn obs"><pre>${esc(t.observation)}</pre></div>` : '')
+    + ((t.sandbox_events||[]).length ? `<div class="note">sandbox: ${t.sandbox_events.map(esc).join('; ')}</div>` : '')).join('');
+  current = e;
   document.getElementById('episode').innerHTML = `<h1 id="episode-title">${esc(e.id)}</h1>`
     + `<div>${esc(e.env)} · seed ${e.seed} · reward ${e.reward} · stop ${esc(e.stop)} · ${e.n_tokens} tokens (${e.n_generated} generated)`
     + (e.infra_error ? ` · <span class="note">infra error: ${esc(e.infra_error)}</span>` : '') + `</div>`
     + `<h2>milestone timeline</h2>${timeline}<h2>turns</h2><div><i>task:</i> ${esc(e.task)}</div>${turns}`
-    + `<h2>tokens</h2><div class="note">${e.cut ? 'first tokens only; ' : ''}generated tokens coloured by the engine's log-prob (green: likely), context grey</div><div id="tokens">${toks}</div>`;
+    + `<h2>tokens</h2><div class="note">${e.cut ? 'first tokens only; ' : ''}context grey; generated tokens coloured by the chosen value`
+    + (e.learner ? '' : ' (no learner record: not trained on)') + `</div><div id="tokens">${tokenView(e)}</div>`;
 }
+document.getElementById('colour-by').onchange = () => { if (current) document.getElementById('tokens').innerHTML = tokenView(current); };
 document.getElementById('filter').oninput = list;
 list();
 if (D.episodes.length) show(D.episodes[0].id);

@@ -120,3 +120,19 @@ def test_inspect_episode_list_filters_and_token_page(tmp_path):
     assert page["rows"][0]["ratio"] is None and page["learner_version"] == 0
     text = cli("--episode", "e1", "--tokens", "--count", "5")
     assert "no learner record" in text and "tokens 0–4 of 50" in text
+
+
+def test_export_as_a_datasets_directory(tmp_path):
+    from datasets import load_from_disk
+
+    TrajectoryStore(tmp_path).write("iter-000000", [_traj(i) for i in range(3)])
+    out = tmp_path / "ds"
+    r = subprocess.run([sys.executable, "-m", "rl.cli", "export", str(tmp_path), "--format", "datasets", "--out",
+                        str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    ds = load_from_disk(str(out))
+    assert ds["episode_id"] == ["e0", "e1", "e2"] and ds[1]["token_ids"] == list(range(50))
+    TrajectoryStore(tmp_path).write("iter-000001", [_traj(7)])  # the run goes on: a new export sees it
+    r = subprocess.run([sys.executable, "-m", "rl.cli", "export", str(tmp_path), "--format", "datasets", "--out",
+                        str(tmp_path / "ds2")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert load_from_disk(str(tmp_path / "ds2"))["episode_id"] == ["e0", "e1", "e2", "e7"]
