@@ -173,12 +173,15 @@ def token_rows(run_dir: str | Path, episode_id: str, start: int = 0, count: int 
     end = min(len(t.token_ids), start + count)
     ids = t.token_ids[start:end]
     pieces = tok.convert_ids_to_tokens(ids) if tok is not None else [str(i) for i in ids]
+    # the policy version of each generated token is its turn's
+    version_at = {p: turn.policy_version for turn in t.turns for p in range(turn.gen_start, turn.gen_end)}
     rows = []
     for k, (tid, piece) in enumerate(zip(ids, pieces)):
         p = start + k
         gen = bool(t.loss_mask[p])
         row = {"pos": p, "id": tid, "text": str(piece).replace("Ġ", " ").replace("Ċ", "\n"),
                "role": "prompt" if p < t.prompt_len else ("generated" if gen else "observation"),
+               "version": version_at.get(p) if gen else None,
                "rollout_logprob": t.rollout_logprobs[p] if gen else None,
                "learner_logprob": None, "ratio": None, "advantage": None}
         if learner is not None and gen:
@@ -195,12 +198,13 @@ def print_tokens(page: dict, console: Console) -> None:
              + (f"; learner log-probs of version {page['learner_version']}" if page["learner_version"] is not None
                 else "; no learner record (not trained on)"))
     table = Table(title=title)
-    for col in ("pos", "role", "token", "rollout lp", "learner lp", "ratio", "advantage"):
+    for col in ("pos", "role", "token", "version", "rollout lp", "learner lp", "ratio", "advantage"):
         table.add_column(col, justify="left" if col in ("role", "token") else "right")
     fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
     style = {"prompt": "dim", "observation": "cyan", "generated": ""}
     for r in page["rows"]:
-        table.add_row(str(r["pos"]), r["role"], repr(r["text"])[1:-1], fmt(r["rollout_logprob"], ".4f"),
+        table.add_row(str(r["pos"]), r["role"], repr(r["text"])[1:-1], fmt(r["version"], "d"),
+                      fmt(r["rollout_logprob"], ".4f"),
                       fmt(r["learner_logprob"], ".4f"), fmt(r["ratio"], ".4f"), fmt(r["advantage"], "+.4f"),
                       style=style[r["role"]])
     console.print(table)

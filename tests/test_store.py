@@ -116,6 +116,7 @@ def test_inspect_episode_list_filters_and_token_page(tmp_path):
     assert [r["role"] for r in page["rows"]] == ["prompt", "generated", "generated"]
     gen = page["rows"][1]
     assert gen["rollout_logprob"] == -1.5 and gen["learner_logprob"] == -1.0 and gen["advantage"] == 0.75
+    assert gen["version"] == 0 and page["rows"][0]["version"] is None
     assert abs(gen["ratio"] - 1.6487212707) < 1e-6  # exp(learner - rollout) = exp(0.5)
     assert page["rows"][0]["ratio"] is None and page["learner_version"] == 0
     text = cli("--episode", "e1", "--tokens", "--count", "5")
