@@ -136,6 +136,11 @@ def docker_host(tmp_path_factory):
         proc.kill()
         proc.wait()
     log.close()
+    # a dockerd stopped with containers still mounted leaves mounts under its root: detach them first
+    with open("/proc/mounts") as fh:
+        stale = sorted({line.split()[1] for line in fh if line.split()[1].startswith(str(d))}, reverse=True)
+    for mount in stale:
+        subprocess.run(["umount", "-l", mount], capture_output=True)
     shutil.rmtree(d, ignore_errors=True)
 
 
