@@ -40,7 +40,8 @@ demo: install
 	$(VENV)/bin/longhorizon train configs/quickstart.yaml --run-dir $(RUN)
 	$(VENV)/bin/longhorizon inspect $(RUN)
 	$(VENV)/bin/longhorizon inspect $(RUN) --html $(RUN)/viewer.html
-	@echo "results: $(RUN) (metrics.jsonl, trajectories/*.parquet, checkpoints/, viewer.html); try: $(VENV)/bin/longhorizon inspect $(RUN) --episode i0-g0-e0"
+	$(VENV)/bin/longhorizon plot $(RUN)
+	@echo "results: $(RUN) (metrics.jsonl, tensorboard/, trajectories/*.parquet, checkpoints/, viewer.html, plots/*.png); try: $(VENV)/bin/longhorizon inspect $(RUN) --episode i0-g0-e0"
 
 test: install system-deps
 	$(PY) -m pytest -q -rs

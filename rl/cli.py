@@ -6,6 +6,7 @@
     longhorizon inspect DIR [--episode ID [--tokens]] [--episodes FILTERS] [--json] [--html OUT.html]
     longhorizon replay DIR (--episode ID | --all) [--rescore module:function] [--json]
     longhorizon export DIR [--out FILE] [--format jsonl|datasets]
+    longhorizon plot DIR [--out DIR]
     longhorizon policy info CONFIG [--json]
     longhorizon envs list|show|check|play ...          (envs/cli.py)
     longhorizon sandbox run [--backend B] ... -- CMD   (envs/cli.py)
@@ -169,6 +170,19 @@ def _export(args) -> int:
     return 0
 
 
+def _plot(args) -> int:
+    from rl.plot import plot_run
+
+    try:
+        paths = plot_run(args.run_dir, args.out)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 2
+    for p in paths:
+        print(f"wrote {p}")
+    return 0
+
+
 def _policy_info(args) -> int:
     from rl.config import ConfigError
     from policy.args import load_model_args
@@ -248,6 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--format", choices=["jsonl", "datasets"], default="jsonl",
                    help="JSON lines (default) or a Hugging Face `datasets` directory")
     p.set_defaults(fn=_export)
+
+    p = sub.add_parser("plot", help="PNG curves of a run's metrics (reward, milestones, loss, sync, throughput)")
+    p.add_argument("run_dir")
+    p.add_argument("--out", help="directory for the PNG files (default RUN_DIR/plots)")
+    p.set_defaults(fn=_plot)
 
     p = sub.add_parser("policy", help="the project's sparse-MoE policy")
     psub = p.add_subparsers(dest="policy_command", required=True)

@@ -7,6 +7,7 @@ the episodes in the store. What it writes to the run directory:
 
     config.yaml          the config as run
     metrics.jsonl        one JSON line per iteration
+    tensorboard/         the same metrics as TensorBoard event files
     trajectories/        Parquet shards, one per iteration
     checkpoints/         Hugging Face checkpoints, `version-NNNNNN/`
     policy-init/         the tiny random policy, when `policy.path` was empty
@@ -31,6 +32,7 @@ from rl.store import TrajectoryStore
 from rl.trajectory import Trajectory
 from rollout.agent_loop import EpisodeTask
 from envs.worker import EnvWorkerActor
+from rl.plot import TensorBoardLog
 from rollout.worker import RolloutWorkerActor
 
 SYNC_TIMEOUT_S = 300
@@ -85,6 +87,7 @@ class Trainer:
         self.workers: list = []
         self.env_workers: list = []
         self.learner = None
+        self.tensorboard = None
 
     # --- set-up ---
     def policy_path(self) -> str:
@@ -215,6 +218,9 @@ class Trainer:
             ray.get(self.learner.save_checkpoint.remote(str(path), {"iteration": it}))
         with open(self.run_dir / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps(row) + "\n")
+        if self.tensorboard is None:
+            self.tensorboard = TensorBoardLog(self.run_dir)
+        self.tensorboard.log(row)
         return row
 
     def run(self) -> list[dict]:
@@ -237,6 +243,9 @@ class Trainer:
         return rows
 
     def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
         for actor in self.workers + self.env_workers + ([self.learner] if self.learner is not None else []):
             ray.kill(actor)
         self.workers, self.env_workers, self.learner = [], [], None

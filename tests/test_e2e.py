@@ -40,6 +40,16 @@ def test_environments_ran_in_the_env_worker(e2e_run, stored):
     assert all(t.turns and t.task for t in stored)
 
 
+def test_tensorboard_events_written_as_the_run_goes(e2e_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, rows, run_dir = e2e_run
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("mean_reward")] == [0, 1]
+    assert [e.value for e in acc.Scalars("policy_version")] == [r["policy_version"] for r in rows]
+
+
 def test_learner_records_every_trained_episode(e2e_run, stored):
     _, _, run_dir = e2e_run
     store = TrajectoryStore(run_dir)

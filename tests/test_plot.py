@@ -1,0 +1,49 @@
+"""Run curves: PNG files from metrics.jsonl, and the TensorBoard events the trainer writes."""
+
+import json
+import subprocess
+import sys
+
+from conftest import REPO
+from rl.plot import TensorBoardLog, plot_run
+
+ROWS = [{"iteration": i, "policy_version": i + 1, "mean_reward": 0.1 * i, "loss": 1.0 - 0.2 * i,
+         "milestone_rate/product": 0.25 * i, "milestone_rate/solved": 0.1 * i, "sync_s": 0.05,
+         "gen_tokens_per_s": 900 + i, "clip_frac": 0.01 * i, "stop_reasons": {"terminated": 3}} for i in range(4)]
+
+
+def _run(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ROWS))
+    return tmp_path
+
+
+def test_plot_writes_one_png_per_panel(tmp_path):
+    paths = plot_run(_run(tmp_path))
+    assert sorted(p.name for p in paths) == ["loss.png", "milestones.png", "other.png", "reward.png", "sync.png",
+                                             "throughput.png"]
+    for p in paths:
+        head = p.read_bytes()[:8]
+        assert head == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+
+
+def test_plot_cli_names_a_run_without_metrics(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "rl.cli", "plot", str(tmp_path)], cwd=REPO, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2 and "has no metrics.jsonl rows" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "rl.cli", "plot", str(_run(tmp_path)), "--out", str(tmp_path / "p")],
+                       cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and (tmp_path / "p" / "reward.png").exists()
+
+
+def test_tensorboard_events_hold_every_numeric_metric(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = TensorBoardLog(tmp_path)
+    for row in ROWS:
+        tb.log(row)
+    tb.close()
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"mean_reward", "loss", "milestone_rate/solved", "policy_version"} <= tags and "stop_reasons" not in tags
+    assert [(e.step, round(e.value, 6)) for e in acc.Scalars("mean_reward")] == [(i, round(0.1 * i, 6)) for i in range(4)]
