@@ -137,6 +137,18 @@ class TrajectoryStore:
                 return row_to_trajectory(table.slice(0, 1).to_pylist()[0])
         raise KeyError(f"no episode {episode_id!r} in {self.dir.parent}")
 
+    def episodes(self, episode_ids: list[str]) -> Iterator[Trajectory]:
+        """The given episodes, in store order, reading only their row groups (one pass over the shards)."""
+        wanted = list(dict.fromkeys(episode_ids))
+        for shard in self.shards():
+            try:
+                table = pq.read_table(shard, filters=[("episode_id", "in", wanted)])
+            except (pa.ArrowInvalid, OSError) as exc:
+                self.corrupt[str(shard)] = str(exc)
+                continue
+            for row in table.to_pylist():
+                yield row_to_trajectory(row)
+
     def learner_records(self) -> Iterator[dict]:
         """Every learner record, shard by shard (unreadable shards are named in `self.corrupt`)."""
         for shard in self.learner_shards():

@@ -5,8 +5,9 @@ selected episode its turns (generated text, tool results, sandbox events), a mil
 along the token axis and a per-token heat map of the generated tokens coloured by the engine's
 log-prob, the learner/engine ratio or the advantage (from the learner records), context grey. Data is embedded as JSON and rendered by a small script.
 
-Limits: at most `max_episodes` episodes (the newest) and `max_tokens` tokens per episode are
-embedded, so a page stays small for long runs; the page says when it cut something.
+Limits: at most `max_episodes` episodes (the newest, each read alone from the store) and
+`max_tokens` tokens per episode are embedded, so a page stays small for long runs; the page says
+when it cut something. Tokens are drawn a page of 2,000 at a time.
 """
 
 from __future__ import annotations
@@ -36,20 +37,17 @@ def episode_payload(t, tok, max_tokens: int, learner: dict | None = None) -> dic
     }
 
 
-def write_html(run_dir: str | Path, out: str | Path, max_episodes: int = 500, max_tokens: int = 20000) -> Path:
+def write_html(run_dir: str | Path, out: str | Path, max_episodes: int = 500, max_tokens: int = 100_000) -> Path:
     run_dir = Path(run_dir)
     s = summary(run_dir)
     tok = run_tokenizer(run_dir)
-    episodes = list(TrajectoryStore(run_dir).trajectories())
-    cut = len(episodes) > max_episodes
-    episodes = episodes[-max_episodes:]
-    shown = {t.episode_id for t in episodes}
-    learner = {r["episode_id"]: r for r in TrajectoryStore(run_dir).learner_records() if r["episode_id"] in shown}
-    data = {
-        "summary": s,
-        "episodes": [episode_payload(t, tok, max_tokens, learner.get(t.episode_id)) for t in episodes],
-        "episodes_cut": cut,
-    }
+    store = TrajectoryStore(run_dir)
+    # the newest `max_episodes`, read a few columns first so only those episodes are ever loaded whole
+    ids = [r["episode_id"] for r in store.rows(["episode_id"])]
+    shown = set(ids[-max_episodes:])
+    learner = {r["episode_id"]: r for r in store.learner_records() if r["episode_id"] in shown}
+    payloads = [episode_payload(t, tok, max_tokens, learner.get(t.episode_id)) for t in store.episodes(ids[-max_episodes:])]
+    data = {"summary": s, "episodes": payloads, "episodes_cut": len(ids) > max_episodes}
     blob = json.dumps(data).replace("</", "<\\/")  # keep "</script>" out of the JSON
     page = _TEMPLATE.replace("__TITLE__", html.escape(str(run_dir))).replace("__DATA__", blob)
     out = Path(out)
@@ -109,10 +107,15 @@ function list(){
 function colour(lp){ const x = Math.max(0, Math.min(1, Math.exp(lp) * 4)); return `rgba(${Math.round(230*(1-x))},${Math.round(120+100*x)},80,0.35)`; }
 function diverging(v, span){ const x = Math.max(-1, Math.min(1, v / span)); return x >= 0 ? `rgba(40,170,90,${0.1 + 0.5*x})` : `rgba(220,60,60,${0.1 - 0.5*x})`; }
 let current = null;
+const PAGE = 2000;  // tokens rendered at once: a long episode is paged, not drawn whole
+let page = 0;
 function tokenView(e){
   const by = document.getElementById('colour-by').value;
   const span = e.adv ? Math.max(1e-6, ...e.adv.map(Math.abs)) : 1;
-  return e.tokens.map((p,i) => {
+  const pages = Math.max(1, Math.ceil(e.tokens.length / PAGE)), lo = page * PAGE;
+  const nav = pages > 1 ? `<div id="token-pages">tokens ${lo}–${Math.min(e.tokens.length, lo + PAGE) - 1} of ${e.tokens.length} `
+    + `<button id="prev" ${page ? '' : 'disabled'}>◀</button> page ${page + 1}/${pages} <button id="next" ${page + 1 < pages ? '' : 'disabled'}>▶</button></div>` : '';
+  return nav + e.tokens.slice(lo, lo + PAGE).map((p,k) => { const i = lo + k;
     if (!e.mask[i]) return `<span class="tok ctx">${esc(p)}</span>`;
     const lr = e.learner ? e.learner[i] : null, ratio = lr === null ? null : Math.exp(lr - e.logprobs[i]);
     const bg = by == 'adv' && e.adv ? diverging(e.adv[i], span) : by == 'ratio' && ratio !== null ? diverging(Math.log(ratio), 0.2) : colour(e.logprobs[i]);
@@ -133,15 +136,22 @@ function show(id){
     + (byTurn[i] ? ` · <b>milestones: ${byTurn[i].map(m => esc(m.name)+' +'+m.reward).join(', ')}</b>` : '')
     + `<pre>${esc(t.text)}</pre></div>` + (t.observation ? `<div class="turn obs"><pre>${esc(t.observation)}</pre></div>` : '')
     + ((t.sandbox_events||[]).length ? `<div class="note">sandbox: ${t.sandbox_events.map(esc).join('; ')}</div>` : '')).join('');
-  current = e;
+  current = e; page = 0;
   document.getElementById('episode').innerHTML = `<h1 id="episode-title">${esc(e.id)}</h1>`
     + `<div>${esc(e.env)} · seed ${e.seed} · reward ${e.reward} · stop ${esc(e.stop)} · ${e.n_tokens} tokens (${e.n_generated} generated)`
     + (e.infra_error ? ` · <span class="note">infra error: ${esc(e.infra_error)}</span>` : '') + `</div>`
     + `<h2>milestone timeline</h2>${timeline}<h2>turns</h2><div><i>task:</i> ${esc(e.task)}</div>${turns}`
     + `<h2>tokens</h2><div class="note">${e.cut ? 'first tokens only; ' : ''}context grey; generated tokens coloured by the chosen value`
-    + (e.learner ? '' : ' (no learner record: not trained on)') + `</div><div id="tokens">${tokenView(e)}</div>`;
+    + (e.learner ? '' : ' (no learner record: not trained on)') + `</div><div id="tokens"></div>`;
+  redraw();
 }
-document.getElementById('colour-by').onchange = () => { if (current) document.getElementById('tokens').innerHTML = tokenView(current); };
+function redraw(){
+  document.getElementById('tokens').innerHTML = tokenView(current);
+  const prev = document.getElementById('prev'), next = document.getElementById('next');
+  if (prev) prev.onclick = () => { page--; redraw(); };
+  if (next) next.onclick = () => { page++; redraw(); };
+}
+document.getElementById('colour-by').onchange = () => { if (current) redraw(); };
 document.getElementById('filter').oninput = list;
 list();
 if (D.episodes.length) show(D.episodes[0].id);

@@ -158,3 +158,23 @@ def gvisor_host(docker_host):
             pytest.fail(f"CI must run the gVisor sandbox tests: {reason}")
         pytest.skip(reason)
     return docker_host
+
+
+def chromium_flags() -> list[str]:
+    """Headless Debian chromium with no network chatter (skip the test where it is not installed)."""
+    import shutil
+    import tempfile
+
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("chromium is not installed (make test installs Debian's chromium when run as root)")
+    return [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync",
+            f"--user-data-dir={tempfile.mkdtemp()}", "--window-size=1400,1000", "--virtual-time-budget=5000"]
+
+
+def chromium_dom(page: Path) -> str:
+    import subprocess
+
+    return subprocess.run(chromium_flags() + ["--dump-dom", page.as_uri()], capture_output=True, text=True,
+                          timeout=120).stdout

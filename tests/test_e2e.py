@@ -10,7 +10,7 @@ import pytest
 import ray
 import torch
 
-from conftest import REPO
+from conftest import REPO, chromium_dom, chromium_flags
 from rl.store import TrajectoryStore
 from rollout.chat import ChatFormat
 
@@ -227,8 +227,6 @@ def test_replay_export_and_rescore_from_the_cli(e2e_run, stored):
 
 
 def test_html_viewer_renders_in_headless_chromium(e2e_run, stored):
-    import shutil
-
     _, _, run_dir = e2e_run
     page = run_dir / "viewer.html"
     out = subprocess.run([sys.executable, "-m", "rl.cli", "inspect", str(run_dir), "--html", str(page)],
@@ -236,15 +234,8 @@ def test_html_viewer_renders_in_headless_chromium(e2e_run, stored):
     assert out.returncode == 0, out.stderr[-2000:]
     text = page.read_text()
     assert "http://" not in text.replace("http://www.w3.org", "") and "https://" not in text  # self-contained
-    chromium = shutil.which("chromium")
-    if chromium is None:
-        pytest.skip("chromium is not installed (make test installs Debian's chromium when run as root)")
-    import tempfile
-
-    flags = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             f"--user-data-dir={tempfile.mkdtemp()}", "--window-size=1400,1000", "--virtual-time-budget=5000"]
-    dom = subprocess.run(flags + ["--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120).stdout
+    flags = chromium_flags()
+    dom = chromium_dom(page)
     import re
 
     rows = re.findall(r'<tr class="episode-row(?: sel)?" data-id="(i\d+-g\d+-e\d+)"', dom)

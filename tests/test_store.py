@@ -81,6 +81,7 @@ def test_one_episode_and_its_learner_record_are_read_alone(tmp_path):
     assert store.episode("e3") == _traj(3, n=43)
     with pytest.raises(KeyError, match="no episode 'e9'"):
         store.episode("e9")
+    assert [t.episode_id for t in store.episodes(["e4", "e1"])] == ["e1", "e4"]  # store order
     assert store.learner_record("e3") is None  # nothing trained yet
     notes = {f"e{i}": {"learner_logprobs": [0.0] + [-1.25] * (39 + i), "advantages": [0.0, 0.0] + [0.5] * (38 + i)}
              for i in (1, 3)}
@@ -137,3 +138,16 @@ def test_export_as_a_datasets_directory(tmp_path):
     r = subprocess.run([sys.executable, "-m", "rl.cli", "export", str(tmp_path), "--format", "datasets", "--out",
                         str(tmp_path / "ds2")], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert load_from_disk(str(tmp_path / "ds2"))["episode_id"] == ["e0", "e1", "e2", "e7"]
+
+
+def test_viewer_pages_a_long_episode(tmp_path):
+    from conftest import chromium_dom
+    from rl.viewer import write_html
+
+    store = TrajectoryStore(tmp_path)
+    store.write("iter-000000", [_traj(0), _traj(1, n=30_000)])
+    page = write_html(tmp_path, tmp_path / "v.html", max_episodes=1)  # the newest episode only: the long one
+    dom = chromium_dom(page)
+    assert '<h1 id="episode-title">e1</h1>' in dom and 'data-id="e0"' not in dom
+    assert "tokens 0–1999 of 30000" in dom and "page 1/15" in dom
+    assert dom.split('<script')[0].count('<span class="tok') == 2000  # one page drawn, not all 30,000
