@@ -121,7 +121,7 @@ _MEMORY_WORDS = ("MemoryError", "Cannot allocate memory", "bad_alloc", "out of m
 _PROCESS_WORDS = ("Resource temporarily unavailable", "BlockingIOError", "can't fork", "Cannot fork")
 
 
-def classify(result: SandboxResult, *, cpu_exceeded: bool = False, oom: bool = False) -> None:
+def classify(result: SandboxResult, *, oom: bool = False) -> None:
     """Fill `result.resource` and `killed` from the exit status and the program's own words."""
     code = result.exit_code
     if code is not None and code > 128 and code - 128 < 65:
@@ -129,8 +129,6 @@ def classify(result: SandboxResult, *, cpu_exceeded: bool = False, oom: bool = F
         result.killed = True
         if sig in _SIGNAL_RESOURCE:
             result.resource = result.resource or _SIGNAL_RESOURCE[sig]
-        elif sig == signal.SIGKILL and cpu_exceeded:
-            result.resource = result.resource or "cpu_time"
     if oom:
         result.resource = result.resource or "memory"
     err = result.stderr[-4000:] + result.stdout[-1000:]

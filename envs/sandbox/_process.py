@@ -78,8 +78,8 @@ def _kill_group(pgid: int) -> None:
 
 def run_process(argv: list[str], *, limits: Limits, backend: str, cwd: str | None = None,
                 env: dict | None = None, stdin: str | None = None,
-                preexec: Callable[[], None] | None = None, pass_fds=()) -> tuple[SandboxResult, subprocess.Popen]:
-    """Run `argv`; return the result (resource not yet classified) and the finished Popen."""
+                preexec: Callable[[], None] | None = None, pass_fds=()) -> SandboxResult:
+    """Run `argv`; return its result (limits known here filled in; the rest is `classify`'s)."""
     t0 = time.monotonic()
     proc = subprocess.Popen(
         argv, cwd=cwd, env=env, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
@@ -132,4 +132,4 @@ def run_process(argv: list[str], *, limits: Limits, backend: str, cwd: str | Non
     elif flooded.is_set():
         result.resource = "output"
         result.events.append(f"killed for output flooding (> {_FLOOD_FACTOR}x {limits.output_bytes} bytes)")
-    return result, proc
+    return result

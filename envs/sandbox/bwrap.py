@@ -131,7 +131,7 @@ class BwrapSandbox(SandboxBase):
         nproc = limits.processes if self.as_root else _user_process_count(os.getuid()) + limits.processes
         r_fd, w_fd = os.pipe()
         try:
-            result, _ = run_process(self.command(argv, w_fd), limits=limits, backend=self.backend, stdin=stdin,
+            result = run_process(self.command(argv, w_fd), limits=limits, backend=self.backend, stdin=stdin,
                                     preexec=rlimit_setter(limits, processes=nproc), pass_fds=(w_fd,))
         finally:
             os.close(w_fd)
@@ -146,5 +146,5 @@ class BwrapSandbox(SandboxBase):
             raise SandboxError(f"bwrap could not start the sandbox: {result.stderr.strip()[:500]}")
         if "exit-code" in status and not result.timed_out and result.resource != "output":
             result.exit_code = int(status["exit-code"])
-        classify(result, cpu_exceeded=False)
+        classify(result)
         return self._check_disk(result, limits)

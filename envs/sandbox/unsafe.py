@@ -31,7 +31,7 @@ class UnsafeSandbox(SandboxBase):
         limits = limits or self.limits
         if isinstance(argv, str):
             argv = ["/bin/sh", "-c", argv]
-        result, _ = run_process(argv, limits=limits, backend=self.backend, cwd=str(self.path), env=self.env,
+        result = run_process(argv, limits=limits, backend=self.backend, cwd=str(self.path), env=self.env,
                                 stdin=stdin, preexec=rlimit_setter(limits, processes=0))
         classify(result)
         return self._check_disk(result, limits)
