@@ -59,6 +59,14 @@ def summary(run_dir: str | Path) -> dict:
         per_iter[row["iteration"]].append(row)
         versions.update(row["policy_versions"])
     iters = sorted(per_iter)
+    # staleness: how many versions older than the learner's weights an episode's oldest token was
+    # when it was trained on (0 in synchronous runs; bounded by max_staleness in asynchronous ones)
+    trained = {r["episode_id"]: r["policy_version"] for r in store.learner_records()}
+    staleness = []
+    for i in iters:
+        ages = [trained[r["episode_id"]] - min(r["policy_versions"]) for r in per_iter[i]
+                if r["episode_id"] in trained and r["policy_versions"]]
+        staleness.append(max(ages) if ages else None)
     milestone_rates = []
     for i in iters:
         counts: dict[str, int] = defaultdict(int)
@@ -69,11 +77,14 @@ def summary(run_dir: str | Path) -> dict:
     return {
         "run_dir": str(run_dir),
         "iterations": len(iters),
+        "iteration_ids": iters,
         "episodes": sum(len(v) for v in per_iter.values()),
         "mean_reward": [sum(r["reward"] for r in per_iter[i]) / len(per_iter[i]) for i in iters],
         "milestone_rates": milestone_rates,
         "mean_generated_tokens": [sum(r["num_generated"] for r in per_iter[i]) / len(per_iter[i]) for i in iters],
         "policy_versions": sorted(versions),
+        "staleness_max": staleness,
+        "infra_errors": [sum(1 for r in per_iter[i] if r["stop_reason"] == "infra_error") for i in iters],
         "shards": [str(p) for p in store.shards()],
         "corrupt_shards": dict(store.corrupt),
     }
@@ -83,13 +94,16 @@ def print_summary(run_dir: str | Path, console: Console) -> None:
     s = summary(run_dir)
     metrics = {m["iteration"]: m for m in load_metrics(Path(run_dir))}
     table = Table(title=f"{s['run_dir']}: {s['episodes']} episodes, policy versions {s['policy_versions']}")
-    for col in ("iter", "reward", "milestones", "gen tokens", "loss", "→ version", "sync ms"):
+    for col in ("iter", "reward", "milestones", "gen tokens", "loss", "→ version", "staleness", "infra err",
+                "sync ms"):
         table.add_column(col, justify="right")
-    for i, (reward, rates, gen) in enumerate(zip(s["mean_reward"], s["milestone_rates"], s["mean_generated_tokens"])):
+    for i, reward, rates, gen, stale, infra in zip(s["iteration_ids"], s["mean_reward"], s["milestone_rates"],
+                                                  s["mean_generated_tokens"], s["staleness_max"], s["infra_errors"]):
         m = metrics.get(i, {})
         table.add_row(
             str(i), f"{reward:.3f}", " ".join(f"{k} {v:.0%}" for k, v in rates.items()) or "-", f"{gen:.0f}",
             f"{m['loss']:+.4f}" if "loss" in m else "-", str(m.get("policy_version", "-")),
+            "-" if stale is None else str(stale), str(infra),
             f"{m['sync_s'] * 1e3:.0f}" if "sync_s" in m else "-",
         )
     console.print(table)

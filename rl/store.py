@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from rl.trajectory import Trajectory, Turn
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: routed_experts (shards of version 1 read with it None)
 
 SCHEMA = pa.schema(
     [
@@ -43,6 +43,7 @@ SCHEMA = pa.schema(
         ("num_turns", pa.int32()),
         ("num_generated", pa.int32()),
         ("timings", pa.string()),
+        ("routed_experts", pa.list_(pa.list_(pa.list_(pa.int16())))),
     ]
 )
 
@@ -88,6 +89,7 @@ class TrajectoryStore:
             rows["num_turns"].append(len(t.turns))
             rows["num_generated"].append(t.num_generated)
             rows["timings"].append(json.dumps(t.timings))
+            rows["routed_experts"].append(t.routed_experts)
         return self._write_atomic(self.dir, name, pa.table(rows, schema=SCHEMA))
 
     def write_learner(self, name: str, annotations: dict, policy_version: int) -> Path:
@@ -214,4 +216,5 @@ def row_to_trajectory(row: dict) -> Trajectory:
         stop_reason=row["stop_reason"],
         infra_error=row.get("infra_error") or "",
         timings=json.loads(row["timings"]),
+        routed_experts=row.get("routed_experts"),
     )

@@ -72,6 +72,9 @@ class Trajectory:
     """Seconds spent generating and in the environment."""
     task: str = ""
     """The environment's first observation (the task as the model saw it, before templating)."""
+    routed_experts: list[list[list[int]]] | None = None
+    """Per token, per MoE layer, the expert ids the engine routed it to ([] where not recorded); None
+    when the engine records none. For rollout routing replay in the learner."""
 
     @property
     def num_generated(self) -> int:

@@ -68,6 +68,8 @@ class _Episode:
         self.gen_s = 0.0
         self.env_s = 0.0
         self.turn_start = 0
+        self.routed: list[list[list[int]]] = [[] for _ in prompt]
+        self.any_routed = False
 
     def fail(self, message: str) -> None:
         self.stop_reason, self.infra_error = "infra_error", message
@@ -165,12 +167,15 @@ def _turn(engine, chat: ChatFormat, live: list[_Episode], turn: int, pool, *, ma
         ep.ids += gen.token_ids
         ep.mask += [1] * len(gen.token_ids)
         ep.logprobs += gen.logprobs
+        ep.routed += gen.routed_experts if gen.routed_experts is not None else [[] for _ in gen.token_ids]
+        ep.any_routed |= gen.routed_experts is not None
         if not gen.token_ids or gen.token_ids[-1] != chat.eot_id:
             # Cut by the token limit: close the turn so the next observation is well formed.
             # The closing token is not the policy's, so it is masked out.
             ep.ids.append(chat.eot_id)
             ep.mask.append(0)
             ep.logprobs.append(0.0)
+            ep.routed.append([])
         texts.append(chat.decode(gen.token_ids))
     steps = list(pool.map(lambda pair: _step(pair[0], pair[1], turn), zip(live, texts)))
 
@@ -196,6 +201,7 @@ def _turn(engine, chat: ChatFormat, live: list[_Episode], turn: int, pool, *, ma
                 ep.ids += obs_ids
                 ep.mask += [0] * len(obs_ids)
                 ep.logprobs += [0.0] * len(obs_ids)
+                ep.routed += [[] for _ in obs_ids]
         ep.turns.append(
             Turn(
                 gen_start=gen_start,
@@ -231,4 +237,5 @@ def _record(ep: _Episode, env_id: str) -> Trajectory:
         stop_reason=ep.stop_reason or "max_turns",
         infra_error=ep.infra_error,
         timings={"generate_s": ep.gen_s, "env_s": ep.env_s},
+        routed_experts=ep.routed if ep.any_routed else None,
     )

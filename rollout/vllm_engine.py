@@ -37,6 +37,9 @@ class Generation:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" (stop/eos token) or "length"
+    routed_experts: list[list[list[int]]] | None = None
+    """Per generated token, per MoE layer, the expert ids it was routed to, from engines that record
+    them (vLLM's CPU build cannot: its routed-expert capture needs Triton)."""
 
 
 class VLLMEngine:

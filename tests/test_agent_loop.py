@@ -229,3 +229,27 @@ def test_sandbox_events_are_recorded_stored_and_shown(tokenizer, tmp_path):
     shown = subprocess.run([sys.executable, "-m", "rl.cli", "inspect", str(tmp_path), "--episode", "i0-g0-e0"],
                            cwd=REPO, capture_output=True, text=True, timeout=120)
     assert "sandbox: bwrap: output limit reached" in shown.stdout, shown.stderr
+
+
+class RoutingPolicy(ExpertPolicy):
+    """The expert, as an engine that also reports the experts each generated token was routed to."""
+
+    def generate(self, prompts, **kw):
+        gens = super().generate(prompts, **kw)
+        for g in gens:
+            g.routed_experts = [[[tid % 8, (tid + 1) % 8], [(tid * 3) % 8, 7]] for tid in g.token_ids]
+        return gens
+
+
+def test_routed_experts_from_the_engine_line_up_with_the_tokens(tokenizer):
+    chat = ChatFormat(tokenizer)
+    (t,) = run_episodes(RoutingPolicy(chat, [21]), chat, lambda: envs.make("tools/calculator-v0"),
+                        "tools/calculator-v0", [EpisodeTask("e0", 0, 21, 0)], max_turns=5, max_new_tokens=64,
+                        max_episode_tokens=4096)
+    assert len(t.routed_experts) == len(t.token_ids)
+    for p, (tid, m) in enumerate(zip(t.token_ids, t.loss_mask)):
+        assert t.routed_experts[p] == ([[tid % 8, (tid + 1) % 8], [(tid * 3) % 8, 7]] if m else [])
+    (plain,) = run_episodes(ExpertPolicy(chat, [21]), chat, lambda: envs.make("tools/calculator-v0"),
+                            "tools/calculator-v0", [EpisodeTask("e0", 0, 21, 0)], max_turns=5, max_new_tokens=64,
+                            max_episode_tokens=4096)
+    assert plain.routed_experts is None  # an engine that records nothing leaves nothing to store

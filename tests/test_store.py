@@ -151,3 +151,32 @@ def test_viewer_pages_a_long_episode(tmp_path):
     assert '<h1 id="episode-title">e1</h1>' in dom and 'data-id="e0"' not in dom
     assert "tokens 0–1999 of 30000" in dom and "page 1/15" in dom
     assert dom.split('<script')[0].count('<span class="tok') == 2000  # one page drawn, not all 30,000
+
+
+def test_routed_experts_round_trip_and_version_1_shards_still_read(tmp_path):
+    import pyarrow.parquet as pq
+
+    store = TrajectoryStore(tmp_path)
+    t = _traj(0, n=6)
+    t.routed_experts = [[], [], [[1, 5], [0, 2]], [[3, 4], [7, 1]], [[1, 2], [2, 3]], []]
+    store.write("iter-000000", [t, _traj(1)])
+    back = {x.episode_id: x for x in store.trajectories()}
+    assert back["e0"].routed_experts == t.routed_experts and back["e1"].routed_experts is None
+    old = pq.read_table(store.shards()[0]).drop(["routed_experts"])  # a shard written before the column
+    pq.write_table(old, store.dir / "iter-000001.parquet")
+    assert [x.routed_experts for x in store.trajectories(store.shards()[1])] == [None, None]
+    assert [x.episode_id for x in store.trajectories(store.shards()[1])] == ["e0", "e1"]
+
+
+def test_summary_reports_staleness_and_infra_errors(tmp_path):
+    from rl.inspect import summary
+
+    store = TrajectoryStore(tmp_path)
+    a, b, c = _traj(0), _traj(1), _traj(2)
+    b.turns = [Turn(2, 20, 25, "t", "o", 1, 0, 0, 7, "stop"), Turn(25, 50, 50, "t", "o", 1, 0, 1, 8, "stop")]
+    c.stop_reason, c.infra_error = "infra_error", "sandbox died"
+    store.write("iter-000000", [a, b, c])
+    notes = {e: {"learner_logprobs": [0.0] * 50, "advantages": [0.0] * 50} for e in ("e0", "e1")}
+    store.write_learner("iter-000000", notes, policy_version=2)  # trained with weights two versions on
+    s = summary(tmp_path)
+    assert s["staleness_max"] == [2] and s["infra_errors"] == [1] and s["iteration_ids"] == [0]
