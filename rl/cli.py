@@ -7,6 +7,8 @@
     longhorizon replay DIR (--episode ID | --all) [--rescore module:function] [--json]
     longhorizon export DIR [--out FILE] [--format jsonl|datasets]
     longhorizon plot DIR [--out DIR]
+    longhorizon submit CONFIG --address http://HEAD:8265 [--wait] [key=value ...]   (rl/jobs.py)
+    longhorizon jobs status|logs|stop ID --address http://HEAD:8265
     longhorizon policy info CONFIG [--json]
     longhorizon envs list|show|check|play ...          (envs/cli.py)
     longhorizon sandbox run [--backend B] ... -- CMD   (envs/cli.py)
@@ -170,6 +172,44 @@ def _export(args) -> int:
     return 0
 
 
+def _submit(args) -> int:
+    from rl import jobs
+    from rl.config import ConfigError
+
+    try:
+        job_id, run_dir = jobs.submit(args.config, args.address, overrides=args.overrides, run_dir=args.run_dir,
+                                      python=args.python)
+    except (ConfigError, ConnectionError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"submitted {job_id}; run directory on the head: {run_dir}")
+    if not args.wait:
+        print(f"follow it: longhorizon jobs logs {job_id} --address {args.address}")
+        return 0
+    state = jobs.wait(args.address, job_id, timeout_s=args.timeout)
+    print(f"job {job_id}: {state}")
+    return 0 if state == "SUCCEEDED" else 1
+
+
+def _jobs(args) -> int:
+    from rl import jobs
+
+    try:
+        if args.action == "status":
+            print(jobs.status(args.address, args.job_id))
+        elif args.action == "logs":
+            print(jobs.logs(args.address, args.job_id), end="")
+        else:
+            print("stopped" if jobs.stop(args.address, args.job_id) else "not running")
+    except ConnectionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # the jobs API's answer for an unknown job id
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _plot(args) -> int:
     from rl.plot import plot_run
 
@@ -228,6 +268,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. rollout.group_size=8")
     p.set_defaults(fn=_train)
 
+    p = sub.add_parser("submit", help="run a training job on a Ray cluster (Ray Jobs API)")
+    p.add_argument("config")
+    p.add_argument("--address", required=True, help="the cluster's jobs endpoint, e.g. http://HEAD:8265")
+    p.add_argument("--run-dir", help="run directory on the head (default ~/longhorizon-runs/NAME-TIME)")
+    p.add_argument("--python", default="python", help="the cluster's Python with the project installed")
+    p.add_argument("--wait", action="store_true", help="follow the job's log until it ends; exit 1 unless it succeeded")
+    p.add_argument("--timeout", type=float, default=24 * 3600, help="with --wait: give up after this many seconds")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    p.set_defaults(fn=_submit)
+
+    p = sub.add_parser("jobs", help="a submitted job's status, logs, or stop it")
+    p.add_argument("action", choices=["status", "logs", "stop"])
+    p.add_argument("job_id")
+    p.add_argument("--address", required=True, help="the cluster's jobs endpoint, e.g. http://HEAD:8265")
+    p.set_defaults(fn=_jobs)
+
     p = sub.add_parser("inspect", help="summarise a run, or show one episode")
     p.add_argument("run_dir")
     p.add_argument("--episode", help="episode id to show turn by turn")
@@ -282,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     # Overrides may come before or after the options; argparse alone stops collecting positionals
     # at the first option, so gather the leftovers here.
     args, extra = parser.parse_known_args(argv)
-    bad = [x for x in extra if x.startswith("-") or args.command != "train" or "=" not in x]
+    bad = [x for x in extra if x.startswith("-") or args.command not in ("train", "submit") or "=" not in x]
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
     if extra:

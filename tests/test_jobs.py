@@ -1,0 +1,149 @@
+"""Training jobs through the Ray Jobs API, against a Ray head this module starts on loopback (with
+its dashboard, which serves the jobs endpoint) and stops by PID."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _pids_under(marker: str) -> list[int]:
+    pids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if marker in Path(entry.path, "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    temp = f"/tmp/lhray-{os.getpid()}"  # short: Ray's unix sockets live under it
+    gcs, dash, agent, agent_grpc, metrics, rt_env, client = _free_ports(7)
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+           "RAY_USAGE_STATS_ENABLED": "0"}
+    ray_cli = str(Path(sys.executable).parent / "ray")
+    subprocess.run([ray_cli, "start", "--head", f"--port={gcs}", "--node-ip-address=127.0.0.1",
+                    "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+                    f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
+                    f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={rt_env}",
+                    f"--ray-client-server-port={client}", "--num-cpus=2", "--object-store-memory=268435456",
+                    f"--temp-dir={temp}", "--disable-usage-stats"],
+                   env=env, check=True, capture_output=True, timeout=120)
+    address = f"http://127.0.0.1:{dash}"
+    from ray.job_submission import JobSubmissionClient
+
+    deadline = time.monotonic() + 60
+    while True:  # the jobs endpoint comes up a little after `ray start` returns
+        try:
+            JobSubmissionClient(address).list_jobs()
+            break
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+    yield address
+    for pid in _pids_under(temp):  # never `ray stop`: it would kill every Ray on the machine
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    time.sleep(1)
+    assert _pids_under(temp) == []
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+def cli(*args, timeout=900):
+    return subprocess.run([sys.executable, "-m", "rl.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+SMALL = ["iterations=1", "rollout.num_workers=1", "rollout.groups_per_iteration=2", "rollout.group_size=2",
+         "rollout.max_new_tokens=16", "rollout.cpus_per_worker=0.5"]
+
+
+def test_submit_a_training_job_and_follow_it(ray_head, tmp_path):
+    run_dir = tmp_path / "job-run"
+    r = cli("submit", "configs/quickstart.yaml", "--address", ray_head, "--run-dir", str(run_dir),
+            "--python", sys.executable, "--wait", *SMALL)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    job_id = r.stdout.split()[1].rstrip(";")
+    assert f"job {job_id}: SUCCEEDED" in r.stdout
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["iteration"] for row in rows] == [0] and rows[0]["episodes"] == 4
+    assert (run_dir / "trajectories" / "iter-000000.parquet").exists()
+    assert cli("jobs", "status", job_id, "--address", ray_head).stdout.strip() == "SUCCEEDED"
+    assert "done" in cli("jobs", "logs", job_id, "--address", ray_head).stdout
+
+
+def test_stop_a_running_job(ray_head, tmp_path):
+    r = cli("submit", "configs/quickstart.yaml", "--address", ray_head, "--run-dir", str(tmp_path / "long"),
+            "--python", sys.executable, "iterations=500", *SMALL[1:])
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.split()[1].rstrip(";")
+    deadline = time.monotonic() + 120
+    while cli("jobs", "status", job_id, "--address", ray_head).stdout.strip() in ("PENDING", ""):
+        assert time.monotonic() < deadline
+        time.sleep(1)
+    assert cli("jobs", "stop", job_id, "--address", ray_head).stdout.strip() == "stopped"
+    deadline = time.monotonic() + 120
+    while (state := cli("jobs", "status", job_id, "--address", ray_head).stdout.strip()) not in ("STOPPED", "FAILED"):
+        assert time.monotonic() < deadline, state
+        time.sleep(1)
+    assert state == "STOPPED"
+
+
+def test_bad_config_and_unknown_endpoint_fail_before_anything_ships(ray_head, tmp_path):
+    r = cli("submit", "configs/quickstart.yaml", "--address", ray_head, "rollout.group_sise=4")
+    assert r.returncode == 2 and "group_sise" in r.stderr
+    port = _free_ports(1)[0]
+    r = cli("submit", "configs/quickstart.yaml", "--address", f"http://127.0.0.1:{port}")
+    assert r.returncode == 2 and "no Ray jobs endpoint" in r.stderr
+
+
+def test_the_head_listens_on_loopback_only(ray_head):
+    import psutil
+    from ipaddress import ip_address
+
+    marker = f"/tmp/lhray-{os.getpid()}"
+    head_pids = set(_pids_under(marker))
+    listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in head_pids]
+    assert listening, "found no listening sockets of the head to check"
+    outside = [(c.laddr.ip, c.laddr.port) for c in listening
+               if not (getattr(ip_address(c.laddr.ip), "ipv4_mapped", None) or ip_address(c.laddr.ip)).is_loopback]
+    assert outside == []
+
+
+def test_example_cluster_file_is_a_valid_ray_up_config():
+    import yaml
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    raw = yaml.safe_load((REPO / "configs" / "cluster" / "onprem.yaml").read_text())
+    validate_config(prepare_config(raw))  # raises on a schema error, naming the field
+    assert any("pip install" in c for c in raw["setup_commands"])
