@@ -155,6 +155,16 @@ class RayConfig:
     """Object-store size of the local Ray, MiB (weights travel through it)."""
     log_to_driver: bool = False
     """Stream actor logs (vLLM's included) to the driver's terminal."""
+    rollout_resources: dict = field(default_factory=dict)
+    """Custom Ray resources each rollout worker requests (e.g. {rollout: 1}), to place them on the nodes that advertise them."""
+    env_worker_resources: dict = field(default_factory=dict)
+    """Custom Ray resources each EnvWorker actor requests (e.g. {env_worker: 1})."""
+    learner_resources: dict = field(default_factory=dict)
+    """Custom Ray resources the learner requests (e.g. {learner: 1})."""
+    learner_cpus: float = 0.0
+    """Ray CPUs reserved for the learner (0: it shares the driver's node without a reservation)."""
+    local_resources: dict = field(default_factory=dict)
+    """Custom resources the local Ray advertises (ignored with `address`): lets a one-machine run use the same placement."""
 
 
 @dataclass
@@ -199,6 +209,13 @@ class RunConfig:
             ("algo.tis_cap", self.algo.tis_cap == 0 or self.algo.tis_cap >= 1, "must be 0 (off) or >= 1"),
             ("algo.kl_beta", self.algo.kl_beta >= 0, "must be >= 0"),
             ("algo.gamma", 0 < self.algo.gamma <= 1, "must be in (0, 1]"),
+            ("env.workers", self.env.workers >= 0, "must be >= 0"),
+            ("ray.learner_cpus", self.ray.learner_cpus >= 0, "must be >= 0"),
+        ] + [
+            (f"ray.{name}", all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                                and v >= 0 for k, v in getattr(self.ray, name).items()),
+             "must map resource names to non-negative amounts, e.g. {rollout: 1}")
+            for name in ("rollout_resources", "env_worker_resources", "learner_resources", "local_resources")
         ]
         require(checks, source)
         return self

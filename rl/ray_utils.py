@@ -36,5 +36,6 @@ def init_ray(cfg: RayConfig) -> bool:
             object_store_memory=cfg.object_store_mb << 20,
             _node_ip_address="127.0.0.1",
             log_to_driver=cfg.log_to_driver,
+            resources=dict(cfg.local_resources) or None,
         )
     return True

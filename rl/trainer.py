@@ -124,18 +124,20 @@ class Trainer:
         c = self.cfg
         self.console.log(f"starting {c.rollout.num_workers} rollout worker(s), {c.env.workers} env worker(s) "
                          "and the learner")
-        self.learner = LearnerActor.options(num_cpus=0).remote(
+        r = c.ray
+        self.learner = LearnerActor.options(num_cpus=r.learner_cpus, resources=dict(r.learner_resources)).remote(
             path, c.algo, seed=c.seed, dtype=c.policy.dtype, temperature=c.rollout.temperature,
             max_generated_tokens=c.rollout.max_turns * c.rollout.max_new_tokens,
         )
         rollouts = self.source is None  # training from a store needs no engines and no environments
         self.env_workers = [
-            EnvWorkerActor.options(num_cpus=c.env.cpus_per_worker, max_concurrency=c.env.worker_concurrency)
+            EnvWorkerActor.options(num_cpus=c.env.cpus_per_worker, max_concurrency=c.env.worker_concurrency,
+                                   resources=dict(r.env_worker_resources))
             .remote(c.env.id, c.env.kwargs)
             for _ in range(c.env.workers if rollouts else 0)
         ]
         self.workers = [
-            RolloutWorkerActor.options(num_cpus=c.rollout.cpus_per_worker).remote(
+            RolloutWorkerActor.options(num_cpus=c.rollout.cpus_per_worker, resources=dict(r.rollout_resources)).remote(
                 path, c.rollout, c.env, seed=c.seed + i, dtype=c.policy.dtype, env_actors=self.env_workers
             )
             for i in range(c.rollout.num_workers if rollouts else 0)

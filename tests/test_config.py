@@ -51,6 +51,12 @@ def test_literal_and_range_checks(tmp_path):
         load_config(QUICKSTART, ["nope=1"])
     with pytest.raises(ConfigError, match="must look like section.key=value"):
         load_config(QUICKSTART, ["rollout.group_size"])
+    with pytest.raises(ConfigError, match="ray.learner_resources must map resource names to non-negative amounts"):
+        load_config(QUICKSTART, ["ray.learner_resources={learner: -1}"])
+    with pytest.raises(ConfigError, match="ray.rollout_resources must be dict"):
+        load_config(QUICKSTART, ["ray.rollout_resources=3"])
+    assert load_config(QUICKSTART, ["ray.env_worker_resources={env_worker: 0.5}"]).ray.env_worker_resources == {
+        "env_worker": 0.5}
 
 
 def test_malformed_yaml_and_missing_file(tmp_path):

@@ -54,6 +54,7 @@ def ray_head():
                     f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
                     f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={rt_env}",
                     f"--ray-client-server-port={client}", "--num-cpus=2", "--object-store-memory=268435456",
+                    '--resources={"rollout": 2, "env_worker": 2, "learner": 1}',
                     f"--temp-dir={temp}", "--disable-usage-stats"],
                    env=env, check=True, capture_output=True, timeout=120)
     address = f"http://127.0.0.1:{dash}"
@@ -88,10 +89,16 @@ SMALL = ["iterations=1", "rollout.num_workers=1", "rollout.groups_per_iteration=
          "rollout.max_new_tokens=16", "rollout.cpus_per_worker=0.5"]
 
 
+PLACED = ["env.workers=1", "ray.rollout_resources={rollout: 1}", "ray.env_worker_resources={env_worker: 1}",
+          "ray.learner_resources={learner: 1}"]
+
+
 def test_submit_a_training_job_and_follow_it(ray_head, tmp_path):
+    from ray.util.state import list_actors
+
     run_dir = tmp_path / "job-run"
     r = cli("submit", "configs/quickstart.yaml", "--address", ray_head, "--run-dir", str(run_dir),
-            "--python", sys.executable, "--wait", *SMALL)
+            "--python", sys.executable, "--wait", *SMALL, *PLACED)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     job_id = r.stdout.split()[1].rstrip(";")
     assert f"job {job_id}: SUCCEEDED" in r.stdout
@@ -100,6 +107,15 @@ def test_submit_a_training_job_and_follow_it(ray_head, tmp_path):
     assert (run_dir / "trajectories" / "iter-000000.parquet").exists()
     assert cli("jobs", "status", job_id, "--address", ray_head).stdout.strip() == "SUCCEEDED"
     assert "done" in cli("jobs", "logs", job_id, "--address", ray_head).stdout
+    # every actor asked for the custom resource of its role (the head advertises them)
+    wanted = {"RolloutWorker": "rollout", "EnvWorker": "env_worker", "Learner": "learner"}
+    seen = {}
+    for actor in list_actors(address=ray_head, detail=True, limit=1000):
+        if actor.class_name in wanted:
+            seen[actor.class_name] = actor.required_resources
+    assert set(seen) == set(wanted), seen
+    for cls, resource in wanted.items():
+        assert seen[cls].get(resource) == 1.0, (cls, seen[cls])
 
 
 def test_stop_a_running_job(ray_head, tmp_path):
