@@ -185,7 +185,7 @@ class Trainer:
     def sync(self) -> dict:
         """Publish the learner's weights once; every worker loads them in place."""
         if not self.workers:  # training from a store: nobody to sync
-            return {"sync_s": 0.0, "load_s_max": 0.0}
+            return {"sync_s": 0.0, "load_s_max": 0.0, "sync_bytes": 0}
         t0 = time.perf_counter()
         ref = self.learner.weights.remote()  # stays in the object store; workers read it directly
         pending = {w.load_weights.remote(ref, self.version): i for i, w in enumerate(self.workers)}
@@ -198,7 +198,8 @@ class Trainer:
         for r in results:
             if r["version"] != self.version:
                 raise RuntimeError(f"a rollout worker reports version {r['version']}, expected {self.version}")
-        return {"sync_s": time.perf_counter() - t0, "load_s_max": max(r["load_s"] for r in results)}
+        return {"sync_s": time.perf_counter() - t0, "load_s_max": max(r["load_s"] for r in results),
+                "sync_bytes": results[0]["bytes"]}  # the bytes each worker received
 
     def iteration(self, it: int) -> dict:
         t0 = time.perf_counter()

@@ -75,7 +75,8 @@ class RolloutWorker:
             # Arrays from Ray's object store are read-only views; vLLM copies them into its params.
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             self.engine.load_weights(named_arrays, version)
-        return {"version": self.engine.version, "load_s": time.perf_counter() - t0}
+        return {"version": self.engine.version, "load_s": time.perf_counter() - t0,
+                "bytes": int(sum(a.nbytes for _, a in named_arrays))}
 
     def generate(self, prompt_ids: list[int], max_tokens: int, seed: int) -> Generation:
         """One sampled continuation (tests and probes)."""
