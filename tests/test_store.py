@@ -180,3 +180,14 @@ def test_summary_reports_staleness_and_infra_errors(tmp_path):
     store.write_learner("iter-000000", notes, policy_version=2)  # trained with weights two versions on
     s = summary(tmp_path)
     assert s["staleness_max"] == [2] and s["infra_errors"] == [1] and s["iteration_ids"] == [0]
+
+
+def test_a_million_token_episode_pages_from_its_own_row_group(tmp_path):
+    from rl.inspect import token_rows
+
+    store = TrajectoryStore(tmp_path)
+    store.write("iter-000000", [_traj(0), _traj(1, n=1_000_000), _traj(2)])
+    page = token_rows(tmp_path, "e1", start=999_990, count=50)
+    assert page["tokens"] == 1_000_000 and page["end"] == 1_000_000 and len(page["rows"]) == 10
+    assert [r["id"] for r in page["rows"]] == list(range(999_990, 1_000_000))
+    assert all(r["role"] == "generated" and r["rollout_logprob"] == -1.5 for r in page["rows"])
