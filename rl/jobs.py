@@ -36,12 +36,10 @@ def _client(address: str):
         raise ConnectionError(f"no Ray jobs endpoint at {address}: {exc}") from None
 
 
-def stage(config_path: str | Path, overrides: list[str]) -> Path:
-    """A directory holding the project's packages and `job.yaml` (the config with the overrides
-    applied, checked here so a bad config fails before anything is shipped)."""
-    from rl.config import dump_config, load_config
+def stage(cfg) -> Path:
+    """A directory holding the project's packages and `job.yaml` (the checked config)."""
+    from rl.config import dump_config
 
-    cfg = load_config(config_path, overrides)
     out = Path(tempfile.mkdtemp(prefix="lh-job-"))
     for pkg in PACKAGES:
         if (REPO / pkg).is_dir():
@@ -53,10 +51,13 @@ def stage(config_path: str | Path, overrides: list[str]) -> Path:
 def submit(config_path: str | Path, address: str, *, overrides: list[str] | None = None, run_dir: str | None = None,
            python: str = "python") -> tuple[str, str]:
     """Submit a training job; returns (job id, run directory on the head)."""
+    from rl.config import load_config
+
     name = Path(config_path).stem
     run_dir = run_dir or f"~/longhorizon-runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    staged = stage(config_path, list(overrides or []))
+    cfg = load_config(config_path, list(overrides or []))  # a bad config fails before anything ships
     client = _client(address)
+    staged = stage(cfg)
     try:
         entrypoint = f"{python} -m rl.cli train job.yaml --run-dir {run_dir} ray.address=auto"
         job_id = client.submit_job(entrypoint=entrypoint, runtime_env={"working_dir": str(staged)},

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -139,8 +140,10 @@ def test_bad_config_and_unknown_endpoint_fail_before_anything_ships(ray_head, tm
     r = cli("submit", "configs/quickstart.yaml", "--address", ray_head, "rollout.group_sise=4")
     assert r.returncode == 2 and "group_sise" in r.stderr
     port = _free_ports(1)[0]
+    before = set(Path(tempfile.gettempdir()).glob("lh-job-*"))
     r = cli("submit", "configs/quickstart.yaml", "--address", f"http://127.0.0.1:{port}")
     assert r.returncode == 2 and "no Ray jobs endpoint" in r.stderr
+    assert set(Path(tempfile.gettempdir()).glob("lh-job-*")) == before  # no staging directory left behind
 
 
 def test_the_head_listens_on_loopback_only(ray_head):
