@@ -206,6 +206,8 @@ class Trainer:
         trajs = self.rollout(it)
         rollout_s = time.perf_counter() - t0
         self.store.write(f"iter-{it:06d}", trajs)
+        # how many versions behind the weights about to train on it the oldest token is (0 when synchronous)
+        staleness = max((self.version - min(t.policy_version for t in tr.turns) for tr in trajs if tr.turns), default=0)
         stats = ray.get(self.learner.train_step.remote(trajs))
         self.version = stats.pop("policy_version")
         annotations = stats.pop("annotations", {})
@@ -213,7 +215,8 @@ class Trainer:
             self.store.write_learner(f"iter-{it:06d}", annotations, self.version - 1)
         sync = self.sync()
         row = {"iteration": it, "policy_version": self.version, **summarise(trajs), **stats, **sync,
-               "rollout_s": rollout_s,
+               "rollout_s": rollout_s, "staleness_max": staleness,
+               "episodes_per_s": len(trajs) / max(rollout_s, 1e-9),
                "gen_tokens_per_s": sum(t.num_generated for t in trajs) / max(rollout_s, 1e-9)}
         last = it + 1 == self.cfg.iterations
         if last or (it + 1) % self.cfg.checkpoint_every == 0:
@@ -241,7 +244,8 @@ class Trainer:
                           f"v{row['policy_version']}  sync {row['sync_s'] * 1e3:.0f} ms")
                 if row.get("infra_errors"):
                     status += f"  infra errors {row['infra_errors']}"
-                progress.console.log(f"iter {it}: {status}  gen {row['gen_tokens_per_s']:.0f} tok/s")
+                progress.console.log(f"iter {it}: {status}  {row['episodes_per_s']:.2f} episodes/s  "
+                                     f"gen {row['gen_tokens_per_s']:.0f} tok/s  staleness {row['staleness_max']}")
                 progress.update(bar, advance=1, status=status)
         return rows
 

@@ -29,6 +29,8 @@ def test_versions_advance_on_every_worker(e2e_run):
     assert [r["policy_version"] for r in rows] == [1, 2]
     n_bytes = ray.get(trainer.learner.weights.remote())
     assert all(r["sync_bytes"] == sum(a.nbytes for _, a in n_bytes) > 0 for r in rows)
+    assert [r["staleness_max"] for r in rows] == [0, 0]  # synchronous: every token from the current weights
+    assert all(r["episodes_per_s"] > 0 for r in rows)
     assert ray.get([w.version.remote() for w in trainer.workers]) == [2] * len(trainer.workers)
     assert len(trainer.workers) == 2
 
