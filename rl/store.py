@@ -126,51 +126,38 @@ class TrajectoryStore:
     def learner_shards(self) -> list[Path]:
         return sorted(self.learner_dir.glob("*.parquet")) if self.learner_dir.exists() else []
 
+    def _read(self, shards: list[Path], episode_ids: list[str] | None = None) -> Iterator[dict]:
+        """Rows of `shards` (only the row groups of `episode_ids` when given); an unreadable shard is
+        named in `self.corrupt` and skipped."""
+        filters = None if episode_ids is None else [("episode_id", "in", list(dict.fromkeys(episode_ids)))]
+        for shard in shards:
+            try:
+                table = pq.read_table(shard, filters=filters)
+            except (pa.ArrowInvalid, OSError) as exc:
+                self.corrupt[str(shard)] = str(exc)
+                continue
+            yield from table.to_pylist()
+
     def episode(self, episode_id: str) -> Trajectory:
         """One episode, reading only its row group of each shard (a 1M-token episode never brings
         the rest of the run into memory)."""
-        for shard in self.shards():
-            try:
-                table = pq.read_table(shard, filters=[("episode_id", "=", episode_id)])
-            except (pa.ArrowInvalid, OSError) as exc:
-                self.corrupt[str(shard)] = str(exc)
-                continue
-            if table.num_rows:
-                return row_to_trajectory(table.slice(0, 1).to_pylist()[0])
-        raise KeyError(f"no episode {episode_id!r} in {self.dir.parent}")
+        row = next(self._read(self.shards(), [episode_id]), None)
+        if row is None:
+            raise KeyError(f"no episode {episode_id!r} in {self.dir.parent}")
+        return row_to_trajectory(row)
 
     def episodes(self, episode_ids: list[str]) -> Iterator[Trajectory]:
         """The given episodes, in store order, reading only their row groups (one pass over the shards)."""
-        wanted = list(dict.fromkeys(episode_ids))
-        for shard in self.shards():
-            try:
-                table = pq.read_table(shard, filters=[("episode_id", "in", wanted)])
-            except (pa.ArrowInvalid, OSError) as exc:
-                self.corrupt[str(shard)] = str(exc)
-                continue
-            for row in table.to_pylist():
-                yield row_to_trajectory(row)
+        return map(row_to_trajectory, self._read(self.shards(), episode_ids))
 
     def learner_records(self) -> Iterator[dict]:
-        """Every learner record, shard by shard (unreadable shards are named in `self.corrupt`)."""
-        for shard in self.learner_shards():
-            try:
-                yield from pq.read_table(shard).to_pylist()
-            except (pa.ArrowInvalid, OSError) as exc:
-                self.corrupt[str(shard)] = str(exc)
+        """Every learner record, shard by shard."""
+        return self._read(self.learner_shards())
 
     def learner_record(self, episode_id: str) -> dict | None:
         """The learner's record of an episode (`policy_version`, `learner_logprobs`, `advantages`), or
         None when it was not trained on (infra error, dropped group) or predates these records."""
-        for shard in self.learner_shards():
-            try:
-                table = pq.read_table(shard, filters=[("episode_id", "=", episode_id)])
-            except (pa.ArrowInvalid, OSError) as exc:
-                self.corrupt[str(shard)] = str(exc)
-                continue
-            if table.num_rows:
-                return table.slice(0, 1).to_pylist()[0]
-        return None
+        return next(self._read(self.learner_shards(), [episode_id]), None)
 
     def shards(self) -> list[Path]:
         return sorted(self.dir.glob("*.parquet")) if self.dir.exists() else []
