@@ -113,7 +113,9 @@ def test_writes_outside_workspace_fail(sandbox):
 
 def test_fork_bomb_is_contained(sandbox):
     r = sandbox.run(py("import os\nwhile True:\n    os.fork()"))
-    assert r.resource == "processes", r
+    # on a loaded machine the wall clock may come first; the process limit is still what stopped the forks
+    assert r.resource == "processes" or (r.timed_out and "processes limit reached too" in r.events), r
+    assert "processes limit reached" in r.observation()
     assert r.duration_s < LIMITS.timeout_s + 5
 
 

@@ -100,6 +100,7 @@ class SandboxResult:
             head = f"timed out after {self.duration_s:.1f}s; killed"
         elif self.resource:
             head += f"; stopped: {self.resource} limit reached"
+        head += "".join(f"; {e}" for e in self.events if e.endswith("limit reached too"))
         parts = [head]
         if self.stdout:
             parts.append("stdout:\n" + _clip(self.stdout, max_chars))
