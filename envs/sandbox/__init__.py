@@ -261,6 +261,37 @@ def toolchain_paths() -> list[str]:
     return sorted({str(Path(sys.prefix).resolve()), str(Path(sys.base_prefix).resolve())})
 
 
+_TOP_LEVEL = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+_ETC_FILES = ("/etc/alternatives", "/etc/ld.so.cache", "/etc/localtime")
+
+
+@dataclass(frozen=True)
+class HostView:
+    """What of the host every isolating backend shows, read-only, at the same paths."""
+
+    links: dict
+    """Top-level names that are links on the host (`/bin` -> `usr/bin` on merged-/usr systems)."""
+    dirs: list
+    """Host system directories to bind: `/usr` and any top-level `/bin`, `/lib*` that are real directories."""
+    etc_files: list
+    """The few `/etc` entries programs need (alternatives for awk & co, the linker cache, the time zone)."""
+    extra: list
+    """Further directories (the Python toolchains) not already under `/usr`."""
+
+
+def host_view(extra_ro: list[str] | None = None) -> HostView:
+    links, dirs = {}, ["/usr"]
+    for top in _TOP_LEVEL:
+        host = Path("/") / top
+        if host.is_symlink():
+            links[top] = os.readlink(host)
+        elif host.is_dir():
+            dirs.append(str(host))
+    extra = toolchain_paths() if extra_ro is None else [str(Path(p).resolve()) for p in extra_ro]
+    return HostView(links, dirs, [f for f in _ETC_FILES if os.path.exists(f)],
+                    [p for p in extra if not (p == "/usr" or p.startswith("/usr/")) and os.path.isdir(p)])
+
+
 def sandbox_env(extra: dict | None = None) -> dict:
     """The environment inside a sandbox: nothing of the host's but a PATH to the same Python."""
     venv_bin = [str(Path(sys.prefix) / "bin")] if sys.prefix != sys.base_prefix else []
@@ -303,4 +334,4 @@ def backend_status(backend: str) -> str | None:
     return unavailable_reason()
 
 
-__all__ = ["BACKENDS", "Limits", "SandboxResult", "SandboxError", "open_sandbox", "backend_status", "classify"]
+__all__ = ["BACKENDS", "HostView", "host_view", "Limits", "SandboxResult", "SandboxError", "open_sandbox", "backend_status", "classify"]

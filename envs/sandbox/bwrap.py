@@ -32,9 +32,10 @@ import shutil
 import sys
 from pathlib import Path
 
-from envs.sandbox import (Limits, SandboxBase, SandboxError, SandboxResult, Workspace, classify, sandbox_env,
-                          sandbox_uid, toolchain_paths)
+from envs.sandbox import (Limits, SandboxBase, SandboxError, SandboxResult, Workspace, classify, host_view,
+                          sandbox_env, sandbox_uid)
 from envs.sandbox._process import rlimit_setter, run_process
+
 
 def bwrap_binary() -> str | None:
     try:
@@ -79,26 +80,21 @@ class BwrapSandbox(SandboxBase):
         self.as_root = os.geteuid() == 0
         self.uid = sandbox_uid() if self.as_root else None
         self.workspace = Workspace(workspace, owner=self.uid)
-        self.extra_ro = toolchain_paths() if extra_ro is None else [str(Path(p).resolve()) for p in extra_ro]
+        self.host = host_view(extra_ro)
         self.env = sandbox_env(env)
 
     def _mounts(self) -> list[str]:
-        args = ["--ro-bind", "/usr", "/usr"]
-        for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
-            host = Path("/") / top
-            if host.is_symlink():
-                args += ["--symlink", os.readlink(host), f"/{top}"]
-            elif host.is_dir():
-                args += ["--ro-bind", str(host), f"/{top}"]
+        args = []
+        for d in self.host.dirs:
+            args += ["--ro-bind", d, d]
+        for top, target in self.host.links.items():
+            args += ["--symlink", target, f"/{top}"]
         args += ["--perms", "0755", "--dir", "/etc"]
-        for f in ("/etc/alternatives", "/etc/ld.so.cache", "/etc/localtime"):
-            if os.path.exists(f):
-                args += ["--ro-bind", f, f]
+        for f in self.host.etc_files:
+            args += ["--ro-bind", f, f]
         args += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--tmpfs", "/tmp"]
         made: set[str] = set()
-        for p in self.extra_ro:
-            if p == "/usr" or p.startswith("/usr/") or not os.path.isdir(p):
-                continue
+        for p in self.host.extra:
             # Parents bwrap would create copy the host's modes (/root is 0700): make them traversable.
             for parent in reversed(Path(p).parents[:-1]):
                 if str(parent) not in made:

@@ -33,8 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from envs.sandbox import (Limits, SandboxBase, SandboxError, SandboxResult, Workspace, classify, sandbox_env,
-                          sandbox_uid, toolchain_paths)
+from envs.sandbox import (HostView, Limits, SandboxBase, SandboxError, SandboxResult, Workspace, classify,
+                          host_view, sandbox_env, sandbox_uid)
 
 IMAGE = "longhorizon/sandbox:0"
 
@@ -58,7 +58,7 @@ def unavailable_reason(docker_host: str | None = None) -> str | None:
     return None
 
 
-def _skeleton_tar() -> bytes:
+def _skeleton_tar(host: HostView) -> bytes:
     """A root filesystem of empty mount points and the host's /bin, /lib* links."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
@@ -70,14 +70,13 @@ def _skeleton_tar() -> bytes:
         for d in ("usr", "etc", "proc", "dev", "sys", "workspace", "root", "home"):
             add_dir(d)
         add_dir("tmp", 0o1777)
-        for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
-            host = Path("/") / top
-            if host.is_symlink():
-                info = tarfile.TarInfo(top)
-                info.type, info.linkname = tarfile.SYMTYPE, os.readlink(host)
-                tar.addfile(info)
-            elif host.is_dir():
-                add_dir(top)
+        for top, target in host.links.items():
+            info = tarfile.TarInfo(top)
+            info.type, info.linkname = tarfile.SYMTYPE, target
+            tar.addfile(info)
+        for d in host.dirs:
+            if d != "/usr":
+                add_dir(d.lstrip("/"))
         passwd = b"root:x:0:0::/root:/bin/sh\nsandbox:x:1000:1000::/workspace:/bin/sh\n"
         info = tarfile.TarInfo("etc/passwd")
         info.size = len(passwd)
@@ -85,14 +84,14 @@ def _skeleton_tar() -> bytes:
     return buf.getvalue()
 
 
-def ensure_image(client) -> str:
+def ensure_image(client, host: HostView) -> str:
     import docker
 
     try:
         client.images.get(IMAGE)
     except docker.errors.ImageNotFound:
         repo, tag = IMAGE.split(":")
-        client.api.import_image_from_data(_skeleton_tar(), repository=repo, tag=tag)
+        client.api.import_image_from_data(_skeleton_tar(host), repository=repo, tag=tag)
     return IMAGE
 
 
@@ -102,27 +101,17 @@ class DockerSandbox(SandboxBase):
     def __init__(self, workspace=None, limits: Limits | None = None, *, docker_host: str | None = None,
                  runtime: str | None = None, extra_ro: list[str] | None = None, env: dict | None = None):
         self.client = _client(docker_host)
-        self.image = ensure_image(self.client)
+        self.host = host_view(extra_ro)
+        self.image = ensure_image(self.client, self.host)
         self.limits = limits or Limits()
         self.runtime = runtime
         as_root = os.geteuid() == 0
         self.uid = sandbox_uid() if as_root else os.getuid()
         self.workspace = Workspace(workspace, owner=self.uid if as_root else None)
-        self.extra_ro = toolchain_paths() if extra_ro is None else [str(Path(p).resolve()) for p in extra_ro]
         self.env = sandbox_env(env)
 
     def _volumes(self, io_dir: str) -> dict:
-        vols = {"/usr": {"bind": "/usr", "mode": "ro"}}
-        for top in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
-            host = Path("/") / top
-            if host.is_dir() and not host.is_symlink():
-                vols[str(host)] = {"bind": str(host), "mode": "ro"}
-        for f in ("/etc/alternatives", "/etc/ld.so.cache", "/etc/localtime"):
-            if os.path.exists(f):
-                vols[f] = {"bind": f, "mode": "ro"}
-        for p in self.extra_ro:
-            if not (p == "/usr" or p.startswith("/usr/")) and os.path.isdir(p):
-                vols[p] = {"bind": p, "mode": "ro"}
+        vols = {p: {"bind": p, "mode": "ro"} for p in self.host.dirs + self.host.etc_files + self.host.extra}
         vols[str(self.path)] = {"bind": "/workspace", "mode": "rw"}
         vols[io_dir] = {"bind": "/.io", "mode": "rw"}
         return vols
