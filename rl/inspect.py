@@ -61,7 +61,7 @@ def summary(run_dir: str | Path) -> dict:
     iters = sorted(per_iter)
     # staleness: how many versions older than the learner's weights an episode's oldest token was
     # when it was trained on (0 in synchronous runs; bounded by max_staleness in asynchronous ones)
-    trained = {r["episode_id"]: r["policy_version"] for r in store.learner_records()}
+    trained = {r["episode_id"]: r["policy_version"] for r in store.learner_records(["episode_id", "policy_version"])}
     staleness = []
     for i in iters:
         ages = [trained[r["episode_id"]] - min(r["policy_versions"]) for r in per_iter[i]

@@ -126,13 +126,14 @@ class TrajectoryStore:
     def learner_shards(self) -> list[Path]:
         return sorted(self.learner_dir.glob("*.parquet")) if self.learner_dir.exists() else []
 
-    def _read(self, shards: list[Path], episode_ids: list[str] | None = None) -> Iterator[dict]:
-        """Rows of `shards` (only the row groups of `episode_ids` when given); an unreadable shard is
-        named in `self.corrupt` and skipped."""
+    def _read(self, shards: list[Path], episode_ids: list[str] | None = None,
+              columns: list[str] | None = None) -> Iterator[dict]:
+        """Rows of `shards` (only the row groups of `episode_ids` when given, only `columns` when
+        given); an unreadable shard is named in `self.corrupt` and skipped."""
         filters = None if episode_ids is None else [("episode_id", "in", list(dict.fromkeys(episode_ids)))]
         for shard in shards:
             try:
-                table = pq.read_table(shard, filters=filters)
+                table = pq.read_table(shard, filters=filters, columns=columns)
             except (pa.ArrowInvalid, OSError) as exc:
                 self.corrupt[str(shard)] = str(exc)
                 continue
@@ -150,9 +151,9 @@ class TrajectoryStore:
         """The given episodes, in store order, reading only their row groups (one pass over the shards)."""
         return map(row_to_trajectory, self._read(self.shards(), episode_ids))
 
-    def learner_records(self) -> Iterator[dict]:
-        """Every learner record, shard by shard."""
-        return self._read(self.learner_shards())
+    def learner_records(self, columns: list[str] | None = None) -> Iterator[dict]:
+        """Every learner record (or only its `columns`), shard by shard."""
+        return self._read(self.learner_shards(), columns=columns)
 
     def learner_record(self, episode_id: str) -> dict | None:
         """The learner's record of an episode (`policy_version`, `learner_logprobs`, `advantages`), or
