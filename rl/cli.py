@@ -201,10 +201,7 @@ def _jobs(args) -> int:
             print(jobs.logs(args.address, args.job_id), end="")
         else:
             print("stopped" if jobs.stop(args.address, args.job_id) else "not running")
-    except ConnectionError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except RuntimeError as exc:  # the jobs API's answer for an unknown job id
+    except (ConnectionError, RuntimeError) as exc:  # RuntimeError: the jobs API's answer for an unknown id
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
