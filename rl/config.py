@@ -168,6 +168,32 @@ class RayConfig:
 
 
 @dataclass
+class ScheduleConfig:
+    mode: Literal["sync", "async"] = "sync"
+    """sync: each iteration's episodes come from the weights the learner just produced (on-policy); async: rollouts of the next iterations run while the learner trains, on weights up to `max_staleness` versions old."""
+    max_staleness: int = 1
+    """async: how many policy versions older than the weights being trained a generated token may be (rollouts are started no earlier than that allows; the importance weights correct for the lag)."""
+
+
+@dataclass
+class SyncConfig:
+    bucket_mb: float = 64.0
+    """Weights are published to the object store and loaded by each rollout worker in buckets of at most this many MiB (bounds each worker's extra memory)."""
+    timeout_s: float = 300.0
+    """Seconds every rollout worker has to load a published version once its earlier calls are done; a late worker is named in the error."""
+
+
+@dataclass
+class LogConfig:
+    wandb_project: str = ""
+    """Weights & Biases project to log metrics to (empty: no W&B)."""
+    wandb_mode: Literal["online", "offline"] = "offline"
+    """offline writes the W&B run under the run directory (`wandb sync` uploads it later); online needs network and a login."""
+    wandb_entity: str = ""
+    """W&B entity (team or user); empty: the default of the login."""
+
+
+@dataclass
 class RunConfig:
     seed: int = 0
     """Seeds task sampling, vLLM sampling and the learner."""
@@ -185,6 +211,12 @@ class RunConfig:
     """The learner's algorithm."""
     ray: RayConfig = field(default_factory=RayConfig)
     """Where actors run."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """Synchronous or asynchronous rollouts, and how stale their tokens may be."""
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    """Weight sync from the learner to the rollout workers."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """Where metrics go besides metrics.jsonl and TensorBoard."""
 
     def validate(self, source: str = "config") -> "RunConfig":
         checks = [
@@ -210,6 +242,10 @@ class RunConfig:
             ("algo.kl_beta", self.algo.kl_beta >= 0, "must be >= 0"),
             ("algo.gamma", 0 < self.algo.gamma <= 1, "must be in (0, 1]"),
             ("env.workers", self.env.workers >= 0, "must be >= 0"),
+            ("schedule.max_staleness", self.schedule.max_staleness >= (1 if self.schedule.mode == "async" else 0),
+             "must be >= 1 in async mode (0 would be synchronous)"),
+            ("sync.bucket_mb", self.sync.bucket_mb > 0, "must be > 0"),
+            ("sync.timeout_s", self.sync.timeout_s > 0, "must be > 0"),
             ("ray.learner_cpus", self.ray.learner_cpus >= 0, "must be >= 0"),
         ] + [
             (f"ray.{name}", all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)

@@ -42,28 +42,43 @@ def _pad(rows: list[list], value) -> list[list]:
     return [list(r) + [value] * (width - len(r)) for r in rows]
 
 
-def usable_episodes(batch: list[Trajectory]) -> tuple[list[Trajectory], dict]:
+def token_versions(t: Trajectory) -> list[int]:
+    """The policy version that generated each token (-1 for prompt and observation tokens)."""
+    v = [-1] * len(t.token_ids)
+    for turn in t.turns:
+        v[turn.gen_start : turn.gen_end] = [turn.policy_version] * (turn.gen_end - turn.gen_start)
+    return v
+
+
+def usable_episodes(batch: list[Trajectory], min_version: int | None = None) -> tuple[list[Trajectory], dict]:
     """Episodes that may enter group statistics: infrastructure failures are left out (they are
-    not reward 0), and so is every group left with fewer than two episodes to compare."""
-    ok = [t for t in batch if not t.infra_error and t.num_generated > 0]
+    not reward 0), so is an episode with a token older than `min_version` (the staleness bound;
+    the driver's schedule should never let one through), and so is every group left with fewer
+    than two episodes to compare."""
+    too_old = [t for t in batch if min_version is not None and t.turns
+               and min(turn.policy_version for turn in t.turns) < min_version]
+    ok = [t for t in batch if not t.infra_error and t.num_generated > 0 and t not in too_old]
     sizes: dict[int, int] = {}
     for t in ok:
         sizes[t.group_id] = sizes.get(t.group_id, 0) + 1
     kept = [t for t in ok if sizes[t.group_id] >= 2]
     groups = {t.group_id for t in batch}
     return kept, {"infra_errors": sum(1 for t in batch if t.infra_error),
+                  "stale_episodes_dropped": len(too_old),
                   "groups_dropped": len(groups) - len({t.group_id for t in kept})}
 
 
 class Learner:
     def __init__(self, policy_path: str, algo: AlgoConfig, *, seed: int = 0, dtype: str = "float32",
-                 temperature: float = 1.0, max_generated_tokens: int | None = None):
+                 temperature: float = 1.0, max_generated_tokens: int | None = None,
+                 max_staleness: int | None = None):
         torch.set_num_threads(algo.threads)
         torch.manual_seed(seed)
         self.cfg = algo
         self.temperature = temperature
         self.dtype = getattr(torch, dtype)
         self.max_generated_tokens = max_generated_tokens
+        self.max_staleness = max_staleness
         self._tokenizer_path = policy_path
         self.value_head = None
         self._load(policy_path)
@@ -233,22 +248,35 @@ class Learner:
         the rollout log-probs is reported (a broken sync shows up here first)."""
         t0 = time.perf_counter()
         c = self.cfg
-        batch, dropped = usable_episodes(batch)
+        min_version = None if self.max_staleness is None else self.version - self.max_staleness
+        batch, dropped = usable_episodes(batch, min_version)
         if not batch:  # nothing to learn from; the version still advances so the loop stays uniform
             self.version += 1
             return {**dropped, "policy_version": self.version, "skipped_update": 1, "train_s": time.perf_counter() - t0}
         plan = self.plan(batch)
-        old, old_v, ref, diffs = {}, {}, {}, []
+        old, old_v, ref, diffs, lags = {}, {}, {}, [], []
         with torch.no_grad():
             for micro in (m for mb in plan for m in mb):
                 ids, attn, mask, rollout = self._tensors([batch[i] for i in micro])
                 key = tuple(micro)
                 old[key], _, old_v[key] = self._logprobs(self.lm, ids, attn)
-                diffs.append((old[key] - rollout).abs()[mask.bool()])
+                gen = mask.bool()
+                diffs.append((old[key] - rollout).abs()[gen])
+                versions = torch.tensor(_pad([token_versions(batch[i]) for i in micro], -1))[:, 1:]
+                lags.append((self.version - versions)[gen])
                 if self.ref is not None:
                     ref[key], _, _ = self._logprobs(self.ref, ids, attn)
-        d = torch.cat(diffs)
-        out = {**dropped, "rollout_logprob_diff_mean": float(d.mean()), "rollout_logprob_diff_max": float(d.max())}
+        d, lag = torch.cat(diffs), torch.cat(lags)
+        # How far the engine's log-probs are from the weights about to be trained: numerical noise
+        # for tokens of the current version, real policy lag for stale ones (async mode). The
+        # truncated importance weights min(π_old/π_rollout, cap) correct both; the split by version
+        # shows which one a gap comes from.
+        out = {**dropped, "rollout_logprob_diff_mean": float(d.mean()), "rollout_logprob_diff_max": float(d.max()),
+               "staleness_token_mean": float(lag.float().mean())}
+        if bool((lag > 0).any()):
+            out["rollout_logprob_diff_mean_stale"] = float(d[lag > 0].mean())
+        if bool((lag == 0).any()):
+            out["rollout_logprob_diff_mean_current"] = float(d[lag == 0].mean())
         adv_of, returns, adv_abs = self._advantages(batch, plan, old_v)
         out["annotations"] = self._annotations(batch, plan, old, adv_of)
         stats: dict[str, list[float]] = {}
@@ -308,6 +336,13 @@ class Learner:
         """The current weights as (HF name, numpy array): Ray stores numpy zero-copy, so every
         rollout worker on the node reads the same shared-memory buffers."""
         return [(name, p.detach().cpu().numpy()) for name, p in self.model.state_dict().items()]
+
+    def publish(self, bucket_mb: float):
+        """Put the current weights into Ray's object store in buckets (rl/sync.py); the manifest
+        names this version."""
+        from rl.sync import publish
+
+        return publish(self.weights(), self.version, bucket_mb)
 
     def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
         """A checkpoint directory (Hugging Face format, or the policy's own) plus `trainer_state.pt`

@@ -3,7 +3,9 @@
 Both read the rows of `metrics.jsonl` (one per iteration), so they work on a finished run, a
 running one and a killed one alike. Numeric fields are plotted; nested ones (`stop_reasons`) are
 not. `TensorBoardLog` is what the trainer writes as it goes (`RUN_DIR/tensorboard/`), so
-`tensorboard --logdir runs/` shows live runs.
+`tensorboard --logdir runs/` shows live runs; `WandbLog` sends the same rows to Weights & Biases
+when `log.wandb_project` is set (offline by default: `RUN_DIR/wandb/`, uploaded later with
+`wandb sync`).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ PANELS = [
     ("milestones", None, "fraction of episodes reaching each milestone"),
     ("loss", ["loss", "value_loss"], "learner loss"),
     ("logprob_gap", ["rollout_logprob_diff_mean", "rollout_logprob_diff_max"], "|learner − engine| log-prob"),
-    ("sync", ["sync_s", "load_s_max"], "weight sync seconds"),
+    ("sync", ["sync_s", "sync_publish_s", "sync_load_s_max"], "weight sync seconds"),
     ("throughput", ["gen_tokens_per_s"], "generated tokens / s"),
+    ("staleness", ["staleness_max", "staleness_token_mean"], "policy versions behind the trained weights"),
 ]
 
 
@@ -91,3 +94,37 @@ class TensorBoardLog:
 
     def close(self) -> None:
         self.writer.close()
+
+
+class WandbLog:
+    """The metrics rows as a Weights & Biases run (step = iteration), the run config as its config."""
+
+    def __init__(self, cfg, run_dir: str | Path):
+        import dataclasses
+
+        import wandb
+
+        log = cfg.log
+        self.run = wandb.init(
+            project=log.wandb_project, entity=log.wandb_entity or None, mode=log.wandb_mode,
+            dir=str(Path(run_dir)), name=Path(run_dir).name, config=dataclasses.asdict(cfg),
+            resume="allow", id=_wandb_id(run_dir),
+            # the trainer has its own progress display; W&B's banner and console capture would garble it
+            settings=wandb.Settings(silent=True, console="off"),
+        )
+
+    def log(self, row: dict) -> None:
+        self.run.log({k: pts[0][1] for k, pts in numeric_series([row]).items()}, step=int(row["iteration"]))
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _wandb_id(run_dir) -> str:
+    """One W&B run per run directory, kept across `--resume` (its id is stored next to the metrics)."""
+    import uuid
+
+    path = Path(run_dir) / "wandb-run-id"
+    if not path.exists():
+        path.write_text(uuid.uuid4().hex[:12])
+    return path.read_text().strip()

@@ -1,6 +1,15 @@
-"""The driver: wires rollout workers, the learner and the store, and runs the synchronous loop
+"""The driver: wires rollout workers, the learner and the store, and runs the loop
 
     rollout (vLLM, version v) → store → GRPO update (→ v+1) → weight sync → next iteration.
+
+Two schedules (`schedule.mode`), one staleness model: every turn records the policy version
+that generated it, and the learner's importance weights correct for whatever lag there is.
+- sync: iteration i is rolled out by the weights trained on iteration i-1; staleness 0.
+- async: rollouts of iterations i+1 … i+max_staleness are already running while the learner
+  trains on iteration i. Each worker runs its calls in order, so the load of version v+1 is
+  queued behind the rollouts submitted before it, and iteration j is submitted only once the
+  sync of version j - max_staleness is queued: no token is more than `max_staleness` versions
+  older than the weights it is trained at.
 
 It owns no state of the components: the weights live in the learner, the engines in the workers,
 the episodes in the store. What it writes to the run directory:
@@ -33,9 +42,8 @@ from rl.trajectory import Trajectory
 from rollout.agent_loop import EpisodeTask
 from envs.worker import EnvWorkerActor
 from rl.plot import TensorBoardLog
+from rl.sync import PendingSync, start_sync
 from rollout.worker import RolloutWorkerActor
-
-SYNC_TIMEOUT_S = 300
 
 
 def iteration_tasks(cfg: RunConfig, iteration: int) -> list[EpisodeTask]:
@@ -88,6 +96,10 @@ class Trainer:
         self.env_workers: list = []
         self.learner = None
         self.tensorboard = None
+        self.wandb = None
+        self._inflight: dict[int, list] = {}  # iteration → its rollout futures (async: several at once)
+        self._syncs: list[tuple[int, PendingSync]] = []  # (last iteration submitted before it, sync)
+        self._last_row_t = 0.0
 
     # --- set-up ---
     def policy_path(self) -> str:
@@ -128,6 +140,7 @@ class Trainer:
         self.learner = LearnerActor.options(num_cpus=r.learner_cpus, resources=dict(r.learner_resources)).remote(
             path, c.algo, seed=c.seed, dtype=c.policy.dtype, temperature=c.rollout.temperature,
             max_generated_tokens=c.rollout.max_turns * c.rollout.max_new_tokens,
+            max_staleness=c.schedule.max_staleness if c.schedule.mode == "async" else 0,
         )
         rollouts = self.source is None  # training from a store needs no engines and no environments
         self.env_workers = [
@@ -154,7 +167,7 @@ class Trainer:
         state = ray.get(self.learner.load_checkpoint.remote(str(ckpt)))
         self.version = state["version"]
         self.start_iteration = state["iteration"] + 1
-        self.sync()
+        self.sync_now()
         aside = self.store.dir / "superseded"
         for shard in self.store.shards() + self.store.learner_shards():
             if int(shard.stem.split("-")[1]) >= self.start_iteration:
@@ -170,6 +183,14 @@ class Trainer:
                          f"next iteration {self.start_iteration}")
 
     # --- one iteration ---
+    def submit(self, iteration: int) -> None:
+        """Queue an iteration's episodes on the rollout workers (split evenly; returns at once)."""
+        if self.source is not None or iteration in self._inflight or iteration >= self.cfg.iterations:
+            return
+        tasks = iteration_tasks(self.cfg, iteration)
+        shares = [tasks[i :: len(self.workers)] for i in range(len(self.workers))]
+        self._inflight[iteration] = [w.rollout.remote(s) for w, s in zip(self.workers, shares) if s]
+
     def rollout(self, iteration: int) -> list[Trajectory]:
         if self.source is not None:
             shards = self.source.shards()
@@ -177,34 +198,30 @@ class Trainer:
                 raise FileNotFoundError(f"--from-store {self.source.dir.parent} holds {len(shards)} iteration(s); "
                                         f"iteration {iteration} has no data")
             return list(self.source.trajectories(shards[iteration]))
-        tasks = iteration_tasks(self.cfg, iteration)
-        shares = [tasks[i :: len(self.workers)] for i in range(len(self.workers))]
-        results = ray.get([w.rollout.remote(s) for w, s in zip(self.workers, shares) if s])
+        self.submit(iteration)
+        results = ray.get(self._inflight.pop(iteration))
         return [t for part in results for t in part]
 
-    def sync(self) -> dict:
-        """Publish the learner's weights once; every worker loads them in place."""
+    def sync_now(self) -> dict:
+        """Publish the learner's weights and wait until every worker has loaded them."""
         if not self.workers:  # training from a store: nobody to sync
-            return {"sync_s": 0.0, "load_s_max": 0.0, "sync_bytes": 0}
-        t0 = time.perf_counter()
-        ref = self.learner.weights.remote()  # stays in the object store; workers read it directly
-        pending = {w.load_weights.remote(ref, self.version): i for i, w in enumerate(self.workers)}
-        ready, not_ready = ray.wait(list(pending), num_returns=len(pending), timeout=SYNC_TIMEOUT_S)
-        if not_ready:
-            late = sorted(pending[r] for r in not_ready)
-            raise TimeoutError(f"weight sync to version {self.version}: rollout worker(s) {late} "
-                               f"did not finish within {SYNC_TIMEOUT_S}s")
-        results = ray.get(ready)
-        for r in results:
-            if r["version"] != self.version:
-                raise RuntimeError(f"a rollout worker reports version {r['version']}, expected {self.version}")
-        return {"sync_s": time.perf_counter() - t0, "load_s_max": max(r["load_s"] for r in results),
-                "sync_bytes": results[0]["bytes"]}  # the bytes each worker received
+            return {}
+        return start_sync(self.learner, self.workers, self.cfg.sync.bucket_mb).finish(self.cfg.sync.timeout_s)
+
+    def _finish_syncs(self, collected: int) -> dict:
+        """Wait for the queued syncs that no longer sit behind a rollout still running (async);
+        metrics of the newest one."""
+        out = {}
+        while self._syncs and self._syncs[0][0] <= collected:
+            out = self._syncs.pop(0)[1].finish(self.cfg.sync.timeout_s)
+        return out
 
     def iteration(self, it: int) -> dict:
         t0 = time.perf_counter()
+        asynchronous = self.cfg.schedule.mode == "async"
         trajs = self.rollout(it)
-        rollout_s = time.perf_counter() - t0
+        rollout_s = time.perf_counter() - t0  # async: only the wait for rollouts that were not done yet
+        sync = self._finish_syncs(it) if asynchronous else {}
         self.store.write(f"iter-{it:06d}", trajs)
         # how many versions behind the weights about to train on it the oldest token is (0 when synchronous)
         staleness = max((self.version - min(t.policy_version for t in tr.turns) for tr in trajs if tr.turns), default=0)
@@ -213,20 +230,38 @@ class Trainer:
         annotations = stats.pop("annotations", {})
         if annotations:
             self.store.write_learner(f"iter-{it:06d}", annotations, self.version - 1)
-        sync = self.sync()
-        row = {"iteration": it, "policy_version": self.version, **summarise(trajs), **stats, **sync,
-               "rollout_s": rollout_s, "staleness_max": staleness,
-               "episodes_per_s": len(trajs) / max(rollout_s, 1e-9),
-               "gen_tokens_per_s": sum(t.num_generated for t in trajs) / max(rollout_s, 1e-9)}
+        if asynchronous and self.workers:
+            # the load queues behind every rollout already submitted; what is submitted next uses it
+            self._syncs.append((max(self._inflight, default=it), start_sync(self.learner, self.workers,
+                                                                            self.cfg.sync.bucket_mb)))
+            self.submit(it + 1 + self.cfg.schedule.max_staleness)
+        else:
+            sync = self.sync_now()
         last = it + 1 == self.cfg.iterations
+        if last:
+            while self._syncs:  # nothing is left to roll out: the last versions must still arrive
+                sync = self._finish_syncs(self._syncs[0][0])
         if last or (it + 1) % self.cfg.checkpoint_every == 0:
             path = self.run_dir / "checkpoints" / f"version-{self.version:06d}"
             ray.get(self.learner.save_checkpoint.remote(str(path), {"iteration": it}))
+        now = time.perf_counter()
+        iteration_s = now - (self._last_row_t or t0)
+        self._last_row_t = now
+        row = {"iteration": it, "policy_version": self.version, **summarise(trajs), **stats, **sync,
+               "rollout_s": rollout_s, "iteration_s": iteration_s, "staleness_max": staleness,
+               "episodes_per_s": len(trajs) / max(iteration_s, 1e-9),
+               "gen_tokens_per_s": sum(t.num_generated for t in trajs) / max(iteration_s, 1e-9)}
         with open(self.run_dir / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps(row) + "\n")
         if self.tensorboard is None:
             self.tensorboard = TensorBoardLog(self.run_dir)
         self.tensorboard.log(row)
+        if self.cfg.log.wandb_project:
+            if self.wandb is None:
+                from rl.plot import WandbLog
+
+                self.wandb = WandbLog(self.cfg, self.run_dir)
+            self.wandb.log(row)
         return row
 
     def run(self) -> list[dict]:
@@ -236,23 +271,34 @@ class Trainer:
         with Progress(*columns, console=self.console, transient=False) as progress:
             bar = progress.add_task("train", total=self.cfg.iterations, completed=self.start_iteration,
                                     status="rolling out")
+            self._last_row_t = time.perf_counter()
+            if self.cfg.schedule.mode == "async":  # the first iterations all start from the current weights
+                for j in range(self.start_iteration, self.start_iteration + self.cfg.schedule.max_staleness + 1):
+                    self.submit(j)
             for it in range(self.start_iteration, self.cfg.iterations):
                 row = self.iteration(it)
                 rows.append(row)
                 loss = f"loss {row['loss']:+.4f}" if "loss" in row else "no usable episodes"
-                status = (f"reward {row['mean_reward']:.3f}  {loss}  "
-                          f"v{row['policy_version']}  sync {row['sync_s'] * 1e3:.0f} ms")
+                sync = f"  sync {row['sync_s'] * 1e3:.0f} ms" if "sync_s" in row else ""
+                status = f"reward {row['mean_reward']:.3f}  {loss}  v{row['policy_version']}{sync}"
                 if row.get("infra_errors"):
                     status += f"  infra errors {row['infra_errors']}"
                 progress.console.log(f"iter {it}: {status}  {row['episodes_per_s']:.2f} episodes/s  "
                                      f"gen {row['gen_tokens_per_s']:.0f} tok/s  staleness {row['staleness_max']}")
                 progress.update(bar, advance=1, status=status)
+        if self.wandb is not None:  # W&B writes its run file out when the run finishes
+            self.wandb.close()
+            self.wandb = None
         return rows
 
     def close(self) -> None:
         if self.tensorboard is not None:
             self.tensorboard.close()
             self.tensorboard = None
+        if self.wandb is not None:
+            self.wandb.close()
+            self.wandb = None
+        self._inflight, self._syncs = {}, []
         for actor in self.workers + self.env_workers + ([self.learner] if self.learner is not None else []):
             ray.kill(actor)
         self.workers, self.env_workers, self.learner = [], [], None

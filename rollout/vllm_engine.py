@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Iterable
 
 # vLLM reads these at import time. In-process engine (see module docstring); CPU threads bound to
 # the cores we have (nobind was 6x slower here); a KV-cache size so vLLM does not refuse to start
@@ -126,12 +127,12 @@ class VLLMEngine:
         )[0]
         return [step[tok].logprob for tok, step in zip(token_ids[1:], out.prompt_logprobs[1:])]
 
-    def load_weights(self, named_tensors: list, version: int) -> None:
+    def load_weights(self, named_tensors: Iterable, version: int) -> None:
         """Replace the served weights in place (no restart) and drop every cached prefix.
 
         The prefix cache holds KV computed with the old weights; without the reset, prompts
         sharing a cached prefix keep being served by the old policy.
         """
-        self.llm.collective_rpc("lh_reload_weights", args=(named_tensors,))
+        self.llm.collective_rpc("lh_reload_weights", args=(iter(named_tensors),))
         self.llm.reset_prefix_cache()
         self.version = version

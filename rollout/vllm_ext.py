@@ -14,7 +14,7 @@ test can show the bug is still caught when the fix is missing.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -31,15 +31,20 @@ def _fused_moe_modules(model: torch.nn.Module):
 class WeightSyncExtension:
     """Methods added to vLLM's worker. `self` is the worker (it has `model_runner`)."""
 
-    def lh_reload_weights(self, named_tensors: list[tuple[str, Any]], repack_moe: bool = True) -> int:
-        """Load checkpoint-format (HF-named) tensors in place; return how many tensors were given.
+    def lh_reload_weights(self, named_tensors: Iterable[tuple[str, Any]], repack_moe: bool = True) -> int:
+        """Load checkpoint-format (HF-named) tensors in place; return how many tensors were loaded.
 
-        `named_tensors` holds torch tensors or numpy arrays (what Ray's object store hands out
-        zero-copy). Only valid in-process: tensors passed through `collective_rpc` do not survive
-        vLLM's multiprocess mode (use a path there).
+        `named_tensors` is any iterable of torch tensors or numpy arrays (what Ray's object store
+        hands out zero-copy), consumed once and lazily, so a weight sync can fetch its buckets
+        while vLLM loads them. Only valid in-process: tensors and iterators passed through
+        `collective_rpc` do not survive vLLM's multiprocess mode (use a path there).
         """
+        count = 0
+
         def as_tensors():
+            nonlocal count
             for name, value in named_tensors:
+                count += 1
                 yield name, value if isinstance(value, torch.Tensor) else torch.from_numpy(value)
 
         self.reload_weights(weights_iterator=as_tensors(), is_checkpoint_format=True)
@@ -47,7 +52,7 @@ class WeightSyncExtension:
             model = self.model_runner.get_model()
             for module, fused in _fused_moe_modules(model):
                 fused.process_weights_after_loading(module)
-        return len(named_tensors)
+        return count
 
     def lh_num_fused_moe_modules(self) -> int:
         """How many fused-MoE modules the repack fix touches (0 would mean the fix is inert)."""

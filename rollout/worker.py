@@ -17,6 +17,7 @@ import ray
 import envs
 from rl.config import EnvConfig, RolloutConfig
 from envs.worker import RemoteEnv
+from rl.sync import Manifest, iter_weights
 from rl.trajectory import Trajectory
 from rollout.agent_loop import EpisodeTask, run_episodes
 from rollout.chat import ChatFormat
@@ -68,15 +69,16 @@ class RolloutWorker:
         slot = next(self._slots)
         return RemoteEnv(self.env_actors[slot % len(self.env_actors)], slot)
 
-    def load_weights(self, named_arrays: list, version: int) -> dict:
-        """Load published weights (HF names → arrays) in place; returns timing and the new version."""
+    def load_weights(self, manifest: Manifest) -> dict:
+        """Load a published version (rl/sync.py) in place, fetching its buckets one at a time while
+        the engine loads them; returns the new version, seconds, bytes and buckets received."""
         t0 = time.perf_counter()
         with warnings.catch_warnings():
             # Arrays from Ray's object store are read-only views; vLLM copies them into its params.
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            self.engine.load_weights(named_arrays, version)
+            self.engine.load_weights(iter_weights(manifest), manifest.version)
         return {"version": self.engine.version, "load_s": time.perf_counter() - t0,
-                "bytes": int(sum(a.nbytes for _, a in named_arrays))}
+                "bytes": manifest.nbytes, "buckets": len(manifest.buckets)}
 
     def generate(self, prompt_ids: list[int], max_tokens: int, seed: int) -> Generation:
         """One sampled continuation (tests and probes)."""

@@ -65,14 +65,16 @@ def e2e_run(ray_cluster, tiny_policy, tmp_path_factory):
     `algo.entropy_coef` makes every update change the weights even when a random policy earns no
     reward (all-zero GRPO advantages give zero gradients): a sync that changes nothing could not
     reveal a stale prefix cache. `env.workers=1` puts the environments in an EnvWorker actor (the
-    in-process path is what the agent-loop tests run).
+    in-process path is what the agent-loop tests run). Small sync buckets make every weight sync
+    arrive in several parts, so the after-sync checks cover bucketed loading.
     """
     from rl.config import load_config
     from rl.trainer import Trainer
 
     cfg = load_config(
         REPO / "configs" / "quickstart.yaml",
-        ["iterations=2", f"policy.path={tiny_policy}", "algo.entropy_coef=0.01", "env.workers=1"],
+        ["iterations=2", f"policy.path={tiny_policy}", "algo.entropy_coef=0.01", "env.workers=1",
+         "sync.bucket_mb=0.25"],
     )
     run_dir = tmp_path_factory.mktemp("e2e-run")
     trainer = Trainer(cfg, run_dir)

@@ -1,0 +1,127 @@
+"""Versioned weight sync: the learner publishes its weights once, every rollout worker loads them in place.
+
+CPU path (what runs here and on any Ray cluster): the learner cuts its state dict into buckets of
+at most `bucket_mb` MiB (a tensor larger than that gets a bucket of its own) and puts each bucket
+once into Ray's object store. It hands back a `Manifest`: the version, the bucket references and
+their sizes, never the arrays. Each rollout worker then fetches the buckets one at a time while
+its engine loads them (`iter_weights` feeds vLLM's reload as a lazy iterator), so a worker pins at
+most one bucket of published weights on top of its engine's own parameters; workers on the
+learner's node read the buckets zero-copy from shared memory, workers on other nodes pull them
+through Ray's object transfer. The driver drops the manifest after the sync and the buckets are
+freed.
+
+GPU path (not exercised on CPU machines): the same manifest shape, but the buckets are flattened
+into one contiguous GPU buffer per bucket on learner rank 0 and broadcast with NCCL over a process
+group that joins the learner and every rollout engine's workers (vLLM's `StatelessProcessGroup` /
+`PyNcclCommunicator`, created once at start-up); each engine receives a bucket into a buffer of the
+same size, splits it into views by the manifest's names, shapes and offsets, and calls
+`load_weights` on them. Only the buffer of one bucket is in flight at a time, which bounds the
+extra GPU memory exactly like the bucket size bounds host memory here.
+
+Every sync has a deadline: a worker that has not loaded the version in time is named in the
+`TimeoutError`, and so is a worker that reports another version than the one published.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import numpy as np
+import ray
+
+
+@dataclass
+class Manifest:
+    """One published version: what a rollout worker needs to fetch and load it."""
+
+    version: int
+    buckets: list  # ObjectRefs, each to a list of (name, array)
+    bucket_bytes: list[int]
+    names: list[list[str]] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return int(sum(self.bucket_bytes))
+
+
+def bucketize(named: Iterable[tuple[str, np.ndarray]], max_bytes: int) -> list[list[tuple[str, np.ndarray]]]:
+    """Consecutive (name, array) pairs grouped so each group holds at most `max_bytes` (a single
+    array larger than that is a group of its own). Order is kept: every array appears exactly once."""
+    out: list[list] = []
+    cur, size = [], 0
+    for name, arr in named:
+        if cur and size + arr.nbytes > max_bytes:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append((name, arr))
+        size += arr.nbytes
+    if cur:
+        out.append(cur)
+    return out
+
+
+def publish(named: Iterable[tuple[str, np.ndarray]], version: int, bucket_mb: float) -> Manifest:
+    """Put the weights into the object store, bucket by bucket (runs inside the learner)."""
+    groups = bucketize(named, max(1, int(bucket_mb * (1 << 20))))
+    return Manifest(
+        version=version,
+        buckets=[ray.put(g) for g in groups],
+        bucket_bytes=[int(sum(a.nbytes for _, a in g)) for g in groups],
+        names=[[n for n, _ in g] for g in groups],
+    )
+
+
+def iter_weights(manifest: Manifest) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, array) pairs of a manifest, fetching one bucket at a time (runs inside a rollout worker).
+    The previous bucket's arrays are released before the next is fetched."""
+    for ref in manifest.buckets:
+        bucket = ray.get(ref)
+        yield from bucket
+        del bucket
+
+
+class PendingSync:
+    """The load calls of one published version, on every worker; `finish` waits for them."""
+
+    def __init__(self, manifest: Manifest, futures: dict, publish_s: float, started: float):
+        self.manifest, self.futures, self.publish_s, self.started = manifest, futures, publish_s, started
+        self.version = manifest.version
+
+    def finish(self, timeout_s: float) -> dict:
+        """Wait for every worker's load; metrics of the sync. `timeout_s` counts from this call, so
+        a load queued behind a rollout on its worker is not blamed for the rollout's time."""
+        refs = list(self.futures)
+        ready, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if late:
+            names = ", ".join(sorted(self.futures[r] for r in late))
+            raise TimeoutError(f"weight sync to version {self.version}: {names} did not load it within {timeout_s:.0f}s")
+        loads = []
+        for ref in ready:
+            try:
+                loads.append(ray.get(ref))
+            except ray.exceptions.RayError as exc:
+                raise RuntimeError(f"weight sync to version {self.version}: {self.futures[ref]} failed: {exc}") from exc
+        for ref, r in zip(ready, loads):
+            if r["version"] != self.version:
+                raise RuntimeError(f"weight sync: {self.futures[ref]} reports version {r['version']}, "
+                                   f"expected {self.version}")
+        self.manifest = None  # the buckets are freed once nobody holds a reference
+        load_max = max(r["load_s"] for r in loads)
+        # sync_s: what delivering the version cost (publish + the slowest load), in either mode;
+        # sync_wall_s also counts the wait behind rollouts queued before the loads (async mode)
+        return {"sync_version": self.version, "sync_s": self.publish_s + load_max,
+                "sync_wall_s": time.perf_counter() - self.started,
+                "sync_publish_s": self.publish_s, "sync_load_s_max": load_max,
+                "sync_bytes": loads[0]["bytes"], "sync_buckets": loads[0]["buckets"]}
+
+
+def start_sync(learner, workers: list, bucket_mb: float) -> PendingSync:
+    """Publish the learner's current weights and queue a load on every worker (returns at once
+    after the publish; on each worker the load runs after the calls already queued there)."""
+    t0 = time.perf_counter()
+    manifest = ray.get(learner.publish.remote(bucket_mb))
+    publish_s = time.perf_counter() - t0
+    futures = {w.load_weights.remote(manifest): f"rollout worker {i}" for i, w in enumerate(workers)}
+    return PendingSync(manifest, futures, publish_s, t0)

@@ -1,0 +1,102 @@
+"""Weight sync pieces on the session's local Ray: bucketing, publish → fetch round trip, and the
+deadline that names a worker that never loads. (Engines loading real weights through it: test_e2e
+and test_async.)"""
+
+import sys
+import time
+
+import numpy as np
+import pytest
+import ray
+
+from rl.config import ConfigError, load_config
+from rl.sync import Manifest, bucketize, iter_weights, publish, start_sync
+
+# the helpers below run in Ray workers, which cannot import this test module: ship them by value
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def _named(sizes):
+    rng = np.random.default_rng(0)
+    return [(f"w{i}", rng.standard_normal(n).astype(np.float32)) for i, n in enumerate(sizes)]
+
+
+def test_buckets_are_bounded_ordered_and_cover_every_tensor_once():
+    named = _named([10, 300, 5, 5, 5, 1000, 7])  # 4 bytes each: 40, 1200, 20, 20, 20, 4000, 28
+    groups = bucketize(named, max_bytes=1024)
+    assert [n for g in groups for n, _ in g] == [n for n, _ in named]
+    for g in groups:
+        size = sum(a.nbytes for _, a in g)
+        assert size <= 1024 or len(g) == 1  # only a tensor larger than the bound sits alone over it
+    assert [[n for n, _ in g] for g in groups] == [["w0"], ["w1"], ["w2", "w3", "w4"], ["w5"], ["w6"]]
+    assert bucketize([], 1024) == []
+
+
+def test_published_buckets_round_trip_through_the_object_store(ray_cluster):
+    named = _named([1000, 2000, 50, 3000])
+
+    @ray.remote
+    def publisher(bucket_mb):
+        return publish(named, version=7, bucket_mb=bucket_mb)
+
+    @ray.remote
+    def reader(manifest):  # what a rollout worker does: fetch bucket by bucket
+        return [(n, a.copy()) for n, a in iter_weights(manifest)]
+
+    manifest = ray.get(publisher.remote(8200 / (1 << 20)))  # [4000], [8000, 200], [12000] bytes
+    assert isinstance(manifest, Manifest) and manifest.version == 7
+    assert len(manifest.buckets) == 3 and manifest.nbytes == sum(a.nbytes for _, a in named)
+    got = ray.get(reader.remote(manifest))
+    assert [n for n, _ in got] == [n for n, _ in named]
+    assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(got, named))
+
+
+@ray.remote(num_cpus=0)
+class _Learner:
+    version = 3
+
+    def publish(self, bucket_mb):
+        return publish(_named([100]), self.version, bucket_mb)
+
+
+@ray.remote(num_cpus=0)
+class _Worker:
+    """Stands in for a rollout worker whose engine hangs, or reports the wrong version."""
+
+    def __init__(self, delay_s, version_offset=0):
+        self.delay_s, self.offset = delay_s, version_offset
+
+    def load_weights(self, manifest):
+        list(iter_weights(manifest))
+        time.sleep(self.delay_s)
+        return {"version": manifest.version + self.offset, "load_s": self.delay_s, "bytes": manifest.nbytes,
+                "buckets": len(manifest.buckets)}
+
+
+def test_a_worker_that_does_not_load_in_time_is_named(ray_cluster):
+    learner = _Learner.remote()
+    workers = [_Worker.remote(0.0), _Worker.remote(30.0)]
+    with pytest.raises(TimeoutError, match=r"version 3: rollout worker 1 did not load it within 2s"):
+        start_sync(learner, workers, 1.0).finish(timeout_s=2)
+    metrics = start_sync(learner, workers[:1], 1.0).finish(timeout_s=30)
+    assert metrics["sync_version"] == 3 and metrics["sync_bytes"] == 400 and metrics["sync_buckets"] == 1
+    assert metrics["sync_wall_s"] >= metrics["sync_publish_s"] > 0
+    for a in workers:
+        ray.kill(a)
+
+
+def test_a_worker_reporting_another_version_is_named(ray_cluster):
+    learner = _Learner.remote()
+    workers = [_Worker.remote(0.0), _Worker.remote(0.0, version_offset=-1)]
+    with pytest.raises(RuntimeError, match=r"rollout worker 1 reports version 2, expected 3"):
+        start_sync(learner, workers, 1.0).finish(timeout_s=30)
+
+
+def test_schedule_and_sync_settings_are_validated():
+    with pytest.raises(ConfigError, match="schedule.max_staleness must be >= 1 in async mode"):
+        load_config(None, ["schedule.mode=async", "schedule.max_staleness=0"])
+    with pytest.raises(ConfigError, match="schedule.mode must be one of 'sync', 'async'"):
+        load_config(None, ["schedule.mode=eventually"])
+    with pytest.raises(ConfigError, match="sync.bucket_mb must be > 0"):
+        load_config(None, ["sync.bucket_mb=0"])
+    assert load_config(None, ["schedule.mode=async", "schedule.max_staleness=2"]).schedule.max_staleness == 2
