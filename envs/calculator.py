@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import operator
+import time
 
 from envs.base import ToolEnv, ToolFailure, ToolSpec
 from envs.tool_calls import format_tool_call as call
@@ -94,9 +95,18 @@ class CalculatorEnv(ToolEnv):
         ),
     ]
 
-    def __init__(self, max_turns: int = 4):
+    def __init__(self, max_turns: int = 4, step_latency_s: float = 0.0):
         super().__init__()
         self.max_turns = max_turns
+        # A calculator answers in microseconds; real tool backends (a remote sandbox, a browser, a
+        # test suite) take seconds. This stands in for them where that matters: benchmarking
+        # asynchronous rollouts against synchronous ones.
+        self.step_latency_s = float(step_latency_s)
+
+    def step(self, action: str):
+        if self.step_latency_s > 0:
+            time.sleep(self.step_latency_s)
+        return super().step(action)
 
     def _reset_task(self) -> str:
         rng = self.np_random
