@@ -35,11 +35,11 @@ def test_buckets_are_bounded_ordered_and_cover_every_tensor_once():
 def test_published_buckets_round_trip_through_the_object_store(ray_cluster):
     named = _named([1000, 2000, 50, 3000])
 
-    @ray.remote
+    @ray.remote(num_cpus=0)  # the session's long-lived actors may hold most CPUs
     def publisher(bucket_mb):
         return publish(named, version=7, bucket_mb=bucket_mb)
 
-    @ray.remote
+    @ray.remote(num_cpus=0)  # the session's long-lived actors may hold most CPUs
     def reader(manifest):  # what a rollout worker does: fetch bucket by bucket
         return [(n, a.copy()) for n, a in iter_weights(manifest)]
 
