@@ -1,7 +1,7 @@
 """`longhorizon`: the command line.
 
-    longhorizon train CONFIG [--run-dir DIR] [--iterations N] [section.key=value ...]
-    longhorizon train --resume DIR [--iterations N]
+    longhorizon train CONFIG [--run-dir DIR] [--iterations N] [--address HOST:PORT] [section.key=value ...]
+    longhorizon train --resume DIR [--iterations N] [--address HOST:PORT]
     longhorizon train CONFIG --from-store RUN_DIR [...]   # learner only, on stored trajectories
     longhorizon inspect DIR [--episode ID [--tokens]] [--episodes FILTERS] [--json] [--html OUT.html]
     longhorizon replay DIR (--episode ID | --all) [--rescore module:function] [--json]
@@ -34,6 +34,8 @@ def _train(args) -> int:
         args.config = None
     if args.iterations is not None:
         overrides.append(f"iterations={args.iterations}")
+    if args.address:
+        overrides.append(f"ray.address={args.address}")
     if args.resume:
         run_dir = Path(args.resume)
         config = args.config or run_dir / "config.yaml"  # the config as run, unless another is given
@@ -53,7 +55,7 @@ def _train(args) -> int:
         return 2
     console = Console(stderr=True)
 
-    from rl.trainer import Trainer
+    from rl.trainer import LearnerDied, Trainer, WorkerLost
 
     try:
         trainer = Trainer(cfg, run_dir, console, from_store=args.from_store)
@@ -66,6 +68,9 @@ def _train(args) -> int:
     except (FileExistsError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except (LearnerDied, WorkerLost) as exc:  # what was written is kept; the message says how to go on
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     finally:
         trainer.close()
     console.print(f"[bold green]done[/]: run directory {run_dir.resolve()}")
@@ -260,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", help="where the run writes everything (default runs/NAME-TIME)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
     p.add_argument("--iterations", type=int, help="override the config's iterations")
+    p.add_argument("--address", help="join this running Ray cluster (GCS address HOST:PORT) instead of starting "
+                                     "a local one; same as ray.address=...")
     p.add_argument("--from-store", metavar="RUN_DIR",
                    help="no rollouts: iteration i trains on the i-th trajectory shard of RUN_DIR")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. rollout.group_size=8")

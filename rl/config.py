@@ -165,6 +165,8 @@ class RayConfig:
     """Ray CPUs reserved for the learner (0: it shares the driver's node without a reservation)."""
     local_resources: dict = field(default_factory=dict)
     """Custom resources the local Ray advertises (ignored with `address`): lets a one-machine run use the same placement."""
+    max_restarts: int = 3
+    """How many times Ray restarts a crashed rollout or env worker (on any node with room; -1: no limit); the driver re-syncs a restarted rollout worker and reruns its lost episodes. The learner is never restarted: a run whose learner died continues with `--resume`."""
 
 
 @dataclass
@@ -247,6 +249,7 @@ class RunConfig:
             ("sync.bucket_mb", self.sync.bucket_mb > 0, "must be > 0"),
             ("sync.timeout_s", self.sync.timeout_s > 0, "must be > 0"),
             ("ray.learner_cpus", self.ray.learner_cpus >= 0, "must be >= 0"),
+            ("ray.max_restarts", self.ray.max_restarts >= -1, "must be >= 0, or -1 (no limit)"),
         ] + [
             (f"ray.{name}", all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
                                 and v >= 0 for k, v in getattr(self.ray, name).items()),

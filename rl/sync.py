@@ -19,7 +19,8 @@ same size, splits it into views by the manifest's names, shapes and offsets, and
 extra GPU memory exactly like the bucket size bounds host memory here.
 
 Every sync has a deadline: a worker that has not loaded the version in time is named in the
-`TimeoutError`, and so is a worker that reports another version than the one published.
+`TimeoutError`, and so is a worker that reports another version than the one published. A worker
+whose process died is reported back (`PendingSync.lost`) for the driver to restore.
 """
 
 from __future__ import annotations
@@ -86,42 +87,55 @@ class PendingSync:
     """The load calls of one published version, on every worker; `finish` waits for them."""
 
     def __init__(self, manifest: Manifest, futures: dict, publish_s: float, started: float):
-        self.manifest, self.futures, self.publish_s, self.started = manifest, futures, publish_s, started
+        self.manifest, self.publish_s, self.started = manifest, publish_s, started
+        self.futures = futures  # load ref -> index of its rollout worker
         self.version = manifest.version
+        self.lost: list[int] = []  # workers that died before loading this version (see `finish`)
 
     def finish(self, timeout_s: float) -> dict:
         """Wait for every worker's load; metrics of the sync. `timeout_s` counts from this call, so
-        a load queued behind a rollout on its worker is not blamed for the rollout's time."""
+        a load queued behind a rollout on its worker is not blamed for the rollout's time.
+
+        A worker whose process died is not an error here: it is listed in `self.lost` (and the
+        `sync_workers_lost` metric) for the driver, which brings it back and syncs it again once
+        Ray has restarted it. A live worker that is late, fails or loads another version is."""
         refs = list(self.futures)
         ready, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         if late:
-            names = ", ".join(sorted(self.futures[r] for r in late))
+            names = ", ".join(f"rollout worker {self.futures[r]}" for r in late)
             raise TimeoutError(f"weight sync to version {self.version}: {names} did not load it within {timeout_s:.0f}s")
         loads = []
         for ref in ready:
             try:
-                loads.append(ray.get(ref))
+                loads.append((ref, ray.get(ref)))
+            except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError):
+                self.lost.append(self.futures[ref])
             except ray.exceptions.RayError as exc:
-                raise RuntimeError(f"weight sync to version {self.version}: {self.futures[ref]} failed: {exc}") from exc
-        for ref, r in zip(ready, loads):
+                raise RuntimeError(f"weight sync to version {self.version}: rollout worker {self.futures[ref]} "
+                                   f"failed: {exc}") from exc
+        for ref, r in loads:
             if r["version"] != self.version:
-                raise RuntimeError(f"weight sync: {self.futures[ref]} reports version {r['version']}, "
+                raise RuntimeError(f"weight sync: rollout worker {self.futures[ref]} reports version {r['version']}, "
                                    f"expected {self.version}")
         self.manifest = None  # the buckets are freed once nobody holds a reference
-        load_max = max(r["load_s"] for r in loads)
-        # sync_s: what delivering the version cost (publish + the slowest load), in either mode;
-        # sync_wall_s also counts the wait behind rollouts queued before the loads (async mode)
-        return {"sync_version": self.version, "sync_s": self.publish_s + load_max,
-                "sync_wall_s": time.perf_counter() - self.started,
-                "sync_publish_s": self.publish_s, "sync_load_s_max": load_max,
-                "sync_bytes": loads[0]["bytes"], "sync_buckets": loads[0]["buckets"]}
+        out = {"sync_version": self.version, "sync_publish_s": self.publish_s,
+               "sync_wall_s": time.perf_counter() - self.started, "sync_workers_lost": len(self.lost)}
+        if loads:
+            load_max = max(r["load_s"] for _, r in loads)
+            # sync_s: what delivering the version cost (publish + the slowest load), in either mode;
+            # sync_wall_s also counts the wait behind rollouts queued before the loads (async mode)
+            out.update({"sync_s": self.publish_s + load_max, "sync_load_s_max": load_max,
+                        "sync_bytes": loads[0][1]["bytes"], "sync_buckets": loads[0][1]["buckets"]})
+        return out
 
 
-def start_sync(learner, workers: list, bucket_mb: float) -> PendingSync:
+def start_sync(learner, workers: list, bucket_mb: float, indices: list[int] | None = None) -> PendingSync:
     """Publish the learner's current weights and queue a load on every worker (returns at once
-    after the publish; on each worker the load runs after the calls already queued there)."""
+    after the publish; on each worker the load runs after the calls already queued there).
+    `indices` names the workers in errors (default: their positions in `workers`)."""
     t0 = time.perf_counter()
     manifest = ray.get(learner.publish.remote(bucket_mb))
     publish_s = time.perf_counter() - t0
-    futures = {w.load_weights.remote(manifest): f"rollout worker {i}" for i, w in enumerate(workers)}
+    indices = list(range(len(workers))) if indices is None else indices
+    futures = {w.load_weights.remote(manifest): i for i, w in zip(indices, workers)}
     return PendingSync(manifest, futures, publish_s, t0)

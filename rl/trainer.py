@@ -12,7 +12,19 @@ that generated it, and the learner's importance weights correct for whatever lag
   older than the weights it is trained at.
 
 It owns no state of the components: the weights live in the learner, the engines in the workers,
-the episodes in the store. What it writes to the run directory:
+the episodes in the store.
+
+Faults. Rollout and env workers are Ray actors with `ray.max_restarts`: when a process or a whole
+node dies, Ray starts the actor again wherever the resources allow. An env worker's in-flight
+episodes end as infra errors (kept out of the group statistics) and its next episodes run on the
+new process. A rollout worker's lost share of an iteration is run again, once Ray has restarted it
+and the driver has synced it to the current version (a restarted worker holds the initial weights
+and refuses to roll out with them, `StaleWorkerError`). Episodes are written only when an
+iteration's every share is in, so each episode id is stored exactly once. The learner is not
+restarted (its state is the run's): its death stops the run with `LearnerDied`, and
+`longhorizon train --resume RUN_DIR` continues from the last checkpoint.
+
+What it writes to the run directory:
 
     config.yaml          the config as run
     metrics.jsonl        one JSON line per iteration
@@ -28,6 +40,7 @@ import json
 import os
 import time
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import ray
@@ -43,7 +56,27 @@ from rollout.agent_loop import EpisodeTask
 from envs.worker import EnvWorkerActor
 from rl.plot import TensorBoardLog
 from rl.sync import PendingSync, start_sync
-from rollout.worker import RolloutWorkerActor
+from rollout.worker import RolloutWorkerActor, StaleWorkerError
+
+# a worker's process or node died, or the result it produced was lost with its node
+_WORKER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
+
+
+class WorkerLost(RuntimeError):
+    """A rollout worker died and did not come back (Ray out of restarts or of room to place it)."""
+
+
+class LearnerDied(RuntimeError):
+    """The learner actor died; the message says what survived and how to continue."""
+
+    def __init__(self, run_dir: Path, checkpoint: Path | None, during: str, exc: BaseException):
+        where = (f"the last checkpoint is {checkpoint.name}" if checkpoint is not None
+                 else "no checkpoint was written yet")
+        super().__init__(
+            f"the learner died during {during} ({type(exc).__name__}); the run stops here. Trajectories "
+            f"and metrics written so far are kept in {run_dir} and {where}; continue with: "
+            f"longhorizon train --resume {run_dir}"
+        )
 
 
 def iteration_tasks(cfg: RunConfig, iteration: int) -> list[EpisodeTask]:
@@ -97,7 +130,9 @@ class Trainer:
         self.learner = None
         self.tensorboard = None
         self.wandb = None
-        self._inflight: dict[int, list] = {}  # iteration → its rollout futures (async: several at once)
+        self._inflight: dict[int, list] = {}  # iteration → [(worker index, share, min version, future)]
+        self.worker_restarts = 0  # rollout worker deaths this driver recovered from, so far
+        self.episodes_rerun = 0
         self._syncs: list[tuple[int, PendingSync]] = []  # (last iteration submitted before it, sync)
         self._last_row_t = 0.0
 
@@ -137,7 +172,9 @@ class Trainer:
         self.console.log(f"starting {c.rollout.num_workers} rollout worker(s), {c.env.workers} env worker(s) "
                          "and the learner")
         r = c.ray
-        self.learner = LearnerActor.options(num_cpus=r.learner_cpus, resources=dict(r.learner_resources)).remote(
+        # the learner holds the run's state: never restarted by Ray (max_restarts=0), resumed from a checkpoint
+        self.learner = LearnerActor.options(num_cpus=r.learner_cpus, resources=dict(r.learner_resources),
+                                            max_restarts=0).remote(
             path, c.algo, seed=c.seed, dtype=c.policy.dtype, temperature=c.rollout.temperature,
             max_generated_tokens=c.rollout.max_turns * c.rollout.max_new_tokens,
             max_staleness=c.schedule.max_staleness if c.schedule.mode == "async" else 0,
@@ -145,12 +182,13 @@ class Trainer:
         rollouts = self.source is None  # training from a store needs no engines and no environments
         self.env_workers = [
             EnvWorkerActor.options(num_cpus=c.env.cpus_per_worker, max_concurrency=c.env.worker_concurrency,
-                                   resources=dict(r.env_worker_resources))
+                                   resources=dict(r.env_worker_resources), max_restarts=r.max_restarts)
             .remote(c.env.id, c.env.kwargs)
             for _ in range(c.env.workers if rollouts else 0)
         ]
         self.workers = [
-            RolloutWorkerActor.options(num_cpus=c.rollout.cpus_per_worker, resources=dict(r.rollout_resources)).remote(
+            RolloutWorkerActor.options(num_cpus=c.rollout.cpus_per_worker, resources=dict(r.rollout_resources),
+                                       max_restarts=r.max_restarts).remote(
                 path, c.rollout, c.env, seed=c.seed + i, dtype=c.policy.dtype, env_actors=self.env_workers
             )
             for i in range(c.rollout.num_workers if rollouts else 0)
@@ -164,7 +202,7 @@ class Trainer:
 
         Iterations after the checkpoint are run again, so their shards move to
         `trajectories/superseded/` (kept, never deleted) and their metrics lines are dropped."""
-        state = ray.get(self.learner.load_checkpoint.remote(str(ckpt)))
+        state = self._learner_get(self.learner.load_checkpoint.remote(str(ckpt)), "loading the checkpoint")
         self.version = state["version"]
         self.start_iteration = state["iteration"] + 1
         self.sync_now()
@@ -189,7 +227,9 @@ class Trainer:
             return
         tasks = iteration_tasks(self.cfg, iteration)
         shares = [tasks[i :: len(self.workers)] for i in range(len(self.workers))]
-        self._inflight[iteration] = [w.rollout.remote(s) for w, s in zip(self.workers, shares) if s]
+        # every rollout queued now runs after the loads queued before it: at least the current version
+        self._inflight[iteration] = [(i, s, self.version, self.workers[i].rollout.remote(s, self.version))
+                                     for i, s in enumerate(shares) if s]
 
     def rollout(self, iteration: int) -> list[Trajectory]:
         if self.source is not None:
@@ -199,21 +239,82 @@ class Trainer:
                                         f"iteration {iteration} has no data")
             return list(self.source.trajectories(shards[iteration]))
         self.submit(iteration)
-        results = ray.get(self._inflight.pop(iteration))
-        return [t for part in results for t in part]
+        parts, out = self._inflight.pop(iteration), []
+        while parts:
+            i, share, min_version, ref = parts.pop(0)
+            try:
+                out.extend(ray.get(ref))
+            except (*_WORKER_LOST, StaleWorkerError) as exc:
+                what = "restarted without the current weights" if isinstance(exc, StaleWorkerError) else "died"
+                self.console.log(f"[yellow]rollout worker {i} {what} ({type(exc).__name__}); running its "
+                                 f"{len(share)} episode(s) of iteration {iteration} again[/]")
+                self.restore_worker(i, min_version)
+                self.episodes_rerun += len(share)
+                parts.append((i, share, min_version, self.workers[i].rollout.remote(share, min_version)))
+        return out
+
+    def restore_worker(self, i: int, min_version: int) -> None:
+        """Wait until Ray has restarted rollout worker `i`, then sync it to the learner's current
+        weights if it holds an older version than `min_version`."""
+        self.worker_restarts += 1
+        w, timeout = self.workers[i], self.cfg.sync.timeout_s
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                version = ray.get(w.version.remote(), timeout=max(1.0, deadline - time.monotonic()))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                # unreachable while Ray notices the death and restarts it (vLLM takes a while to start)
+                if time.monotonic() > deadline:
+                    raise WorkerLost(
+                        f"rollout worker {i} did not come back within sync.timeout_s={timeout:.0f}s (Ray restarts "
+                        f"it at most ray.max_restarts={self.cfg.ray.max_restarts} times; last error: "
+                        f"{type(exc).__name__}: {exc})") from None
+                time.sleep(1.0)
+                continue
+            if version >= min_version:
+                return
+            with self._learner_alive("publishing weights"):
+                pending = start_sync(self.learner, [w], self.cfg.sync.bucket_mb, indices=[i])
+            pending.finish(max(1.0, deadline - time.monotonic()))
+            if not pending.lost:
+                self.console.log(f"rollout worker {i} is back, at policy version {pending.version}")
+                return
 
     def sync_now(self) -> dict:
-        """Publish the learner's weights and wait until every worker has loaded them."""
+        """Publish the learner's weights and wait until every worker has loaded them (a worker that
+        died meanwhile is restored, then synced on its own)."""
         if not self.workers:  # training from a store: nobody to sync
             return {}
-        return start_sync(self.learner, self.workers, self.cfg.sync.bucket_mb).finish(self.cfg.sync.timeout_s)
+        with self._learner_alive("publishing weights"):
+            pending = start_sync(self.learner, self.workers, self.cfg.sync.bucket_mb)
+        out = pending.finish(self.cfg.sync.timeout_s)
+        for i in pending.lost:
+            self.restore_worker(i, pending.version)
+        return out
+
+    def _learner_get(self, ref, during: str):
+        with self._learner_alive(during):
+            return ray.get(ref)
+
+    @contextmanager
+    def _learner_alive(self, during: str):
+        """Turns the learner actor's death into `LearnerDied` (the only actor the calls inside reach)."""
+        try:
+            yield
+        except ray.exceptions.RayActorError as exc:
+            raise LearnerDied(self.run_dir, self.latest_checkpoint(), during, exc) from None
 
     def _finish_syncs(self, collected: int) -> dict:
         """Wait for the queued syncs that no longer sit behind a rollout still running (async);
         metrics of the newest one."""
         out = {}
         while self._syncs and self._syncs[0][0] <= collected:
-            out = self._syncs.pop(0)[1].finish(self.cfg.sync.timeout_s)
+            pending = self._syncs.pop(0)[1]
+            out = pending.finish(self.cfg.sync.timeout_s)
+            # a worker that died before this load: its queued rollouts fail and are rerun on collection;
+            # syncing it now keeps rollouts submitted later from meeting an unsynced worker
+            for i in pending.lost:
+                self.restore_worker(i, pending.version)
         return out
 
     def iteration(self, it: int) -> dict:
@@ -225,15 +326,16 @@ class Trainer:
         self.store.write(f"iter-{it:06d}", trajs)
         # how many versions behind the weights about to train on it the oldest token is (0 when synchronous)
         staleness = max((self.version - min(t.policy_version for t in tr.turns) for tr in trajs if tr.turns), default=0)
-        stats = ray.get(self.learner.train_step.remote(trajs))
+        stats = self._learner_get(self.learner.train_step.remote(trajs), f"the update of iteration {it}")
         self.version = stats.pop("policy_version")
         annotations = stats.pop("annotations", {})
         if annotations:
             self.store.write_learner(f"iter-{it:06d}", annotations, self.version - 1)
         if asynchronous and self.workers:
             # the load queues behind every rollout already submitted; what is submitted next uses it
-            self._syncs.append((max(self._inflight, default=it), start_sync(self.learner, self.workers,
-                                                                            self.cfg.sync.bucket_mb)))
+            with self._learner_alive("publishing weights"):
+                pending = start_sync(self.learner, self.workers, self.cfg.sync.bucket_mb)
+            self._syncs.append((max(self._inflight, default=it), pending))
             self.submit(it + 1 + self.cfg.schedule.max_staleness)
         else:
             sync = self.sync_now()
@@ -243,12 +345,13 @@ class Trainer:
                 sync = self._finish_syncs(self._syncs[0][0])
         if last or (it + 1) % self.cfg.checkpoint_every == 0:
             path = self.run_dir / "checkpoints" / f"version-{self.version:06d}"
-            ray.get(self.learner.save_checkpoint.remote(str(path), {"iteration": it}))
+            self._learner_get(self.learner.save_checkpoint.remote(str(path), {"iteration": it}), "a checkpoint save")
         now = time.perf_counter()
         iteration_s = now - (self._last_row_t or t0)
         self._last_row_t = now
         row = {"iteration": it, "policy_version": self.version, **summarise(trajs), **stats, **sync,
                "rollout_s": rollout_s, "iteration_s": iteration_s, "staleness_max": staleness,
+               "worker_restarts": self.worker_restarts, "episodes_rerun": self.episodes_rerun,
                "episodes_per_s": len(trajs) / max(iteration_s, 1e-9),
                "gen_tokens_per_s": sum(t.num_generated for t in trajs) / max(iteration_s, 1e-9)}
         with open(self.run_dir / "metrics.jsonl", "a") as fh:

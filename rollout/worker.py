@@ -24,6 +24,10 @@ from rollout.chat import ChatFormat
 from rollout.vllm_engine import Generation, VLLMEngine
 
 
+class StaleWorkerError(RuntimeError):
+    """A rollout worker was asked to generate with older weights than the caller's version."""
+
+
 class RolloutWorker:
     def __init__(self, policy_path: str, rollout: RolloutConfig, env: EnvConfig, *, seed: int = 0,
                  dtype: str = "float32", env_actors: list | None = None):
@@ -47,7 +51,13 @@ class RolloutWorker:
     def version(self) -> int:
         return self.engine.version
 
-    def rollout(self, tasks: list[EpisodeTask]) -> list[Trajectory]:
+    def rollout(self, tasks: list[EpisodeTask], min_version: int = 0) -> list[Trajectory]:
+        """Run the episodes. `min_version`: the policy version the caller expects this worker to hold
+        at least; a worker that Ray restarted after a crash comes back at the initial weights, and
+        refuses (`StaleWorkerError`) rather than generate with them."""
+        if self.engine.version < min_version:
+            raise StaleWorkerError(f"holds policy version {self.engine.version}, the rollout needs {min_version} "
+                                   "(a restarted worker, not yet synced)")
         c = self.cfg
         return run_episodes(
             self.engine,
