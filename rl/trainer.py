@@ -14,6 +14,10 @@ that generated it, and the learner's importance weights correct for whatever lag
 It owns no state of the components: the weights live in the learner, the engines in the workers,
 the episodes in the store.
 
+Partial rollouts (`rollout.iteration_token_budget`): a worker suspends the episodes still running
+when its budget is spent and continues them in its next call; an iteration's shard holds the
+episodes that ended in it, and a group trains once all its episodes have ended (`trainable`).
+
 Faults. Rollout and env workers are Ray actors with `ray.max_restarts`: when a process or a whole
 node dies, Ray starts the actor again wherever the resources allow. An env worker's in-flight
 episodes end as infra errors (kept out of the group statistics) and its next episodes run on the
@@ -132,6 +136,8 @@ class Trainer:
         self.wandb = None
         self._inflight: dict[int, list] = {}  # iteration → [(worker index, share, min version, future)]
         self.worker_restarts = 0  # rollout worker deaths this driver recovered from, so far
+        self._outstanding: list[dict] = []  # per rollout worker: episode id → task, given and not yet back
+        self._held: list[Trajectory] = []  # ended episodes whose group has not ended yet (partial rollouts)
         self.episodes_rerun = 0
         self._syncs: list[tuple[int, PendingSync]] = []  # (last iteration submitted before it, sync)
         self._last_row_t = 0.0
@@ -151,6 +157,13 @@ class Trainer:
         if not (init / "config.json").exists():
             make_tiny_qwen3_moe(init, self.cfg.policy.tiny, seed=self.cfg.seed)
         return str(init)
+
+    def staleness_bound(self) -> int:
+        """How many versions older than the weights it trains at a token may be: the async schedule's
+        lag, plus the iterations a partial rollout may span."""
+        c = self.cfg
+        lag = c.schedule.max_staleness if c.schedule.mode == "async" else 0
+        return lag + (c.rollout.max_segments - 1 if c.rollout.iteration_token_budget else 0)
 
     def latest_checkpoint(self) -> Path | None:
         ckpts = sorted((self.run_dir / "checkpoints").glob("version-*/trainer_state.pt"))
@@ -177,7 +190,7 @@ class Trainer:
                                             max_restarts=0).remote(
             path, c.algo, seed=c.seed, dtype=c.policy.dtype, temperature=c.rollout.temperature,
             max_generated_tokens=c.rollout.max_turns * c.rollout.max_new_tokens,
-            max_staleness=c.schedule.max_staleness if c.schedule.mode == "async" else 0,
+            max_staleness=self.staleness_bound(),
         )
         rollouts = self.source is None  # training from a store needs no engines and no environments
         self.env_workers = [
@@ -193,6 +206,7 @@ class Trainer:
             )
             for i in range(c.rollout.num_workers if rollouts else 0)
         ]
+        self._outstanding = [{} for _ in self.workers]
         ray.get([w.version.remote() for w in self.workers] + [self.learner.logprobs.remote([0, 0])])
         if ckpt is not None:
             self._resume_from(ckpt)
@@ -227,9 +241,16 @@ class Trainer:
             return
         tasks = iteration_tasks(self.cfg, iteration)
         shares = [tasks[i :: len(self.workers)] for i in range(len(self.workers))]
+        for i, share in enumerate(shares):
+            self._outstanding[i].update((t.episode_id, t) for t in share)
+        # a worker continues its suspended episodes in every call, so each gets one, even with no new task;
         # every rollout queued now runs after the loads queued before it: at least the current version
-        self._inflight[iteration] = [(i, s, self.version, self.workers[i].rollout.remote(s, self.version))
-                                     for i, s in enumerate(shares) if s]
+        self._inflight[iteration] = [(i, s, self.version, self._call_rollout(i, s, self.version, iteration))
+                                     for i, s in enumerate(shares)]
+
+    def _call_rollout(self, i: int, share: list[EpisodeTask], min_version: int, iteration: int):
+        tokens = self.cfg.rollout.episode_tokens_at(iteration)
+        return self.workers[i].rollout.remote(share, min_version, tokens)
 
     def rollout(self, iteration: int) -> list[Trajectory]:
         if self.source is not None:
@@ -243,15 +264,33 @@ class Trainer:
         while parts:
             i, share, min_version, ref = parts.pop(0)
             try:
-                out.extend(ray.get(ref))
+                done = ray.get(ref)
             except (*_WORKER_LOST, StaleWorkerError) as exc:
+                # its share is lost, and so is every episode it held suspended: all are run again, except
+                # those of its other calls still in flight (they fail too and are rerun when collected)
+                elsewhere = {t.episode_id for j, s, _, _ in parts for t in s if j == i}
+                elsewhere |= {t.episode_id for p in self._inflight.values() for j, s, _, _ in p for t in s if j == i}
+                share = [t for eid, t in self._outstanding[i].items() if eid not in elsewhere]
                 what = "restarted without the current weights" if isinstance(exc, StaleWorkerError) else "died"
                 self.console.log(f"[yellow]rollout worker {i} {what} ({type(exc).__name__}); running its "
                                  f"{len(share)} episode(s) of iteration {iteration} again[/]")
                 self.restore_worker(i, min_version)
                 self.episodes_rerun += len(share)
-                parts.append((i, share, min_version, self.workers[i].rollout.remote(share, min_version)))
+                parts.append((i, share, min_version, self._call_rollout(i, share, min_version, iteration)))
+                continue
+            for t in done:
+                self._outstanding[i].pop(t.episode_id, None)
+            out.extend(done)
         return out
+
+    def trainable(self, ended: list[Trajectory]) -> list[Trajectory]:
+        """The episodes whose whole group has ended, held ones first; the others are held back
+        (partial rollouts end a group's episodes in different iterations)."""
+        pool = self._held + ended
+        counts = Counter(t.group_id for t in pool)
+        ready = {g for g, n in counts.items() if n >= self.cfg.rollout.group_size}
+        self._held = [t for t in pool if t.group_id not in ready]
+        return [t for t in pool if t.group_id in ready]
 
     def restore_worker(self, i: int, min_version: int) -> None:
         """Wait until Ray has restarted rollout worker `i`, then sync it to the learner's current
@@ -323,10 +362,11 @@ class Trainer:
         trajs = self.rollout(it)
         rollout_s = time.perf_counter() - t0  # async: only the wait for rollouts that were not done yet
         sync = self._finish_syncs(it) if asynchronous else {}
-        self.store.write(f"iter-{it:06d}", trajs)
+        self.store.write(f"iter-{it:06d}", trajs)  # what ended in this iteration, trained now or later
+        batch = self.trainable(trajs) if self.source is None else trajs
         # how many versions behind the weights about to train on it the oldest token is (0 when synchronous)
-        staleness = max((self.version - min(t.policy_version for t in tr.turns) for tr in trajs if tr.turns), default=0)
-        stats = self._learner_get(self.learner.train_step.remote(trajs), f"the update of iteration {it}")
+        staleness = max((self.version - min(t.policy_version for t in tr.turns) for tr in batch if tr.turns), default=0)
+        stats = self._learner_get(self.learner.train_step.remote(batch), f"the update of iteration {it}")
         self.version = stats.pop("policy_version")
         annotations = stats.pop("annotations", {})
         if annotations:
@@ -352,6 +392,9 @@ class Trainer:
         row = {"iteration": it, "policy_version": self.version, **summarise(trajs), **stats, **sync,
                "rollout_s": rollout_s, "iteration_s": iteration_s, "staleness_max": staleness,
                "worker_restarts": self.worker_restarts, "episodes_rerun": self.episodes_rerun,
+               "episodes_trained": len(batch), "episodes_held": len(self._held),
+               # episodes of this or earlier iterations still running: suspended by the token budget
+               "episodes_suspended": sum(t.iteration <= it for o in self._outstanding for t in o.values()),
                "episodes_per_s": len(trajs) / max(iteration_s, 1e-9),
                "gen_tokens_per_s": sum(t.num_generated for t in trajs) / max(iteration_s, 1e-9)}
         with open(self.run_dir / "metrics.jsonl", "a") as fh:

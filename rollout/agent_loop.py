@@ -12,8 +12,13 @@ learner keeps such episodes out of its group statistics.
 The episodes' environments are reset and stepped concurrently on a thread pool: sandboxed tools
 spend their time in subprocesses, remote environments (`envs.worker.RemoteEnv`) in Ray calls.
 
-Not covered yet: partial (resumable) rollouts across iterations and per-episode asynchrony (a slow
-environment holds back its batch); both come with the orchestration work.
+Partial rollouts (`continue_episodes` with a `token_budget`): once a call has generated its budget
+of tokens, the episodes still running are handed back suspended, their environments open, and the
+next call continues them (with whatever weights the engine holds by then; every turn records its
+policy version). An episode in its `max_segments`-th call runs to its end whatever the budget, so
+no episode spans more calls than that.
+
+Not covered: per-episode asynchrony (a slow environment holds back its batch's next turn).
 """
 
 from __future__ import annotations
@@ -70,6 +75,8 @@ class _Episode:
         self.turn_start = 0
         self.routed: list[list[list[int]]] = [[] for _ in prompt]
         self.any_routed = False
+        self.max_tokens = 0  # the episode's token limit, fixed when it starts
+        self.segments = 1  # calls it has run in (partial rollouts)
 
     def fail(self, message: str) -> None:
         self.stop_reason, self.infra_error = "infra_error", message
@@ -90,6 +97,7 @@ def _start(task: EpisodeTask, make_env, chat: ChatFormat, max_episode_tokens: in
         ep = _Episode(task, None, [])
         ep.fail(f"reset: {type(exc).__name__}: {exc}")
     ep.env_s += time.perf_counter() - t0
+    ep.max_tokens = max_episode_tokens
     if not ep.stop_reason and not _room_to_generate(len(ep.ids), max_episode_tokens):
         ep.stop_reason = "max_tokens"
     return ep
@@ -109,6 +117,15 @@ def _step(ep: _Episode, text: str, turn: int) -> tuple:
     return out
 
 
+def _close(episodes: list[_Episode]) -> None:
+    for ep in episodes:  # sandboxed environments hold a workspace and processes until closed
+        if ep.env is not None and hasattr(ep.env, "close"):
+            try:
+                ep.env.close()
+            except Exception:
+                pass
+
+
 def run_episodes(
     engine: Engine,
     chat: ChatFormat,
@@ -123,33 +140,70 @@ def run_episodes(
     top_p: float = 1.0,
     run_seed: int = 0,
 ) -> list[Trajectory]:
-    pool = ThreadPoolExecutor(max_workers=max(1, min(32, len(tasks))))
+    """Run the tasks' episodes to their ends; their trajectories in task order."""
+    done, suspended = continue_episodes(engine, chat, make_env, env_id, tasks, max_turns=max_turns,
+                                        max_new_tokens=max_new_tokens, max_episode_tokens=max_episode_tokens,
+                                        temperature=temperature, top_p=top_p, run_seed=run_seed)
+    assert not suspended  # no token budget: every episode ran to its end
+    return done
+
+
+def continue_episodes(
+    engine: Engine,
+    chat: ChatFormat,
+    make_env: Callable[[], object],
+    env_id: str,
+    tasks: list[EpisodeTask],
+    *,
+    max_turns: int,
+    max_new_tokens: int,
+    max_episode_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    run_seed: int = 0,
+    suspended: list[_Episode] | None = None,
+    token_budget: int = 0,
+    max_segments: int = 1,
+) -> tuple[list[Trajectory], list[_Episode]]:
+    """Start the tasks' episodes and continue the `suspended` ones (first), together, until each has
+    ended or, with a `token_budget` > 0, until this call has generated that many tokens. Returns the
+    trajectories of the episodes that ended and the episodes still running (suspended: pass them to
+    the next call). `max_episode_tokens` applies to the episodes started here."""
+    pool = ThreadPoolExecutor(max_workers=max(1, min(32, len(tasks) + len(suspended or []))))
     episodes: list[_Episode] = []
+    carried = list(suspended or [])
+    for ep in carried:
+        ep.segments += 1
+    ok = False
     try:
-        episodes = list(pool.map(lambda task: _start(task, make_env, chat, max_episode_tokens), tasks))
-        for turn in range(max_turns):
+        started = list(pool.map(lambda task: _start(task, make_env, chat, max_episode_tokens), tasks))
+        episodes = carried + started
+        generated = 0
+        while True:
             live = [ep for ep in episodes if not ep.stop_reason]
+            if token_budget and generated >= token_budget:
+                live = [ep for ep in live if ep.segments >= max_segments]  # their last call: run to the end
             if not live:
                 break
-            _turn(engine, chat, live, turn, pool, max_turns=max_turns, max_new_tokens=max_new_tokens,
-                  max_episode_tokens=max_episode_tokens, temperature=temperature, top_p=top_p, run_seed=run_seed)
+            generated += _turn(engine, chat, live, pool, max_turns=max_turns, max_new_tokens=max_new_tokens,
+                               temperature=temperature, top_p=top_p, run_seed=run_seed)
+        ok = True
     finally:
         pool.shutdown()
-        for ep in episodes:  # sandboxed environments hold a workspace and processes until closed
-            if ep.env is not None and hasattr(ep.env, "close"):
-                try:
-                    ep.env.close()
-                except Exception:
-                    pass
-    return [_record(ep, env_id) for ep in episodes]
+        if not ok:  # an error: nothing is handed back, every environment is closed
+            _close(episodes or carried)
+    _close([ep for ep in episodes if ep.stop_reason])
+    done = [_record(ep, env_id) for ep in episodes if ep.stop_reason]
+    return done, [ep for ep in episodes if not ep.stop_reason]
 
 
-def _turn(engine, chat: ChatFormat, live: list[_Episode], turn: int, pool, *, max_turns, max_new_tokens,
-          max_episode_tokens, temperature, top_p, run_seed) -> None:
-    """One batched generation over the live episodes, then all their env steps at once."""
+def _turn(engine, chat: ChatFormat, live: list[_Episode], pool, *, max_turns, max_new_tokens,
+          temperature, top_p, run_seed) -> int:
+    """One batched generation over the live episodes, then all their env steps at once; returns the
+    number of tokens generated. Each episode is at its own turn (partial rollouts mix them)."""
     # Each episode may generate at most what its token budget still allows, keeping one token
     # for the end-of-turn token appended when a turn is cut by the limit.
-    budgets = [min(max_new_tokens, max_episode_tokens - len(ep.ids) - 1) for ep in live]
+    budgets = [min(max_new_tokens, ep.max_tokens - len(ep.ids) - 1) for ep in live]
     t0 = time.perf_counter()
     gens = engine.generate(
         [ep.ids for ep in live],
@@ -157,7 +211,7 @@ def _turn(engine, chat: ChatFormat, live: list[_Episode], turn: int, pool, *, ma
         temperature=temperature,
         top_p=top_p,
         stop_token_ids=[chat.eot_id],
-        seeds=[turn_seed(run_seed, ep.task.episode_id, turn) for ep in live],
+        seeds=[turn_seed(run_seed, ep.task.episode_id, len(ep.turns)) for ep in live],
     )
     dt = (time.perf_counter() - t0) / max(1, len(live))
     texts = []
@@ -177,10 +231,11 @@ def _turn(engine, chat: ChatFormat, live: list[_Episode], turn: int, pool, *, ma
             ep.logprobs.append(0.0)
             ep.routed.append([])
         texts.append(chat.decode(gen.token_ids))
-    steps = list(pool.map(lambda pair: _step(pair[0], pair[1], turn), zip(live, texts)))
+    steps = list(pool.map(lambda pair: _step(pair[0], pair[1], len(pair[0].turns)), zip(live, texts)))
 
     for ep, gen, text, (obs, reward, terminated, truncated, info) in zip(live, gens, texts, steps):
         gen_start, gen_end = ep.turn_start, len(ep.ids)
+        turn = len(ep.turns)
         ep.reward += float(reward)
         for m in info.get("milestones", []):
             ep.milestones.append({**m, "turn": turn, "token": gen_end - 1})
@@ -195,7 +250,7 @@ def _turn(engine, chat: ChatFormat, live: list[_Episode], turn: int, pool, *, ma
             ep.stop_reason = "max_turns"
         else:
             obs_ids = chat.observation_ids(info["messages"])
-            if not _room_to_generate(len(ep.ids) + len(obs_ids), max_episode_tokens):
+            if not _room_to_generate(len(ep.ids) + len(obs_ids), ep.max_tokens):
                 ep.stop_reason = "max_tokens"
             else:
                 ep.ids += obs_ids
@@ -217,6 +272,7 @@ def _turn(engine, chat: ChatFormat, live: list[_Episode], turn: int, pool, *, ma
                 sandbox_events=list(info.get("sandbox_events", [])),
             )
         )
+    return sum(len(g.token_ids) for g in gens)
 
 
 def _record(ep: _Episode, env_id: str) -> Trajectory:

@@ -19,7 +19,7 @@ from rl.config import EnvConfig, RolloutConfig
 from envs.worker import RemoteEnv
 from rl.sync import Manifest, iter_weights
 from rl.trajectory import Trajectory
-from rollout.agent_loop import EpisodeTask, run_episodes
+from rollout.agent_loop import EpisodeTask, continue_episodes
 from rollout.chat import ChatFormat
 from rollout.vllm_engine import Generation, VLLMEngine
 
@@ -35,6 +35,7 @@ class RolloutWorker:
 
         self.cfg, self.env_cfg, self.seed = rollout, env, seed
         self.env_actors = list(env_actors or [])
+        self.suspended: list = []  # partial rollouts: episodes whose budget ran out, continued next call
         # slots on shared EnvWorkers: a random 32-bit prefix per rollout worker keeps them apart
         self._slots = itertools.count(int.from_bytes(os.urandom(4), "little") << 32)
         envs.spec(env.id)  # fail here, by name, if the environment is unknown
@@ -51,15 +52,21 @@ class RolloutWorker:
     def version(self) -> int:
         return self.engine.version
 
-    def rollout(self, tasks: list[EpisodeTask], min_version: int = 0) -> list[Trajectory]:
-        """Run the episodes. `min_version`: the policy version the caller expects this worker to hold
-        at least; a worker that Ray restarted after a crash comes back at the initial weights, and
-        refuses (`StaleWorkerError`) rather than generate with them."""
+    def rollout(self, tasks: list[EpisodeTask], min_version: int = 0,
+                max_episode_tokens: int | None = None) -> list[Trajectory]:
+        """Run the episodes, after continuing the ones suspended in earlier calls (partial rollouts,
+        `rollout.iteration_token_budget`); returns the trajectories of the episodes that ended.
+
+        `min_version`: the policy version the caller expects this worker to hold at least; a worker
+        that Ray restarted after a crash comes back at the initial weights and refuses
+        (`StaleWorkerError`) rather than generate with them. `max_episode_tokens`: the limit of the
+        episodes started now (a staged schedule), default `rollout.max_episode_tokens`."""
         if self.engine.version < min_version:
             raise StaleWorkerError(f"holds policy version {self.engine.version}, the rollout needs {min_version} "
                                    "(a restarted worker, not yet synced)")
         c = self.cfg
-        return run_episodes(
+        carried, self.suspended = self.suspended, []  # on an error they are closed, not handed back
+        done, self.suspended = continue_episodes(
             self.engine,
             self.chat,
             self.make_env,
@@ -67,11 +74,18 @@ class RolloutWorker:
             tasks,
             max_turns=c.max_turns,
             max_new_tokens=c.max_new_tokens,
-            max_episode_tokens=c.max_episode_tokens,
+            max_episode_tokens=max_episode_tokens or c.max_episode_tokens,
             temperature=c.temperature,
             top_p=c.top_p,
             run_seed=self.seed,
+            suspended=carried,
+            token_budget=c.iteration_token_budget,
+            max_segments=c.max_segments,
         )
+        return done
+
+    def suspended_ids(self) -> list[str]:
+        return [ep.task.episode_id for ep in self.suspended]
 
     def make_env(self):
         if not self.env_actors:
