@@ -65,9 +65,8 @@ def main() -> None:
         print(json.dumps(measure(a.config, int(a.one[0]), a.one[1] == "all", a.repeats, a.activation_checkpointing)))
         return
     from rich.console import Console
-    from rich.table import Table
 
-    console = Console()
+    console = Console(stderr=True)
     rows = []
     for length in a.lengths:
         res = {}
@@ -84,23 +83,30 @@ def main() -> None:
             console.log(f"{length:>7} tokens {kind:>6}: {res[kind]['seconds']:.2f} s, {res[kind]['peak_mib']:.0f} MiB")
         rows.append((length, res))
     ac = ", activation checkpointing" if a.activation_checkpointing else ""
-    table = Table(title=f"forward+backward, {Path(a.config).name}, batch 1{ac}")
-    for col in ("tokens", "hybrid s", "softmax s", "time ratio", "hybrid MiB", "softmax MiB", "memory ratio"):
-        table.add_column(col, justify="right")
+    import platform
+
+    import torch
+
+    # Markdown on stdout (what `make bench` collects); the progress lines above go to stderr
+    print(f"# forward+backward (cross-entropy over every position), {Path(a.config).name}, batch 1{ac}; "
+          "hybrid = KDA + gated MLA, softmax = every layer softmax attention; each in a fresh process")
+    print(f"# torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}\n")
+    print("| tokens | hybrid s | softmax s | time ratio | hybrid MiB | softmax MiB | memory ratio |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for length, res in rows:
-        h, s = res.get("hybrid"), res.get("all")
-        if not h or not s:
-            table.add_row(str(length), *(["-"] * 6))
+        h, sm = res.get("hybrid"), res.get("all")
+        if not h or not sm:
+            print(f"| {length:,} | - | - | - | - | - | - |")
             continue
-        table.add_row(str(length), f"{h['seconds']:.2f}", f"{s['seconds']:.2f}", f"{h['seconds'] / s['seconds']:.2f}",
-                      f"{h['peak_mib']:.0f}", f"{s['peak_mib']:.0f}", f"{h['peak_mib'] / s['peak_mib']:.2f}")
-    console.print(table)
+        print(f"| {length:,} | {h['seconds']:.2f} | {sm['seconds']:.2f} | {h['seconds'] / sm['seconds']:.2f} | "
+              f"{h['peak_mib']:,.0f} | {sm['peak_mib']:,.0f} | {h['peak_mib'] / sm['peak_mib']:.2f} |")
     done = [(n, r) for n, r in rows if r.get("hybrid") and r.get("all")]
     if len(done) >= 2:
         (n0, r0), (n1, r1) = done[-2], done[-1]
+        print()
         for kind in ("hybrid", "all"):
             slope = (r1[kind]["peak_mib"] - r0[kind]["peak_mib"]) / ((n1 - n0) / 1024)
-            console.print(f"memory slope {kind}: {slope:.2f} MiB per 1K tokens ({n0} → {n1})")
+            print(f"memory slope {kind}: {slope:.2f} MiB per 1K tokens ({n0} → {n1})")
 
 
 if __name__ == "__main__":

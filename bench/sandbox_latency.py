@@ -5,7 +5,8 @@
 Two commands: `true` (pure start-up cost) and `python -c pass` (what a Python tool pays). Calls
 alternate between the variants, round-robin, so load on this noisy machine hits each alike. Prints a
 Markdown table: median and p90 milliseconds, and each backend's median over the bare subprocess's.
-The docker row needs a reachable engine (DOCKER_HOST, --docker-host, or the default socket).
+The docker rows use a reachable engine (DOCKER_HOST, --docker-host, or the default socket), else a
+private dockerd the script starts and stops (root, Debian's docker.io), with gVisor's runsc when installed.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from envs.sandbox import Limits, backend_status, open_sandbox  # noqa: E402
+from envs.sandbox.docker_engine import private_dockerd, private_dockerd_unavailable, unavailable_reason  # noqa: E402
 
 # The interpreter by its full path: a bare `python3` may be a pyenv shim (a shell script) outside and
 # the venv's binary inside, which would compare two different programs.
@@ -31,22 +33,42 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=30)
     ap.add_argument("--docker-host")
+    ap.add_argument("--no-private-dockerd", action="store_true",
+                    help="do not start a private dockerd when no engine is reachable")
     args = ap.parse_args()
+    from contextlib import nullcontext
+
+    engine = nullcontext(args.docker_host)
+    if unavailable_reason(args.docker_host) is not None and not args.no_private_dockerd:
+        reason = private_dockerd_unavailable()
+        if reason:
+            print(f"no docker rows: {reason}", file=sys.stderr)
+        else:
+            engine = private_dockerd()
+    with engine as docker_host:
+        measure(args, docker_host)
+
+
+def measure(args, docker_host: str | None) -> None:
 
     runners = {"bare subprocess": None}
     sandboxes = []
-    for backend in ("none", "bwrap", "docker"):
-        opts = {"docker_host": args.docker_host} if backend == "docker" and args.docker_host else {}
+    variants = [("none", "none", {}), ("bwrap", "bwrap", {})]
+    if docker_host or unavailable_reason() is None:
+        opts = {"docker_host": docker_host} if docker_host else {}
+        variants += [("docker", "docker", opts), ("docker + gVisor", "docker", {**opts, "runtime": "runsc"})]
+    for name, backend, opts in variants:
         reason = backend_status(backend) if backend != "docker" else None
         try:
             if reason:
                 raise RuntimeError(reason)
             sb = open_sandbox(backend, limits=Limits(timeout_s=30), **opts)
+            sb.run(["true"])  # a runtime the engine lacks fails here, not mid-measurement
         except Exception as exc:
-            print(f"skipping {backend}: {exc}", file=sys.stderr)
+            print(f"skipping {name}: {exc}", file=sys.stderr)
             continue
         sandboxes.append(sb)
-        runners[backend] = sb
+        runners[name] = sb
 
     times = {(name, cmd): [] for name in runners for cmd in COMMANDS}
     for _ in range(args.calls):

@@ -66,6 +66,7 @@ register("tools/shell-v0", "envs.shell:ShellEnv")
 register("code/fix-tests-v0", "envs.fix_tests:FixTestsEnv")
 register("long/needle-v0", "envs.needle:NeedleEnv")
 register("vision/maze-v0", "envs.maze:MazeEnv")
+register("text/digits-v0", "envs.digits:DigitsEnv")
 
 def check_env(env, **kwargs) -> dict:
     from envs.check import check_env as _check

@@ -55,8 +55,9 @@ def check_env(env, *, seed: int = 0, expert: bool = True) -> dict:
     if not isinstance(env, ToolEnv):
         raise EnvCheckError([f"{type(env).__name__} must subclass envs.ToolEnv (a gymnasium.Env of tool turns)"])
     names = [t.name for t in env.tools]
-    if not env.tools:
-        problems.append("the environment declares no tools: set the class attribute `tools` to a list of ToolSpec")
+    if not env.tools and getattr(env, "max_turns", None) != 1:  # a one-turn reply task needs none
+        problems.append("the environment declares no tools: set the class attribute `tools` to a list of ToolSpec "
+                        "(only a single-turn environment, max_turns = 1, may have none)")
     if len(set(names)) != len(names):
         problems.append(f"tool names must be unique: {names}")
     for t in env.tools:

@@ -87,8 +87,10 @@ class VLLMEngine:
         top_p: float = 1.0,
         stop_token_ids: list[int] | None = None,
         seeds: list[int] | None = None,
+        min_tokens: int = 0,
     ) -> list[Generation]:
-        """Sample one completion per prompt (token ids in, token ids out; no text round trip)."""
+        """Sample one completion per prompt (token ids in, token ids out; no text round trip).
+        `min_tokens`: no stop before that many tokens (benchmarks use it to fix the length)."""
         from vllm import SamplingParams, TokensPrompt
 
         if isinstance(max_tokens, int):
@@ -102,6 +104,7 @@ class VLLMEngine:
                 stop_token_ids=stop_token_ids,
                 seed=None if seeds is None else seeds[i],
                 detokenize=False,
+                min_tokens=min(min_tokens, max_tokens[i]),
             )
             for i in range(len(prompts))
         ]

@@ -90,60 +90,18 @@ def docker_host(tmp_path_factory):
     reaches, else a private `dockerd` this fixture starts (root, Debian's docker.io: `make
     system-deps` installs it) on its own socket with no bridge and no iptables changes, stopped by
     PID at the end. Where neither is possible the tests skip saying why; under CI they fail."""
-    import json
-    import shutil
-    import signal
-    import subprocess
-    import time
-
-    from envs.sandbox.docker_engine import unavailable_reason
+    from envs.sandbox.docker_engine import private_dockerd, private_dockerd_unavailable, unavailable_reason
 
     if unavailable_reason() is None:
         yield os.environ.get("DOCKER_HOST")
         return
-    reason = None
-    dockerd = shutil.which("dockerd") or next((p for p in ("/usr/sbin/dockerd", "/usr/bin/dockerd") if os.path.exists(p)), None)
-    if os.geteuid() != 0:
-        reason = "no Docker engine reachable, and starting one needs root"
-    elif dockerd is None:
-        reason = "no Docker engine reachable, and no dockerd to start (apt-get install docker.io)"
+    reason = private_dockerd_unavailable()
     if reason:
         if os.environ.get("CI"):
             pytest.fail(f"CI must run the docker sandbox tests: {reason}")
         pytest.skip(reason)
-    d = Path("/tmp") / f"lh-dockerd-{os.getpid()}"  # short: unix socket paths are limited to 108 bytes
-    d.mkdir(exist_ok=True)
-    sock = f"unix://{d}/docker.sock"
-    log = open(d / "dockerd.log", "w")
-    # gVisor as a second runtime when Debian's runsc is there (`make system-deps` installs it)
-    runsc = shutil.which("runsc") or ("/usr/bin/runsc" if os.path.exists("/usr/bin/runsc") else None)
-    runtimes = {"runtimes": {"runsc": {"path": runsc, "runtimeArgs": ["--network=none"]}}} if runsc else {}
-    (d / "daemon.json").write_text(json.dumps(runtimes))
-    proc = subprocess.Popen(
-        [dockerd, f"--config-file={d}/daemon.json", f"--host={sock}", f"--data-root={d}/data", f"--exec-root={d}/exec", f"--pidfile={d}/dockerd.pid",
-         "--bridge=none", "--iptables=false", "--ip6tables=false", "--ip-masq=false"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    deadline = time.monotonic() + 60
-    while unavailable_reason(sock) is not None:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"dockerd did not start; its log: {(d / 'dockerd.log').read_text()[-2000:]}")
-        time.sleep(0.3)
-    yield sock
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log.close()
-    # a dockerd stopped with containers still mounted leaves mounts under its root: detach them first
-    with open("/proc/mounts") as fh:
-        stale = sorted({line.split()[1] for line in fh if line.split()[1].startswith(str(d))}, reverse=True)
-    for mount in stale:
-        subprocess.run(["umount", "-l", mount], capture_output=True)
-    shutil.rmtree(d, ignore_errors=True)
+    with private_dockerd() as sock:  # a dockerd that does not come up raises, with its log
+        yield sock
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,7 @@ BUILTIN = {  # id -> (constructor arguments for the test, milestones the expert 
     "code/fix-tests-v0": ({}, None, 1.0),
     "long/needle-v0": ({}, {"found", "solved"}, 1.25),
     "vision/maze-v0": ({"size": 7, "max_turns": 20}, {"waypoint_1", "waypoint_2", "exit"}, 1.0),
+    "text/digits-v0": ({}, {"digits"}, 1.0),
 }
 
 

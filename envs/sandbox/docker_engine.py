@@ -31,7 +31,9 @@ import shutil
 import tarfile
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 from envs.sandbox import (HostView, Limits, SandboxBase, SandboxError, SandboxResult, Workspace, classify,
                           host_view, sandbox_env, sandbox_uid)
@@ -196,3 +198,65 @@ class DockerSandbox(SandboxBase):
     def close(self) -> None:
         super().close()
         self.client.close()
+
+
+def dockerd_binary() -> str | None:
+    return shutil.which("dockerd") or next((p for p in ("/usr/sbin/dockerd", "/usr/bin/dockerd") if os.path.exists(p)), None)
+
+
+def private_dockerd_unavailable() -> str | None:
+    """Why `private_dockerd` cannot start an engine here, or None."""
+    if os.geteuid() != 0:
+        return "no Docker engine reachable, and starting one needs root"
+    if dockerd_binary() is None:
+        return "no Docker engine reachable, and no dockerd to start (apt-get install docker.io)"
+    return None
+
+
+@contextmanager
+def private_dockerd(root: str | Path | None = None, timeout_s: float = 60.0) -> Iterator[str]:
+    """A Docker engine of our own for tests and benchmarks on machines where none runs: Debian's
+    `dockerd` on a private socket under `root`, with no bridge and no iptables changes, gVisor's
+    `runsc` added as a runtime when installed; yields its DOCKER_HOST and stops it by PID (mounts it
+    left behind are detached, its directory removed). Needs root (`private_dockerd_unavailable`)."""
+    import json
+    import signal
+    import subprocess
+
+    reason = private_dockerd_unavailable()
+    if reason:
+        raise RuntimeError(reason)
+    d = Path(root or f"/tmp/lh-dockerd-{os.getpid()}")  # short: unix socket paths are limited to 108 bytes
+    d.mkdir(parents=True, exist_ok=True)
+    sock = f"unix://{d}/docker.sock"
+    runsc = shutil.which("runsc") or ("/usr/bin/runsc" if os.path.exists("/usr/bin/runsc") else None)
+    runtimes = {"runtimes": {"runsc": {"path": runsc, "runtimeArgs": ["--network=none"]}}} if runsc else {}
+    (d / "daemon.json").write_text(json.dumps(runtimes))
+    log = open(d / "dockerd.log", "w")
+    proc = subprocess.Popen(
+        [dockerd_binary(), f"--config-file={d}/daemon.json", f"--host={sock}", f"--data-root={d}/data",
+         f"--exec-root={d}/exec", f"--pidfile={d}/dockerd.pid", "--bridge=none", "--iptables=false",
+         "--ip6tables=false", "--ip-masq=false"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + timeout_s
+        while unavailable_reason(sock) is not None:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"dockerd did not start; its log: {(d / 'dockerd.log').read_text()[-2000:]}")
+            time.sleep(0.3)
+        yield sock
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        # a dockerd stopped with containers still mounted leaves mounts under its root: detach them first
+        with open("/proc/mounts") as fh:
+            stale = sorted({line.split()[1] for line in fh if line.split()[1].startswith(str(d))}, reverse=True)
+        for mount in stale:
+            subprocess.run(["umount", "-l", mount], capture_output=True)
+        shutil.rmtree(d, ignore_errors=True)

@@ -1,0 +1,183 @@
+"""`make bench`: run every benchmark, collect their tables into `bench/results.md`, draw PNGs.
+
+    .venv/bin/python bench/run_all.py [--only 1 3] [--quick]
+
+Each benchmark is its own script (run it alone for details; its docstring says what it measures
+and against what) and prints a Markdown table whose rows carry our figure, the peer's or the
+limit's figure from the same run, and the ratio. This script runs them one after the other, each
+in a fresh process with a time limit, keeps each one's table verbatim with its command, wall time
+and exit status, and draws one PNG per benchmark under `bench/plots/`. A benchmark that fails or
+runs out of time is reported as such in the results, never dropped. `--quick` runs smaller sizes
+(a smoke run, not the numbers to quote).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+@dataclass
+class Bench:
+    row: int
+    title: str
+    args: list[str]
+    quick: list[str]
+    limit_s: int
+    plot: dict = field(default_factory=dict)  # kind: bar|line, x: label column(s), y: value columns, ylabel
+
+
+BENCHES = [
+    Bench(1, "Rollout tokens/s: our vLLM rollout path vs Hugging Face generate (TRL without vLLM)",
+          ["bench/rollout_throughput.py"], ["--sizes", "tiny", "--repeats", "1"], 3600,
+          dict(kind="bar", x=["model"], y=["ours tok/s", "HF generate tok/s"], ylabel="generated tokens / s")),
+    Bench(2, "Wall time to a target reward: our loop vs TRL GRPOTrainer",
+          ["bench/time_to_reward.py"], ["--target", "0.6", "--max-steps", "40"], 3600,
+          dict(kind="bar", x=["loop"], y=["seconds to target"], ylabel="seconds to target reward")),
+    Bench(3, "Weight sync to N rollout workers vs a plain memory copy of the same bytes",
+          ["bench/weight_sync.py"], ["--hidden", "128", "--layers", "2", "--repeats", "2"], 1200,
+          dict(kind="bar", x=["what"], y=["seconds"], ylabel="seconds")),
+    Bench(4, "Learner step time and peak memory vs trajectory length: policy/ (KDA + MLA) vs a softmax stack",
+          ["bench/policy_long_context.py"], ["--lengths", "1024", "2048"], 3600,
+          dict(kind="line", x=["tokens"], y=["hybrid MiB", "softmax MiB"], ylabel="peak MiB",
+               y2=["hybrid s", "softmax s"], y2label="seconds")),
+    Bench(5, "Sandboxed tool-call latency per backend vs a bare subprocess",
+          ["bench/sandbox_latency.py"], ["--calls", "5"], 900,
+          dict(kind="bar", x=["command", "runner"], y=["median ms"], ylabel="median ms per call")),
+    Bench(6, "Async vs sync iterations per minute with slow environments",
+          ["bench/async_vs_sync.py"], ["--iterations", "2", "--repeats", "1"], 1800,
+          dict(kind="bar", x=["schedule"], y=["iterations / min"], ylabel="iterations / min")),
+]
+
+def tables(text: str) -> list[tuple[list[str], list[list[str]]]]:
+    """The Markdown tables in `text`: (header, rows) each."""
+    out, lines = [], text.splitlines()
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith("|") and i + 1 < len(lines) and re.match(r"^\|\s*:?-", lines[i + 1]):
+            cells = lambda line: [c.strip() for c in line.strip().strip("|").split("|")]
+            header, rows = cells(lines[i]), []
+            i += 2
+            while i < len(lines) and lines[i].startswith("|"):
+                rows.append(cells(lines[i]))
+                i += 1
+            out.append((header, rows))
+        else:
+            i += 1
+    return out
+
+
+def number(cell: str) -> float | None:
+    m = re.match(r"^-?[\d,]*\.?\d+", cell.replace("`", "").strip())
+    return float(m.group(0).replace(",", "")) if m else None
+
+
+def draw(bench: Bench, text: str, path: Path) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    found = [t for t in tables(text) if all(c in t[0] for c in bench.plot["x"] + bench.plot["y"])]
+    if not found:
+        return False
+    header, rows = found[0]
+    col = {c: header.index(c) for c in header}
+    labels = [" / ".join(r[col[c]].strip("`") for c in bench.plot["x"]) for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    if bench.plot["kind"] == "bar":
+        ys = bench.plot["y"]
+        width = 0.8 / len(ys)
+        for k, y in enumerate(ys):
+            vals = [number(r[col[y]]) or 0.0 for r in rows]
+            ax.bar([i + k * width for i in range(len(rows))], vals, width, label=y)
+        ax.set_xticks([i + width * (len(ys) - 1) / 2 for i in range(len(rows))], labels, rotation=20, ha="right",
+                      fontsize=8)
+    else:
+        xs = [number(r[col[bench.plot["x"][0]]]) for r in rows]
+        for y in bench.plot["y"]:
+            ax.plot(xs, [number(r[col[y]]) for r in rows], marker="o", label=y)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(bench.plot["x"][0])
+        if bench.plot.get("y2"):
+            ax2 = ax.twinx()
+            for y in bench.plot["y2"]:
+                ax2.plot(xs, [number(r[col[y]]) for r in rows], marker="s", linestyle="--", label=y)
+            ax2.set_ylabel(bench.plot["y2label"])
+            ax2.legend(loc="upper center", fontsize=8)
+    ax.set_ylabel(bench.plot["ylabel"])
+    ax.legend(loc="upper left", fontsize=8)
+    ax.set_title(f"row {bench.row}: {bench.title}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", type=int, nargs="+", help="row numbers to run")
+    ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    ap.add_argument("--out", default=str(REPO / "bench" / "results.md"))
+    args = ap.parse_args()
+    out = Path(args.out)
+    plots = out.parent / "plots"
+    plots.mkdir(parents=True, exist_ok=True)
+
+    import torch
+
+    sections, summary = [], []
+    for b in BENCHES:
+        if args.only and b.row not in args.only:
+            continue
+        cmd = [PY, *b.args, *(b.quick if args.quick else [])]
+        shown = " ".join(["python", *cmd[1:]])
+        print(f"[bench] row {b.row}: {shown}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=b.limit_s)
+            text, status = r.stdout, ("ok" if r.returncode == 0 else f"failed (exit {r.returncode})")
+            err = r.stderr
+        except subprocess.TimeoutExpired as exc:
+            text = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+            err, status = "", f"stopped at its {b.limit_s} s limit"
+        wall = time.perf_counter() - t0
+        print(f"[bench] row {b.row}: {status} in {wall:.0f} s", flush=True)
+        body = text.strip() or "(no output)"
+        if status != "ok" and err:
+            body += "\n\n```\n" + err.strip()[-2000:] + "\n```"
+        png = plots / f"row{b.row}.png"
+        drawn = status == "ok" and b.plot and draw(b, text, png)
+        sections.append(f"## {b.row}. {b.title}\n\n`{shown}` — {status}, {wall:.0f} s\n\n{body}\n"
+                        + (f"\n![row {b.row}](plots/{png.name})\n" if drawn else ""))
+        summary.append((b, status, f"{wall:.0f} s"))
+
+    head = [
+        "# longhorizon benchmarks",
+        "",
+        f"Written by `make bench` ({'quick sizes: smoke run' if args.quick else 'full sizes'}) on "
+        f"{time.strftime('%Y-%m-%d %H:%M')} — {platform.machine()}, {torch.get_num_threads()} torch threads, "
+        f"python {platform.python_version()}, torch {torch.__version__}. Every ratio below is measured side by side "
+        "in the same run; absolute figures on this noisy 2-core machine move from run to run, the ratios less.",
+        "",
+        "| row | benchmark | status | wall |",
+        "| ---: | --- | --- | ---: |",
+        *[f"| {b.row} | {b.title} | {status} | {wall} |" for b, status, wall in summary],
+        "",
+    ]
+    out.write_text("\n".join(head) + "\n" + "\n".join(sections))
+    print(f"[bench] wrote {out} and {plots}/", flush=True)
+    return 0 if all(s == "ok" for _, s, _ in summary) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""`text/digits-v0`: the smallest environment — one turn, no tools, a dense score.
+
+The task asks for a reply made of digits; the reward is the share of the reply's non-space
+characters that are digits (0 to 1), paid as the milestone `digits` when it ends. A tiny random
+policy starts near 0 and GRPO raises it within minutes on a CPU, which is what it is for: smoke
+tests of the whole loop, and the side-by-side benchmark against TRL's GRPOTrainer (whose reward
+function is `digit_share`, the same code). It does not test tool use or long horizons.
+"""
+
+from __future__ import annotations
+
+from envs.base import ToolEnv
+from envs.tool_calls import parse_tool_calls
+
+PROMPTS = ["Reply with a number of at least {n} digits.", "Write {n} digits and nothing else.",
+           "Give me a number with {n} digits or more."]
+
+
+def digit_share(text: str) -> float:
+    """Share of the non-space characters of `text` that are digits (0 when there are none)."""
+    chars = [c for c in text if not c.isspace()]
+    return sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0
+
+
+class DigitsEnv(ToolEnv):
+    tools = []
+    max_turns = 1
+
+    def _reset_task(self) -> str:
+        rng = self.np_random
+        return PROMPTS[int(rng.integers(len(PROMPTS)))].format(n=int(rng.integers(4, 40)))
+
+    def tool_functions(self):
+        return {}
+
+    def step(self, action: str):
+        if self._done:
+            raise RuntimeError("step() called on a finished episode; call reset() first")
+        self._done = True
+        self._turn += 1
+        score = digit_share(action)
+        events = [{"name": "digits", "reward": score}]
+        calls, errors = parse_tool_calls(action)  # there are no tools: any call, well formed or not, is an error
+        return "", score, True, False, {"messages": [], "milestones": events, "tool_errors": len(calls) + len(errors)}
+
+    def expert_turns(self) -> list[str]:
+        return ["1234567890"]
