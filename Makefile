@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.longhorizon-installed
 RUN    ?= runs/quickstart
 
-.PHONY: install system-deps demo test test-fast clean
+.PHONY: install system-deps demo test test-fast bench clean
 
 install: $(STAMP)
 
@@ -48,6 +48,10 @@ test: install system-deps
 
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
+
+# Every benchmark side by side with its peer or physical limit (~25 min here): bench/results.md, bench/plots/.
+bench: install system-deps
+	$(PY) bench/run_all.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

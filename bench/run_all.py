@@ -38,10 +38,11 @@ class Bench:
 
 BENCHES = [
     Bench(1, "Rollout tokens/s: our vLLM rollout path vs Hugging Face generate (TRL without vLLM)",
-          ["bench/rollout_throughput.py"], ["--sizes", "tiny", "--repeats", "1"], 3600,
+          ["bench/rollout_throughput.py", "--repeats", "2"], ["--sizes", "tiny", "--repeats", "1"], 3600,
           dict(kind="bar", x=["model"], y=["ours tok/s", "HF generate tok/s"], ylabel="generated tokens / s")),
     Bench(2, "Wall time to a target reward: our loop vs TRL GRPOTrainer",
-          ["bench/time_to_reward.py"], ["--target", "0.6", "--max-steps", "40"], 3600,
+          ["bench/time_to_reward.py", "--plot", "bench/plots/row2-curves.png"], ["--target", "0.6", "--max-steps", "40"],
+          3600,
           dict(kind="bar", x=["loop"], y=["seconds to target"], ylabel="seconds to target reward")),
     Bench(3, "Weight sync to N rollout workers vs a plain memory copy of the same bytes",
           ["bench/weight_sync.py"], ["--hidden", "128", "--layers", "2", "--repeats", "2"], 1200,
@@ -157,8 +158,10 @@ def main() -> int:
             body += "\n\n```\n" + err.strip()[-2000:] + "\n```"
         png = plots / f"row{b.row}.png"
         drawn = status == "ok" and b.plot and draw(b, text, png)
+        extra = [q for q in plots.glob(f"row{b.row}-*.png") if q.stat().st_mtime >= time.time() - wall - 1]
+        pictures = ([png] if drawn else []) + sorted(extra)
         sections.append(f"## {b.row}. {b.title}\n\n`{shown}` — {status}, {wall:.0f} s\n\n{body}\n"
-                        + (f"\n![row {b.row}](plots/{png.name})\n" if drawn else ""))
+                        + "".join(f"\n![row {b.row}](plots/{q.name})\n" for q in pictures))
         summary.append((b, status, f"{wall:.0f} s"))
 
     head = [

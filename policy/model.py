@@ -10,7 +10,8 @@ One API for the learner and the native engine:
 - `router_info`: per MoE layer, the top-k expert ids per token (`experts`: L × B × T × k), the
   tokens per expert (`load`: L × E) and the router scores (`scores`, for load balancing).
 - `routing`: recorded expert ids (L × B × T × k, e.g. from the rollout engine) replayed as the
-  selection, with weights from the current router (rollout routing replay).
+  selection, with weights from the current router (rollout routing replay); -1 rows keep the
+  router's own choice. `router_info["replayed"]`: (replayed tokens, of which the router differs).
 - `model.activation_checkpointing = True`: training forwards keep only each layer's inputs and
   recompute the rest in the backward pass.
 
@@ -198,6 +199,8 @@ class Policy(nn.Module):
             "experts": torch.stack([i["experts"] for i in infos]) if infos else None,
             "load": torch.stack([i["load"] for i in infos]) if infos else None,
             "scores": [i["scores"] for i in infos],
+            # rollout routing replay: (replayed tokens, of which the router's own choice differs), all layers
+            "replayed": tuple(sum(i["replayed"][j] for i in infos) for j in (0, 1)),
         }
         return h, router_info
 

@@ -15,7 +15,9 @@ scores renormalised. Routed experts work in a latent space l < d:
 
 Group-limited (hierarchical) routing: rank groups by the sum of their top-2 biased scores, keep
 `topk_groups`, pick the top-k experts inside them. Rollout routing replay: with recorded expert ids
-the selection is taken as given while the weights p come from the current router (so it learns).
+the selection is taken as given while the weights p come from the current router (so it learns);
+a row of -1 (a token the engine recorded nothing for) keeps the router's own choice, and the
+count of replayed tokens whose own choice differs from the recorded one is reported.
 
 The expert loop visits only experts that received tokens; `naive_moe` computes every expert for
 every token and is the reference it is tested against. No expert parallelism here.
@@ -68,24 +70,35 @@ class Router(nn.Module):
         nn.init.normal_(self.weight, 0.0, dim**-0.5)
         self.register_buffer("bias", torch.zeros(a.n_routed_experts))  # selection only
 
+    def select(self, scores_NE: torch.Tensor) -> torch.Tensor:
+        """The router's own top-k expert ids (N×k): biased scores, group-limited."""
+        a = self.a
+        biased = scores_NE.detach() + self.bias
+        if a.n_groups > 1:
+            grouped = biased.view(-1, a.n_groups, a.n_routed_experts // a.n_groups)
+            group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+            keep = group_score.topk(a.topk_groups, dim=-1).indices
+            mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
+            biased = grouped.masked_fill(~mask[..., None], -torch.inf).flatten(1)
+        return biased.topk(a.top_k, dim=-1).indices
+
     def forward(self, x_ND, replay_Nk: torch.Tensor | None = None):
-        """Returns (expert ids N×k, weights N×k, scores N×E fp32)."""
+        """Returns (expert ids N×k, weights N×k, scores N×E fp32, replay counts). With `replay_Nk`,
+        rows of recorded ids are the selection (rows of -1 keep the router's own); the counts are
+        (replayed tokens, of which the router's own choice differs as a set)."""
         a = self.a
         scores = torch.sigmoid(F.linear(upcast(x_ND), upcast(self.weight)))
+        idx = self.select(scores)
+        counts = (0, 0)
         if replay_Nk is not None:
-            idx = replay_Nk.long()
-        else:
-            biased = scores.detach() + self.bias
-            if a.n_groups > 1:
-                grouped = biased.view(-1, a.n_groups, a.n_routed_experts // a.n_groups)
-                group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
-                keep = group_score.topk(a.topk_groups, dim=-1).indices
-                mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
-                biased = grouped.masked_fill(~mask[..., None], -torch.inf).flatten(1)
-            idx = biased.topk(a.top_k, dim=-1).indices
+            replay = replay_Nk.long()
+            have_N = (replay >= 0).all(-1)
+            differ_N = (idx.sort(-1).values != replay.sort(-1).values).any(-1) & have_N
+            counts = (int(have_N.sum()), int(differ_N.sum()))
+            idx = torch.where(have_N[:, None], replay, idx)
         picked = scores.gather(1, idx)
         weights = picked / picked.sum(-1, keepdim=True).clamp(min=1e-20) * a.routed_scaling
-        return idx, weights, scores
+        return idx, weights, scores, counts
 
 
 class LatentMoE(nn.Module):
@@ -113,7 +126,7 @@ class LatentMoE(nn.Module):
         B, T, D = x_BTD.shape
         x = x_BTD.reshape(-1, D)
         replay = replay_BTk.reshape(-1, replay_BTk.shape[-1]) if replay_BTk is not None else None
-        idx, w, scores = self.router(x, replay)
+        idx, w, scores, replayed = self.router(x, replay)
         lat = self.down(x)
         u = torch.zeros_like(lat)
         for e in idx.unique().tolist():
@@ -123,7 +136,7 @@ class LatentMoE(nn.Module):
         if self.shared is not None:
             y = y + self.shared(x)
         load = torch.bincount(idx.flatten(), minlength=self.a.n_routed_experts)
-        info = {"experts": idx.view(B, T, -1), "load": load, "scores": scores.detach().float()}
+        info = {"experts": idx.view(B, T, -1), "load": load, "scores": scores.detach().float(), "replayed": replayed}
         return y.view(B, T, D), info
 
 

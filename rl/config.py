@@ -153,6 +153,8 @@ class AlgoConfig:
     """Positions whose full-vocabulary logits exist at once (the output projection runs chunk by chunk)."""
     activation_checkpointing: bool = False
     """Recompute each layer in the backward pass instead of keeping its activations."""
+    routing_replay: bool = True
+    """Rollout routing replay: where trajectories carry the engine's routed expert ids, the learner's MoE layers use them as the selection (weights from the current router, so it still learns); `policy/` checkpoints. Reports `router_decisions_differ`."""
     max_grad_norm: float = 1.0
     """Gradient norm clip."""
     threads: int = 2

@@ -15,7 +15,13 @@ Credit: `algo.credit = "milestone"` gives each turn's tokens its own advantage (
 PPO (`algo.name = "ppo"`): a value head on the shared trunk, GAE over tokens or turns, the clipped
 value loss added with `vf_coef` (rl/ppo.py).
 
-Not covered yet (issue 5): rollout routing replay.
+Rollout routing replay (`algo.routing_replay`, `policy/` checkpoints): where the trajectories carry
+the engine's routed expert ids per token, every forward of the update (the pre-update log-probs and
+the trained ones) takes them as the MoE selection, with weights from the current router, so the
+learner scores the tokens with the experts that generated them and the router still learns; the
+share of recorded decisions the learner's router would have made differently is
+`router_decisions_differ`. Hugging Face MoE checkpoints are trained without replay (their MoE
+blocks take no recorded selection).
 """
 
 from __future__ import annotations
@@ -117,9 +123,30 @@ class Learner:
         rollout = torch.tensor(_pad([t.rollout_logprobs for t in mb], 0.0))[:, 1:].float()
         return ids, attn, mask, rollout
 
-    def _logprobs(self, lm, ids, attn, with_entropy: bool = False, routing_out: list | None = None):
+    def _routing(self, mb: list[Trajectory], width: int) -> torch.Tensor | None:
+        """The recorded expert ids of a micro-batch as L × B × T × k (-1 where a token has none), for
+        rollout routing replay; None when off, for a model that cannot replay, or with nothing recorded."""
+        if not self.cfg.routing_replay or self.lm.kind != "policy" or not any(t.routed_experts for t in mb):
+            return None
+        routers = self.model.routers()
+        n_layers, k = len(routers), routers[0].a.top_k if routers else 0
+        out = torch.full((n_layers, len(mb), width, k), -1, dtype=torch.long)
+        for b, t in enumerate(mb):
+            for p, per_layer in enumerate(t.routed_experts or []):
+                if not per_layer:
+                    continue
+                if len(per_layer) != n_layers or any(len(ids) != k for ids in per_layer):
+                    raise ValueError(f"episode {t.episode_id}: token {p} records {len(per_layer)} MoE layer(s) of "
+                                     f"{[len(ids) for ids in per_layer]} experts; the policy has {n_layers} × {k}")
+                out[:, b, p] = torch.tensor(per_layer)
+        return out
+
+    def _logprobs(self, lm, ids, attn, with_entropy: bool = False, routing_out: list | None = None,
+                  routing=None, replayed: list | None = None):
         """(log-probs, entropies or None, values or None), all aligned to next-token targets."""
-        h, router_info = lm.hidden_and_routing(ids, attn)
+        h, router_info = lm.hidden_and_routing(ids, attn, routing)
+        if replayed is not None and router_info is not None:
+            replayed.append(router_info["replayed"])
         if routing_out is not None and router_info is not None and router_info["scores"]:
             valid = attn.reshape(-1).bool()  # padding takes no part in balancing
             routing_out.append([s[valid] for s in router_info["scores"]])
@@ -254,12 +281,13 @@ class Learner:
             self.version += 1
             return {**dropped, "policy_version": self.version, "skipped_update": 1, "train_s": time.perf_counter() - t0}
         plan = self.plan(batch)
-        old, old_v, ref, diffs, lags = {}, {}, {}, [], []
+        old, old_v, ref, diffs, lags, replayed = {}, {}, {}, [], [], []
         with torch.no_grad():
             for micro in (m for mb in plan for m in mb):
                 ids, attn, mask, rollout = self._tensors([batch[i] for i in micro])
                 key = tuple(micro)
-                old[key], _, old_v[key] = self._logprobs(self.lm, ids, attn)
+                routing = self._routing([batch[i] for i in micro], ids.shape[1])
+                old[key], _, old_v[key] = self._logprobs(self.lm, ids, attn, routing=routing, replayed=replayed)
                 gen = mask.bool()
                 diffs.append((old[key] - rollout).abs()[gen])
                 versions = torch.tensor(_pad([token_versions(batch[i]) for i in micro], -1))[:, 1:]
@@ -277,6 +305,9 @@ class Learner:
             out["rollout_logprob_diff_mean_stale"] = float(d[lag > 0].mean())
         if bool((lag == 0).any()):
             out["rollout_logprob_diff_mean_current"] = float(d[lag == 0].mean())
+        n_replayed, n_differ = (sum(r[j] for r in replayed) for j in (0, 1))
+        if n_replayed:  # token × MoE-layer decisions taken from the rollout engine's record
+            out.update(routing_replay_decisions=n_replayed, router_decisions_differ=n_differ / n_replayed)
         adv_of, returns, adv_abs = self._advantages(batch, plan, old_v)
         out["annotations"] = self._annotations(batch, plan, old, adv_of)
         stats: dict[str, list[float]] = {}
@@ -291,7 +322,8 @@ class Learner:
                     key = tuple(micro)
                     ids, attn, mask, rollout = self._tensors([batch[i] for i in micro])
                     logp, ent, values = self._logprobs(self.lm, ids, attn, with_entropy=bool(c.entropy_coef),
-                                                       routing_out=routing)
+                                                       routing_out=routing,
+                                                       routing=self._routing([batch[i] for i in micro], ids.shape[1]))
                     loss, m = policy_loss(
                         logp, old[key], adv_of(micro), mask,
                         clip_low=c.clip_low, clip_high=c.clip_high, aggregation=c.loss_aggregation,

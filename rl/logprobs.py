@@ -59,11 +59,12 @@ class CausalLM:
     def hidden(self, input_ids, attention_mask=None):
         return self.hidden_and_routing(input_ids, attention_mask)[0]
 
-    def hidden_and_routing(self, input_ids, attention_mask=None):
-        """(hidden states, router_info or None). The project's policy reports its routing; right
-        padding needs no mask there (every layer is causal, padding only follows real tokens)."""
+    def hidden_and_routing(self, input_ids, attention_mask=None, routing=None):
+        """(hidden states, router_info or None). The project's policy reports its routing and
+        replays recorded expert ids (`routing`, L × B × T × k, -1 where none); right padding needs
+        no mask there (every layer is causal, padding only follows real tokens)."""
         if self.kind == "policy":
-            return self.module.hidden_states(input_ids)
+            return self.module.hidden_states(input_ids, routing=routing)
         return self.module.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state, None
 
 

@@ -126,7 +126,7 @@ def test_moe_expert_loop_equals_dense_reference():
     moe = _moe()
     x = torch.randn(3, 7, 24, dtype=torch.float64)
     y, info = moe(x)
-    idx, w, _ = moe.router(x.reshape(-1, 24))
+    idx, w, _, _ = moe.router(x.reshape(-1, 24))
     assert torch.allclose(y, naive_moe(moe, x, idx, w), atol=1e-12)
     assert info["load"].sum().item() == 3 * 7 * 2
     assert torch.allclose(w.sum(-1), torch.ones(21, dtype=w.dtype))
@@ -135,7 +135,7 @@ def test_moe_expert_loop_equals_dense_reference():
 def test_group_limited_routing_stays_in_the_chosen_groups():
     moe = _moe(n_groups=4, topk_groups=1, top_k=2)
     x = torch.randn(64, 24, dtype=torch.float64)
-    idx, _, _ = moe.router(x)
+    idx, _, _, _ = moe.router(x)
     assert (idx // 2).unique(dim=1).shape[1] == 1  # both experts of a token in one group of two
 
 
@@ -166,7 +166,7 @@ def _updates_to_balance(update, limit=400):
     bias = torch.zeros(16)
     for step in range(limit):
         router.bias.copy_(bias)
-        idx, _, scores = router(x)
+        idx, _, scores, _ = router(x)
         load = torch.bincount(idx.flatten(), minlength=16)
         if step == 0:
             assert load_imbalance(load) > 2.0  # deliberately skewed
@@ -185,7 +185,7 @@ def test_quantile_balancing_beats_sign_update():
 
 def test_quantile_histogram_is_summable_and_close_to_exact():
     router, x = _skewed_router()
-    idx, _, scores = router(x)
+    idx, _, scores, _ = router(x)
     bias = torch.zeros(16)
     whole = QuantileHistogram(16, 2)
     whole.add(scores, bias)
