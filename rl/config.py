@@ -141,6 +141,8 @@ class AlgoConfig:
     """Weight of the KL penalty to the frozen starting policy (0: no reference model is loaded)."""
     kl_estimator: Literal["k1", "k3"] = "k3"
     """KL estimator: k1 = log-ratio, k3 = e^d - d - 1 (non-negative, low variance)."""
+    kl_in: Literal["loss", "reward"] = "loss"
+    """Where the KL penalty goes: loss (per token, in the policy loss, as in GRPO) or reward (each turn's β·KL summed over its generated tokens, with the pre-update log-probs, is subtracted from the episode's reward at that turn before advantages, as in PPO-RLHF; a `kl_penalty` milestone records it)."""
     entropy_coef: float = 0.0
     """Weight of an entropy bonus over generated tokens (0: off)."""
     epochs: int = 1

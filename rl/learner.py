@@ -232,6 +232,28 @@ class Learner:
         adv = group_advantages(rewards, groups, scale=c.scale_rewards)
         return (lambda micro: adv[list(micro)]), returns, float(adv.abs().mean())
 
+    def _kl_in_reward(self, batch, plan, old, ref) -> tuple[list[Trajectory], float]:
+        """The batch with the KL penalty in its rewards: for each turn, β·Σ KL(π_old ‖ π_ref) over the
+        turn's generated tokens (the configured estimator) is a `kl_penalty` milestone of minus that
+        at the turn, and comes off the episode's reward. Returns the batch and the mean penalty."""
+        import dataclasses
+
+        c, out, total = self.cfg, list(batch), []
+        for micro in (m for mb in plan for m in mb):
+            d = ref[tuple(micro)] - old[tuple(micro)]  # aligned to next-token targets: token p at p - 1
+            kl = torch.exp(d) - d - 1 if c.kl_estimator == "k3" else -d
+            for row, i in enumerate(micro):
+                t, events = batch[i], []
+                for n, turn in enumerate(t.turns):
+                    lo, hi = max(turn.gen_start, 1), turn.gen_end
+                    mask = torch.tensor(t.loss_mask[lo:hi], dtype=kl.dtype)
+                    pen = c.kl_beta * float((kl[row, lo - 1 : hi - 1] * mask).sum())
+                    events.append({"name": "kl_penalty", "reward": -pen, "turn": n, "token": hi - 1})
+                penalty = -sum(e["reward"] for e in events)
+                total.append(penalty)
+                out[i] = dataclasses.replace(t, reward=t.reward - penalty, milestones=list(t.milestones) + events)
+        return out, float(np.mean(total)) if total else 0.0
+
     def _value_loss(self, values, old_values, returns, micro, mb) -> torch.Tensor:
         """Clipped value loss over the micro-batch's decision points, normalised by the minibatch's."""
         rows, cols, targets = [], [], []
@@ -308,6 +330,9 @@ class Learner:
         n_replayed, n_differ = (sum(r[j] for r in replayed) for j in (0, 1))
         if n_replayed:  # token × MoE-layer decisions taken from the rollout engine's record
             out.update(routing_replay_decisions=n_replayed, router_decisions_differ=n_differ / n_replayed)
+        if c.kl_beta and c.kl_in == "reward":
+            batch, penalty = self._kl_in_reward(batch, plan, old, ref)
+            out["kl_reward_penalty_mean"] = penalty
         adv_of, returns, adv_abs = self._advantages(batch, plan, old_v)
         out["annotations"] = self._annotations(batch, plan, old, adv_of)
         stats: dict[str, list[float]] = {}
@@ -329,7 +354,8 @@ class Learner:
                         clip_low=c.clip_low, clip_high=c.clip_high, aggregation=c.loss_aggregation,
                         ratio_level=c.ratio_level, max_tokens=self.max_generated_tokens, dual_clip=c.dual_clip,
                         is_weight_BT=truncated_is_weights(old[key], rollout, c.tis_cap) if c.tis_cap else None,
-                        kl_beta=c.kl_beta, ref_logp_BT=ref.get(key), kl_estimator=c.kl_estimator,
+                        kl_beta=c.kl_beta if c.kl_in == "loss" else 0.0, ref_logp_BT=ref.get(key),
+                        kl_estimator=c.kl_estimator,
                         entropy_BT=ent, entropy_coef=c.entropy_coef, num_tokens=n_tokens, num_seqs=n_seqs,
                     )
                     if self.value_head is not None:

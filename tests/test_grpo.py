@@ -139,3 +139,50 @@ def test_learner_skips_an_update_with_nothing_usable(tiny_policy, tokenizer):
     stats = learner.train_step(batch)
     assert stats["skipped_update"] == 1 and stats["infra_errors"] == 2 and stats["policy_version"] == 1
     assert all(torch.equal(p, b) for p, b in zip(learner.model.parameters(), before))
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k3"])
+def test_kl_in_the_reward(tiny_policy, tokenizer, estimator):
+    """With `kl_in: reward`, each turn's β·KL(π_old‖π_ref) over its generated tokens comes off the
+    episode's reward at that turn: checked against a hand computation from the learner's and the
+    reference's log-probs, after one update has moved the policy away from the reference."""
+    from rl.config import AlgoConfig
+    from rl.grpo import group_advantages
+    from rl.learner import Learner
+    from rl.trajectory import Trajectory, Turn
+
+    beta = 0.5
+    learner = Learner(tiny_policy, AlgoConfig(kl_beta=beta, kl_in="reward", kl_estimator=estimator, lr=1e-2,
+                                              minibatch_episodes=4, threads=1), seed=0)
+    batch = []
+    for i, reward in enumerate([1.0, 0.0, 0.0, 1.0]):
+        ids = tokenizer.encode(f"question {i} answer {i * 7} and more {i}")
+        n = len(ids)
+        kw = dict(text="", observation="", tool_calls=0, tool_errors=0, policy_version=0, seed=0, finish_reason="stop")
+        turns = [Turn(gen_start=3, gen_end=6, obs_end=7, **kw), Turn(gen_start=7, gen_end=n, obs_end=n, **kw)]
+        mask = [0] * 3 + [1] * 3 + [0] + [1] * (n - 7)
+        batch.append(Trajectory(episode_id=f"e{i}", iteration=0, group_id=i // 2, env_id="x", seed=0, prompt_len=3,
+                                token_ids=ids, loss_mask=mask, rollout_logprobs=[0.0] * n, reward=reward, turns=turns))
+    first = learner.train_step(batch)  # the policy still equals the reference: no penalty
+    assert first["kl_reward_penalty_mean"] == pytest.approx(0.0, abs=1e-6)
+    # by hand: per turn, β Σ KL over its generated tokens, from the current and reference log-probs
+    expected = []
+    for t in batch:
+        pol = learner.logprobs(t.token_ids)
+        ref = learner.ref.module
+        with torch.no_grad():
+            logits = ref(torch.tensor([t.token_ids])).logits[0, :-1].float()
+        ref_lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(t.token_ids[1:])[:, None]).squeeze(-1)
+        pen = []
+        for turn in t.turns:
+            d = [float(ref_lp[p - 1]) - pol[p - 1] for p in range(turn.gen_start, turn.gen_end) if t.loss_mask[p]]
+            pen.append(beta * sum((math.exp(x) - x - 1) if estimator == "k3" else -x for x in d))
+        expected.append(pen)
+    stats = learner.train_step(batch)
+    assert stats["kl_reward_penalty_mean"] == pytest.approx(sum(map(sum, expected)) / 4, rel=1e-4)
+    assert stats["kl_reward_penalty_mean"] > 1e-4  # the update moved the policy off the reference
+    shaped = torch.tensor([t.reward - sum(p) for t, p in zip(batch, expected)])
+    adv = group_advantages(shaped, torch.tensor([0, 0, 1, 1]))
+    for i, t in enumerate(batch):  # the advantage each generated token was trained with
+        got = stats["annotations"][t.episode_id]["advantages"]
+        assert got[3] == pytest.approx(float(adv[i]), rel=1e-4, abs=1e-5)
