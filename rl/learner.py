@@ -20,8 +20,8 @@ the engine's routed expert ids per token, every forward of the update (the pre-u
 the trained ones) takes them as the MoE selection, with weights from the current router, so the
 learner scores the tokens with the experts that generated them and the router still learns; the
 share of recorded decisions the learner's router would have made differently is
-`router_decisions_differ`. Hugging Face MoE checkpoints are trained without replay (their MoE
-blocks take no recorded selection).
+`router_decisions_differ`. Hugging Face MoE checkpoints replay through hooks on their routers
+(`rl/routing.py`, Qwen3-MoE-style top-k routers).
 """
 
 from __future__ import annotations
@@ -126,10 +126,10 @@ class Learner:
     def _routing(self, mb: list[Trajectory], width: int) -> torch.Tensor | None:
         """The recorded expert ids of a micro-batch as L × B × T × k (-1 where a token has none), for
         rollout routing replay; None when off, for a model that cannot replay, or with nothing recorded."""
-        if not self.cfg.routing_replay or self.lm.kind != "policy" or not any(t.routed_experts for t in mb):
+        shape = self.lm.moe_shape()
+        if not self.cfg.routing_replay or shape is None or not any(t.routed_experts for t in mb):
             return None
-        routers = self.model.routers()
-        n_layers, k = len(routers), routers[0].a.top_k if routers else 0
+        n_layers, k = shape
         out = torch.full((n_layers, len(mb), width, k), -1, dtype=torch.long)
         for b, t in enumerate(mb):
             for p, per_layer in enumerate(t.routed_experts or []):
@@ -303,7 +303,7 @@ class Learner:
             self.version += 1
             return {**dropped, "policy_version": self.version, "skipped_update": 1, "train_s": time.perf_counter() - t0}
         plan = self.plan(batch)
-        old, old_v, ref, diffs, lags, replayed = {}, {}, {}, [], [], []
+        old, old_v, ref, diffs, kls, lags, replayed = {}, {}, {}, [], [], [], []
         with torch.no_grad():
             for micro in (m for mb in plan for m in mb):
                 ids, attn, mask, rollout = self._tensors([batch[i] for i in micro])
@@ -312,6 +312,8 @@ class Learner:
                 old[key], _, old_v[key] = self._logprobs(self.lm, ids, attn, routing=routing, replayed=replayed)
                 gen = mask.bool()
                 diffs.append((old[key] - rollout).abs()[gen])
+                d_rollout = (rollout - old[key])[gen]  # k3 estimate of KL(learner ‖ engine) per token
+                kls.append(torch.exp(d_rollout) - d_rollout - 1)
                 versions = torch.tensor(_pad([token_versions(batch[i]) for i in micro], -1))[:, 1:]
                 lags.append((self.version - versions)[gen])
                 if self.ref is not None:
@@ -322,6 +324,7 @@ class Learner:
         # truncated importance weights min(π_old/π_rollout, cap) correct both; the split by version
         # shows which one a gap comes from.
         out = {**dropped, "rollout_logprob_diff_mean": float(d.mean()), "rollout_logprob_diff_max": float(d.max()),
+               "rollout_kl": float(torch.cat(kls).mean()),
                "staleness_token_mean": float(lag.float().mean())}
         if bool((lag > 0).any()):
             out["rollout_logprob_diff_mean_stale"] = float(d[lag > 0].mean())

@@ -51,6 +51,18 @@ class CausalLM:
 
     def __init__(self, module: torch.nn.Module, kind: str):
         self.module, self.kind = module, kind
+        self.hf_replay = None
+        if kind == "hf":
+            from rl.routing import HFRoutingReplay
+
+            self.hf_replay = HFRoutingReplay(module)
+
+    def moe_shape(self) -> tuple[int, int] | None:
+        """(MoE layers, experts per token) when the model can replay recorded routing, else None."""
+        if self.kind == "policy":
+            routers = self.module.routers()
+            return (len(routers), routers[0].a.top_k) if routers else None
+        return (len(self.hf_replay.gates), self.hf_replay.top_k) if self.hf_replay.supported else None
 
     @property
     def head(self) -> torch.nn.Linear:
@@ -65,7 +77,13 @@ class CausalLM:
         no mask there (every layer is causal, padding only follows real tokens)."""
         if self.kind == "policy":
             return self.module.hidden_states(input_ids, routing=routing)
-        return self.module.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state, None
+        self.hf_replay.set(routing)
+        try:
+            h = self.module.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            counts = tuple(self.hf_replay.counts)
+        finally:
+            self.hf_replay.set(None)
+        return h, ({"replayed": counts, "scores": []} if routing is not None else None)
 
 
 def load_causal_lm(path: str | Path, dtype: torch.dtype) -> CausalLM:

@@ -121,6 +121,8 @@ def test_learner_with_reference_kl_and_tis(tiny_policy, tokenizer):
     stats = learner.train_step(batch)
     assert stats["policy_version"] == 1
     assert stats["rollout_logprob_diff_max"] == pytest.approx(0.05, abs=1e-4)
+    # every token's engine log-prob is 0.05 below the learner's: k3 KL = e^-0.05 + 0.05 - 1 per token
+    assert stats["rollout_kl"] == pytest.approx(math.exp(-0.05) + 0.05 - 1, rel=1e-3)
     assert any((p - b).abs().max() > 0 for p, b in zip(learner.model.parameters(), before))
     assert stats["grad_norm"] > 0
 

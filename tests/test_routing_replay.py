@@ -84,3 +84,44 @@ def test_replay_off_and_a_malformed_record(policy_ckpt):  # noqa: F811
     bad = dataclasses.replace(batch[0], routed_experts=[[[1]] if m else [] for m in batch[0].loss_mask])
     with pytest.raises(ValueError, match="episode e0: token .* records 1 MoE layer"):
         on.train_step([bad, batch[1]])
+
+
+def test_hugging_face_moe_replays_through_router_hooks(tiny_policy, tokenizer):
+    """The same for a Hugging Face Qwen3-MoE checkpoint: hooks on its routers swap in the recorded
+    selection, weights from the current router (it still learns)."""
+    torch.manual_seed(0)
+    hf = Learner(tiny_policy, AlgoConfig(minibatch_episodes=4, threads=1))
+    replay = hf.lm.hf_replay
+    assert replay.supported and hf.lm.moe_shape() == (len(replay.gates), replay.top_k)
+    n_experts = replay.gates[0].num_experts
+    batch = []
+    for t in _batch([30, 26, 28, 24]):
+        t = dataclasses.replace(t, token_ids=[x % tokenizer.vocab_size for x in t.token_ids])
+        own = replay.own_choice(torch.tensor([t.token_ids]))[:, 0]
+        batch.append(_record(t, own, 1, n_experts))
+    t = batch[0]
+    ids = torch.tensor([t.token_ids])
+    routing = hf._routing([t], ids.shape[1])
+    with torch.no_grad():
+        replayed, _, _ = hf._logprobs(hf.lm, ids, torch.ones_like(ids), routing=routing)
+        own_lp, _, _ = hf._logprobs(hf.lm, ids, torch.ones_like(ids))
+    assert (replayed - own_lp).abs().max() > 1e-4
+    # the hooks saw the recorded selection: with it set, the routers' output indices are the record
+    gates_out = []
+    handles = [g.register_forward_hook(lambda m, i, o: gates_out.append(o[2])) for g in replay.gates]
+    try:
+        replay.set(routing)
+        with torch.no_grad():
+            hf.model.model(input_ids=ids)
+    finally:
+        replay.set(None)
+        for h in handles:
+            h.remove()
+    gen = torch.tensor(t.loss_mask).bool()
+    # forward hooks run in registration order: ours first, so these outputs are already swapped
+    assert all(torch.equal(out[gen], routing[layer, 0][gen]) for layer, out in enumerate(gates_out))
+    before = [g.weight.detach().clone() for g in replay.gates]
+    stats = hf.train_step(batch)
+    assert stats["routing_replay_decisions"] == len(replay.gates) * sum(sum(x.loss_mask) for x in batch)
+    assert 0.9 < stats["router_decisions_differ"] <= 1.0
+    assert any(not torch.equal(b, g.weight) for b, g in zip(before, replay.gates))
