@@ -54,11 +54,14 @@ def list_specs() -> list[EnvSpec]:
     return [_REGISTRY[k] for k in sorted(_REGISTRY)]
 
 
+def env_class(env_id: str) -> type:
+    """The class registered for `env_id` (imported now)."""
+    module, _, attr = spec(env_id).entry_point.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 def make(env_id: str, **kwargs) -> ToolEnv:
-    s = spec(env_id)
-    module, _, attr = s.entry_point.partition(":")
-    cls = getattr(importlib.import_module(module), attr)
-    return cls(**{**s.kwargs, **kwargs})
+    return env_class(env_id)(**{**spec(env_id).kwargs, **kwargs})
 
 
 register("tools/calculator-v0", "envs.calculator:CalculatorEnv")
@@ -74,4 +77,4 @@ def check_env(env, **kwargs) -> dict:
     return _check(env, **kwargs)
 
 
-__all__ = ["register", "make", "spec", "list_specs", "check_env", "EnvSpec", "ToolEnv", "ToolSpec", "ToolFailure"]
+__all__ = ["register", "make", "env_class", "spec", "list_specs", "check_env", "EnvSpec", "ToolEnv", "ToolSpec", "ToolFailure"]

@@ -153,6 +153,12 @@ class ToolEnv(gym.Env):
         """Called by a tool that ends the episode (e.g. `submit`)."""
         self._done = True
 
+    @classmethod
+    def succeeded(cls, milestones: list[dict], reward: float) -> bool:
+        """Whether an episode that reached `milestones` (and earned `reward`) solved its task, for
+        evaluation's success rate. Default: it reached the milestone `solved`."""
+        return any(m["name"] == "solved" for m in milestones)
+
 
 class SandboxedEnv(ToolEnv):
     """A ToolEnv whose tools run model-written code: each episode gets a fresh sandbox and workspace

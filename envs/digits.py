@@ -26,6 +26,11 @@ class DigitsEnv(ToolEnv):
     tools = []
     max_turns = 1
 
+
+    @classmethod
+    def succeeded(cls, milestones, reward) -> bool:  # a reply of digits only
+        return reward >= 1.0 - 1e-9
+
     def _reset_task(self) -> str:
         rng = self.np_random
         return PROMPTS[int(rng.integers(len(PROMPTS)))].format(n=int(rng.integers(4, 40)))

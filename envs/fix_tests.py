@@ -71,6 +71,11 @@ class FixTestsEnv(SandboxedEnv):
         ToolSpec("submit", "Declare the fix done; ends the episode.", {"type": "object", "properties": {}}),
     ]
 
+
+    @classmethod
+    def succeeded(cls, milestones, reward) -> bool:  # every broken test passes: the pass:* rewards add up to 1
+        return sum(m["reward"] for m in milestones if m["name"].startswith("pass:")) >= 1.0 - 1e-9
+
     def __init__(self, max_turns: int = 10, backend: str = "bwrap", timeout_s: float = 30.0, **sandbox_options):
         super().__init__(max_turns, backend, timeout_s, **sandbox_options)
 

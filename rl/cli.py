@@ -7,6 +7,7 @@
     longhorizon replay DIR (--episode ID | --all) [--rescore module:function] [--json]
     longhorizon export DIR [--out FILE] [--format jsonl|datasets]
     longhorizon plot DIR [--out DIR]
+    longhorizon eval RUN_DIR|CHECKPOINT --env ID --episodes N [--k K] [--json]   (rl/evaluate.py)
     longhorizon submit CONFIG --address http://HEAD:8265 [--wait] [key=value ...]   (rl/jobs.py)
     longhorizon jobs status|logs|stop ID --address http://HEAD:8265
     longhorizon policy info CONFIG [--json]
@@ -212,6 +213,61 @@ def _jobs(args) -> int:
     return 0
 
 
+def _eval(args) -> int:
+    """Held-out evaluation of a run's latest checkpoint (or its initial policy), or of a checkpoint."""
+    from rl.config import ConfigError, RolloutConfig, load_config
+
+    src = Path(args.target)
+    rollout, env_kwargs, policy = RolloutConfig(), {}, src
+    try:
+        if (src / "config.yaml").exists():  # a run directory: its settings, its newest weights
+            cfg = load_config(src / "config.yaml", [])
+            rollout = cfg.rollout
+            if args.env in (None, cfg.env.id):
+                args.env, env_kwargs = cfg.env.id, dict(cfg.env.kwargs)
+            ckpts = sorted((src / "checkpoints").glob("version-*/config.json"))
+            policy = ckpts[-1].parent if ckpts else Path(cfg.policy.path or src / "policy-init")
+        if not (policy / "config.json").exists():
+            raise FileNotFoundError(f"{args.target}: neither a run directory nor a checkpoint (no config.json at {policy})")
+        if args.env is None:
+            raise ValueError("--env is required for a checkpoint (a run directory defaults to its environment)")
+        import envs
+
+        envs.spec(args.env)
+        if args.env_kwargs:
+            env_kwargs = json.loads(args.env_kwargs)
+    except (ConfigError, FileNotFoundError, ValueError, KeyError) as exc:
+        print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 2
+    from transformers import AutoTokenizer
+
+    from rl.evaluate import evaluate
+    from rollout.chat import ChatFormat
+    from rollout.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(str(policy), seed=args.seed, max_model_len=rollout.max_model_len,
+                        kv_cache_gib=rollout.kv_cache_gib, enforce_eager=rollout.enforce_eager)
+    chat = ChatFormat(AutoTokenizer.from_pretrained(str(policy)))
+    summary, _ = evaluate(engine, chat, args.env, args.episodes, k=args.k, env_kwargs=env_kwargs,
+                          max_turns=rollout.max_turns, max_new_tokens=rollout.max_new_tokens,
+                          max_episode_tokens=rollout.max_episode_tokens,
+                          temperature=rollout.temperature if args.temperature is None else args.temperature,
+                          top_p=rollout.top_p, seed=args.seed)
+    summary["policy"] = str(policy)
+    if args.json:
+        print(json.dumps(summary))
+        return 0
+    lo, hi = summary["ci95"]
+    print(f"{summary['env_id']} on {summary['episodes']} held-out episodes of {policy}:")
+    print(f"  success        {summary['success']:.3f}  (95% CI {lo:.3f}–{hi:.3f})")
+    print(f"  milestones     {summary['milestones_mean']:.2f} per episode, reward {summary['reward_mean']:.3f}")
+    if args.k > 1:
+        print(f"  pass@{args.k}         {summary[f'pass@{args.k}']:.3f}")
+    if summary["infra_errors"]:
+        print(f"  infra errors   {summary['infra_errors']} (not counted)")
+    return 0
+
+
 def _plot(args) -> int:
     from rl.plot import plot_run
 
@@ -327,6 +383,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dir")
     p.add_argument("--out", help="directory for the PNG files (default RUN_DIR/plots)")
     p.set_defaults(fn=_plot)
+
+    p = sub.add_parser("eval", help="success rate on held-out seeds (95%% interval), milestones, pass@k")
+    p.add_argument("target", metavar="RUN_DIR|CHECKPOINT")
+    p.add_argument("--env", help="environment id (default: the run's)")
+    p.add_argument("--env-kwargs", help="environment arguments as JSON (default: the run's, for its environment)")
+    p.add_argument("--episodes", type=int, default=200)
+    p.add_argument("--k", type=int, default=1, help="episodes per held-out seed; reports pass@k when > 1")
+    p.add_argument("--temperature", type=float, help="sampling temperature (default: the run's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=_eval)
 
     p = sub.add_parser("policy", help="the project's sparse-MoE policy")
     psub = p.add_subparsers(dest="policy_command", required=True)

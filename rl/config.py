@@ -204,6 +204,22 @@ class SyncConfig:
 
 
 @dataclass
+class EvalConfig:
+    every: int = 0
+    """Evaluate on held-out seeds every N iterations and after the last (0: never); metrics `eval/*` (rl/evaluate.py)."""
+    episodes: int = 32
+    """Held-out episodes per evaluation."""
+    k: int = 1
+    """Episodes per held-out seed; pass@k is reported when > 1."""
+    env_id: str = ""
+    """Environment to evaluate on (empty: the training environment, with its kwargs)."""
+    env_kwargs: dict = field(default_factory=dict)
+    """Its arguments (with `env_id`)."""
+    temperature: float = 0.0
+    """Sampling temperature of the evaluation episodes (0: the rollouts')."""
+
+
+@dataclass
 class LogConfig:
     wandb_project: str = ""
     """Weights & Biases project to log metrics to (empty: no W&B)."""
@@ -237,6 +253,8 @@ class RunConfig:
     """Weight sync from the learner to the rollout workers."""
     log: LogConfig = field(default_factory=LogConfig)
     """Where metrics go besides metrics.jsonl and TensorBoard."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Held-out evaluation during training."""
 
     def validate(self, source: str = "config") -> "RunConfig":
         checks = [
@@ -268,6 +286,10 @@ class RunConfig:
             ("sync.timeout_s", self.sync.timeout_s > 0, "must be > 0"),
             ("ray.learner_cpus", self.ray.learner_cpus >= 0, "must be >= 0"),
             ("ray.max_restarts", self.ray.max_restarts >= -1, "must be >= 0, or -1 (no limit)"),
+            ("eval.every", self.eval.every >= 0, "must be >= 0 (0: never)"),
+            ("eval.episodes", self.eval.episodes >= 1, "must be >= 1"),
+            ("eval.k", 1 <= self.eval.k <= self.eval.episodes, "must be between 1 and eval.episodes"),
+            ("eval.temperature", self.eval.temperature >= 0, "must be >= 0 (0: the rollouts')"),
             ("rollout.iteration_token_budget", self.rollout.iteration_token_budget >= 0, "must be >= 0 (0: no limit)"),
             ("rollout.max_segments", self.rollout.max_segments >= 1, "must be >= 1"),
             ("rollout.max_episode_tokens_schedule", _stages_ok(self.rollout.max_episode_tokens_schedule,

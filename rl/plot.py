@@ -17,6 +17,7 @@ from rl.inspect import load_metrics
 # what a person looks at first, in this order; every other numeric field goes on the last page
 PANELS = [
     ("reward", ["mean_reward"], "mean episode reward"),
+    ("heldout", ["eval/success", "eval/ci95_low", "eval/ci95_high"], "held-out success (95% interval)"),
     ("milestones", None, "fraction of episodes reaching each milestone"),
     ("loss", ["loss", "value_loss"], "learner loss"),
     ("logprob_gap", ["rollout_logprob_diff_mean", "rollout_logprob_diff_max"], "|learner − engine| log-prob"),

@@ -331,6 +331,31 @@ class Trainer:
             self.restore_worker(i, pending.version)
         return out
 
+    def evaluate(self) -> dict:
+        """Held-out evaluation on the rollout workers (split evenly), as `eval/*` metrics. In async
+        mode it runs after the rollouts already queued, with the weights they leave loaded."""
+        from rl.evaluate import eval_tasks, summarise
+
+        e, t0 = self.cfg.eval, time.perf_counter()
+        env_id, kwargs = (e.env_id, dict(e.env_kwargs)) if e.env_id else (self.cfg.env.id, dict(self.cfg.env.kwargs))
+        tasks = eval_tasks(e.episodes, e.k)
+        temperature = e.temperature or self.cfg.rollout.temperature
+        shares = [tasks[i :: len(self.workers)] for i in range(len(self.workers))]
+        try:
+            parts = ray.get([w.evaluate.remote(env_id, kwargs, s, temperature) for w, s in zip(self.workers, shares) if s])
+        except _WORKER_LOST as exc:  # the next rollout restores the worker; this evaluation is skipped
+            self.console.log(f"[yellow]held-out evaluation skipped: a rollout worker died ({type(exc).__name__})[/]")
+            return {}
+        trajs = [t for part in parts for t in part]
+        s = summarise(env_id, trajs, e.k)
+        out = {"eval/success": s["success"], "eval/ci95_low": s["ci95"][0], "eval/ci95_high": s["ci95"][1],
+               "eval/milestones_mean": s["milestones_mean"], "eval/reward_mean": s["reward_mean"],
+               "eval/episodes": s["episodes"], "eval/s": time.perf_counter() - t0,
+               "eval/policy_version": min((turn.policy_version for t in trajs for turn in t.turns), default=-1)}
+        if e.k > 1:
+            out[f"eval/pass@{e.k}"] = s[f"pass@{e.k}"]
+        return out
+
     def _learner_get(self, ref, during: str):
         with self._learner_alive(during):
             return ray.get(ref)
@@ -383,6 +408,8 @@ class Trainer:
         if last:
             while self._syncs:  # nothing is left to roll out: the last versions must still arrive
                 sync = self._finish_syncs(self._syncs[0][0])
+        every = self.cfg.eval.every
+        held_out = self.evaluate() if every and self.workers and ((it + 1) % every == 0 or last) else {}
         if last or (it + 1) % self.cfg.checkpoint_every == 0:
             path = self.run_dir / "checkpoints" / f"version-{self.version:06d}"
             self._learner_get(self.learner.save_checkpoint.remote(str(path), {"iteration": it}), "a checkpoint save")
@@ -391,7 +418,7 @@ class Trainer:
         self._last_row_t = now
         row = {"iteration": it, "policy_version": self.version, **summarise(trajs), **stats, **sync,
                "rollout_s": rollout_s, "iteration_s": iteration_s, "staleness_max": staleness,
-               "worker_restarts": self.worker_restarts, "episodes_rerun": self.episodes_rerun,
+               **held_out, "worker_restarts": self.worker_restarts, "episodes_rerun": self.episodes_rerun,
                "episodes_trained": len(batch), "episodes_held": len(self._held),
                # episodes of this or earlier iterations still running: suspended by the token budget
                "episodes_suspended": sum(t.iteration <= it for o in self._outstanding for t in o.values()),

@@ -74,7 +74,7 @@ def e2e_run(ray_cluster, tiny_policy, tmp_path_factory):
     cfg = load_config(
         REPO / "configs" / "quickstart.yaml",
         ["iterations=2", f"policy.path={tiny_policy}", "algo.entropy_coef=0.01", "env.workers=1",
-         "sync.bucket_mb=0.25"],
+         "sync.bucket_mb=0.25", "eval.every=1", "eval.episodes=6", "eval.k=2"],
     )
     run_dir = tmp_path_factory.mktemp("e2e-run")
     trainer = Trainer(cfg, run_dir)

@@ -1,0 +1,76 @@
+"""Evaluation on held-out seeds: success rate with a 95% interval, mean milestones, pass@k.
+
+Held-out means never trained on: training draws environment seeds below 2^31
+(`rl.trainer.iteration_tasks` masks them to 31 bits), evaluation uses 2^31 + i. Each of
+`episodes / k` seeds is played `k` times (different sampling seeds); success is the environment's
+own `succeeded(milestones, reward)` (by default: the milestone `solved` was reached). Episodes that
+ended in an infrastructure error count neither way; they are reported.
+
+The success interval is Wilson's score interval (well behaved at 0 and 1, unlike the normal
+approximation). pass@k is the share of seeds with at least one success among their k episodes.
+
+`evaluate` runs the episodes with any engine (vLLM, or a scripted policy in tests) in this process;
+`longhorizon eval` (rl/cli.py) builds the vLLM engine from a run directory or a checkpoint, and
+the trainer runs the same tasks on its rollout workers every `eval.every` iterations.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import envs
+from rl.trajectory import Trajectory
+from rollout.agent_loop import EpisodeTask, run_episodes
+
+HELD_OUT = 1 << 31
+
+
+def wilson(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion (95% for the default z)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def eval_tasks(episodes: int, k: int = 1) -> list[EpisodeTask]:
+    """`ceil(episodes / k)` held-out seeds, `k` episodes each (group id = the seed's index)."""
+    seeds = -(-episodes // k)
+    return [EpisodeTask(f"eval-s{i}-k{j}", i, HELD_OUT + i, -1) for i in range(seeds) for j in range(k)]
+
+
+def summarise(env_id: str, trajs: list[Trajectory], k: int = 1) -> dict:
+    cls = envs.env_class(env_id)
+    ok = [t for t in trajs if not t.infra_error]
+    wins = [cls.succeeded(t.milestones, t.reward) for t in ok]
+    lo, hi = wilson(sum(wins), len(wins))
+    out = {
+        "env_id": env_id,
+        "episodes": len(ok),
+        "success": sum(wins) / len(wins) if wins else 0.0,
+        "ci95": [lo, hi],
+        "milestones_mean": sum(len({m["name"] for m in t.milestones}) for t in ok) / max(1, len(ok)),
+        "reward_mean": sum(t.reward for t in ok) / max(1, len(ok)),
+        "infra_errors": len(trajs) - len(ok),
+        "k": k,
+    }
+    if k > 1:
+        by_seed: dict[int, list[bool]] = defaultdict(list)
+        for t, w in zip(ok, wins):
+            by_seed[t.group_id].append(w)
+        out[f"pass@{k}"] = sum(any(ws) for ws in by_seed.values()) / max(1, len(by_seed))
+    return out
+
+
+def evaluate(engine, chat, env_id: str, episodes: int, *, k: int = 1, env_kwargs: dict | None = None,
+             max_turns: int = 4, max_new_tokens: int = 48, max_episode_tokens: int = 2048,
+             temperature: float = 1.0, top_p: float = 1.0, seed: int = 0) -> tuple[dict, list[Trajectory]]:
+    """Play the held-out episodes with `engine`; (summary, trajectories)."""
+    kwargs = dict(env_kwargs or {})
+    trajs = run_episodes(engine, chat, lambda: envs.make(env_id, **kwargs), env_id, eval_tasks(episodes, k),
+                         max_turns=max_turns, max_new_tokens=max_new_tokens, max_episode_tokens=max_episode_tokens,
+                         temperature=temperature, top_p=top_p, run_seed=seed)
+    return summarise(env_id, trajs, k), trajs
