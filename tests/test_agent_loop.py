@@ -7,34 +7,10 @@ import envs
 import envs.calculator
 from rollout.agent_loop import EpisodeTask, run_episodes
 from rollout.chat import ChatFormat
-from rollout.vllm_engine import Generation
+from rollout.expert import ExpertEngine
 
 
-class ExpertPolicy:
-    """Plays an env's scripted expert turns, as token ids (a policy, not an engine stand-in: it
-    exercises the loop's reward path that a random model never reaches). Each context is matched
-    to its task by its prompt."""
-
-    version = 0
-
-    def __init__(self, chat, seeds, env_id="tools/calculator-v0", turns=None, **env_kwargs):
-        self.chat = chat
-        self.tasks = []
-        for s in seeds:
-            env = envs.make(env_id, **env_kwargs)
-            obs, info = env.reset(seed=s)
-            prompt = chat.prompt_ids([{"role": "user", "content": obs}], info["tools"])
-            self.tasks.append((prompt, turns or env.expert_turns(), [0]))
-            env.close()
-
-    def generate(self, prompts, *, max_tokens, temperature, top_p, stop_token_ids, seeds):
-        out = []
-        for p in prompts:
-            _, turns, served = next(t for t in self.tasks if p[: len(t[0])] == t[0])
-            ids = self.chat.encode(turns[served[0]]) + [self.chat.eot_id]
-            served[0] += 1
-            out.append(Generation(ids, [-0.5] * len(ids), "stop"))
-        return out
+ExpertPolicy = ExpertEngine  # plays an env's scripted expert turns (a policy, not an engine stand-in)
 
 
 def test_expert_episode_through_the_loop(tokenizer):
