@@ -204,6 +204,20 @@ class SyncConfig:
 
 
 @dataclass
+class WarmStartConfig:
+    demos: int = 0
+    """Scripted-expert demonstrations per environment for a supervised warm start (TRL SFTTrainer) before RL; 0: none (rl/sft.py)."""
+    envs: list = field(default_factory=list)
+    """Environment ids to take them from (empty: the training environment); the training environment's kwargs apply to it."""
+    epochs: float = 2.0
+    """Passes over the demonstrations."""
+    lr: float = 2e-3
+    """Learning rate (cosine decay)."""
+    batch_size: int = 8
+    """Demonstrations per optimiser step."""
+
+
+@dataclass
 class EvalConfig:
     every: int = 0
     """Evaluate on held-out seeds every N iterations and after the last (0: never); metrics `eval/*` (rl/evaluate.py)."""
@@ -255,6 +269,8 @@ class RunConfig:
     """Where metrics go besides metrics.jsonl and TensorBoard."""
     eval: EvalConfig = field(default_factory=EvalConfig)
     """Held-out evaluation during training."""
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    """Supervised warm start on expert demonstrations before RL."""
 
     def validate(self, source: str = "config") -> "RunConfig":
         checks = [
@@ -287,6 +303,11 @@ class RunConfig:
             ("ray.learner_cpus", self.ray.learner_cpus >= 0, "must be >= 0"),
             ("ray.max_restarts", self.ray.max_restarts >= -1, "must be >= 0, or -1 (no limit)"),
             ("eval.every", self.eval.every >= 0, "must be >= 0 (0: never)"),
+            ("warm_start.demos", self.warm_start.demos >= 0, "must be >= 0 (0: no warm start)"),
+            ("warm_start.envs", all(isinstance(e, str) for e in self.warm_start.envs), "must be a list of env ids"),
+            ("warm_start.epochs", self.warm_start.epochs > 0, "must be > 0"),
+            ("warm_start.lr", self.warm_start.lr > 0, "must be > 0"),
+            ("warm_start.batch_size", self.warm_start.batch_size >= 1, "must be >= 1"),
             ("eval.episodes", self.eval.episodes >= 1, "must be >= 1"),
             ("eval.k", 1 <= self.eval.k <= self.eval.episodes, "must be between 1 and eval.episodes"),
             ("eval.temperature", self.eval.temperature >= 0, "must be >= 0 (0: the rollouts')"),

@@ -145,7 +145,7 @@ class Trainer:
     # --- set-up ---
     def policy_path(self) -> str:
         if self.cfg.policy.path:
-            return self.cfg.policy.path
+            return self.warm_started(self.cfg.policy.path) if self.source is None else self.cfg.policy.path
         if self.source is not None:  # the stored token ids are that run's tokenizer's: train its policy
             init = self.source.dir.parent / "policy-init"
             if not (init / "config.json").exists():
@@ -156,7 +156,33 @@ class Trainer:
         init = self.run_dir / "policy-init"
         if not (init / "config.json").exists():
             make_tiny_qwen3_moe(init, self.cfg.policy.tiny, seed=self.cfg.seed)
-        return str(init)
+        return self.warm_started(str(init))
+
+    def warm_started(self, init: str) -> str:
+        """With `warm_start.demos`, the policy after a supervised warm start on expert demonstrations
+        (made once, in RUN_DIR/warm-start, with its loss curve in warm_start.json); else `init`."""
+        w = self.cfg.warm_start
+        if not w.demos:
+            return init
+        out = self.run_dir / "warm-start"
+        if (out / "config.json").exists():
+            return str(out)
+        from transformers import AutoTokenizer
+
+        from rl.sft import demonstrations, warm_start
+        from rollout.chat import ChatFormat
+
+        chat, c = ChatFormat(AutoTokenizer.from_pretrained(init)), self.cfg
+        demos = []
+        for env_id in w.envs or [c.env.id]:
+            kwargs = dict(c.env.kwargs) if env_id == c.env.id else {}
+            demos += demonstrations(chat, env_id, w.demos, env_kwargs=kwargs, max_turns=c.rollout.max_turns,
+                                    max_episode_tokens=c.rollout.max_episode_tokens)
+        self.console.log(f"warm start: {len(demos)} expert demonstrations from {', '.join(w.envs or [c.env.id])}")
+        info = warm_start(init, out, demos, epochs=w.epochs, lr=w.lr, batch_size=w.batch_size, seed=c.seed,
+                          threads=c.algo.threads, log=self.console.log)
+        (out / "warm_start.json").write_text(json.dumps(info))
+        return str(out)
 
     def staleness_bound(self) -> int:
         """How many versions older than the weights it trains at a token may be: the async schedule's
@@ -444,6 +470,13 @@ class Trainer:
         with Progress(*columns, console=self.console, transient=False) as progress:
             bar = progress.add_task("train", total=self.cfg.iterations, completed=self.start_iteration,
                                     status="rolling out")
+            if self.cfg.eval.every and self.workers and self.start_iteration == 0:
+                # the starting point (after any warm start), for comparison with the evaluations to come
+                initial = self.evaluate()
+                (self.run_dir / "eval-initial.json").write_text(json.dumps(initial))
+                if initial:
+                    progress.console.log(f"held-out success before RL: {initial['eval/success']:.3f} "
+                                         f"({initial['eval/ci95_low']:.3f}–{initial['eval/ci95_high']:.3f})")
             self._last_row_t = time.perf_counter()
             if self.cfg.schedule.mode == "async":  # the first iterations all start from the current weights
                 for j in range(self.start_iteration, self.start_iteration + self.cfg.schedule.max_staleness + 1):
