@@ -36,6 +36,8 @@ What it writes to the run directory:
     trajectories/        Parquet shards, one per iteration
     checkpoints/         Hugging Face checkpoints, `version-NNNNNN/`
     policy-init/         the tiny random policy, when `policy.path` was empty
+    warm-start/          the policy after the supervised warm start (warm_start.demos), warm_start.json
+    eval-initial.json    the held-out evaluation before RL (eval.every)
 """
 
 from __future__ import annotations
