@@ -363,6 +363,11 @@ def _coerce(value: Any, tp, key: str, source: str):
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     base = origin or tp
     if base is dict and isinstance(value, dict):
         return dict(value)

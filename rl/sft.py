@@ -61,11 +61,13 @@ def warm_start(policy_path: str | Path, out_dir: str | Path, demos: list[Traject
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "loss" in logs:
                 losses.append(float(logs["loss"]))
-                log(f"warm start step {state.global_step}/{state.max_steps}: loss {float(logs['loss']):.4f}")
+                every = max(1, state.max_steps // 20)  # about twenty progress lines per warm start
+                if state.global_step % every == 0 or state.global_step == state.max_steps:
+                    log(f"warm start step {state.global_step}/{state.max_steps}: loss {float(logs['loss']):.4f}")
 
     args = SFTConfig(
         output_dir=str(out_dir / "sft-work"), num_train_epochs=epochs, per_device_train_batch_size=batch_size,
-        learning_rate=lr, lr_scheduler_type="cosine", warmup_steps=0, weight_decay=0.0, logging_steps=5,
+        learning_rate=lr, lr_scheduler_type="cosine", warmup_steps=0, weight_decay=0.0, logging_steps=1,
         save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=seed, disable_tqdm=True,
         max_length=max(len(t.token_ids) for t in solved), dataloader_num_workers=0,
     )

@@ -26,6 +26,13 @@ def test_overrides_apply_and_parse_yaml_values():
     assert cfg.env.kwargs == {"max_turns": 2}
 
 
+
+def test_scientific_notation_without_a_dot_is_a_float():
+    # YAML 1.1 reads `3e-4` as a string; a float field takes it as the number it means
+    cfg = load_config(QUICKSTART, ["algo.lr=3e-4", "warm_start.lr=1E-2"])
+    assert cfg.algo.lr == 3e-4 and cfg.warm_start.lr == 1e-2
+
+
 def test_unknown_key_names_key_and_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("rollout:\n  group_sze: 4\n")
