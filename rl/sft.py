@@ -44,6 +44,7 @@ def warm_start(policy_path: str | Path, out_dir: str | Path, demos: list[Traject
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers.trainer_callback import PrinterCallback
     from trl import SFTConfig, SFTTrainer
 
     solved = [t for t in demos if t.reward > 0 and not t.infra_error]
@@ -73,6 +74,7 @@ def warm_start(policy_path: str | Path, out_dir: str | Path, demos: list[Traject
     )
     t0 = time.perf_counter()
     trainer = SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer, callbacks=[Curve()])
+    trainer.remove_callback(PrinterCallback)  # it prints every log dict; `Curve` reports progress instead
     trainer.train()
     seconds = time.perf_counter() - t0
     trainer.save_model(str(out_dir))

@@ -73,6 +73,12 @@ class VLLMEngine:
             kv_cache_memory_bytes=int(kv_cache_gib * (1 << 30)),
             worker_extension_cls="rollout.vllm_ext.WeightSyncExtension",
             enable_prefix_caching=True,
+            # A prompt prefilled in chunks has its partial steps' samples discarded, and vLLM then
+            # rewinds the request's seeded generator, which CPU generators cannot do ("CPU Generator
+            # does not use offset"): every rollout is seeded, so prompts are prefilled whole. The
+            # step budget must then hold the longest prompt.
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=max(max_model_len, 8192),
             # log-probs of the distribution actually sampled from (after temperature/top-p), which
             # is what the importance ratio needs; the learner applies the same temperature.
             logprobs_mode="processed_logprobs",

@@ -61,6 +61,20 @@ def test_seeded_generation_is_reproducible(engine, prompt):
     assert a[0].token_ids != a[1].token_ids
 
 
+def test_a_large_seeded_batch_is_prefilled_whole(engine):
+    """More prompt tokens than one engine step holds, every request seeded: vLLM's chunked prefill
+    would rewind the seeded CPU generators of the partly prefilled prompts and crash ("CPU
+    Generator does not use offset"); prompts are prefilled whole instead."""
+    import random
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(8, 1000) for _ in range(338)] for _ in range(64)]  # 21,632 prompt tokens
+    gens = engine.generate(prompts, max_tokens=4, seeds=list(range(64)))
+    assert len(gens) == 64 and all(len(g.token_ids) >= 1 for g in gens)
+    again = engine.generate(prompts[:2], max_tokens=4, seeds=[0, 1])
+    assert [g.token_ids for g in again] == [g.token_ids for g in gens[:2]]
+
+
 def test_reload_bugs_are_caught_and_load_weights_avoids_them(engine, hf_model, perturbed, prompt):
     """Order matters: each step starts from the state the previous one left."""
     assert engine.llm.collective_rpc("lh_num_fused_moe_modules") == [2]
