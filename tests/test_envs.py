@@ -64,6 +64,7 @@ def test_calculator_bounds_huge_products():
     with pytest.raises(ToolFailure, match="too large"):
         evaluate("*".join(["99999"] * 10))
     assert evaluate("(12 + 3) * 4 - 10 / 4") == 57.5
+    assert evaluate(" 2696 * 12\n") == 32352  # surrounding whitespace, as models write it
     assert evaluate("6 / 3") == 2 and isinstance(evaluate("6 / 3"), int)
 
 
