@@ -8,6 +8,7 @@
     longhorizon export DIR [--out FILE] [--format jsonl|datasets]
     longhorizon plot DIR [--out DIR]
     longhorizon eval RUN_DIR|CHECKPOINT --env ID --episodes N [--k K] [--json]   (rl/evaluate.py)
+    longhorizon demo [--out runs/demo] [--config C ...] [key=value ...]          (rl/demo.py)
     longhorizon submit CONFIG --address http://HEAD:8265 [--wait] [key=value ...]   (rl/jobs.py)
     longhorizon jobs status|logs|stop ID --address http://HEAD:8265
     longhorizon policy info CONFIG [--json]
@@ -268,6 +269,25 @@ def _eval(args) -> int:
     return 0
 
 
+def _demo(args) -> int:
+    from rl.config import ConfigError
+    from rl.demo import DEMO_CONFIGS, run_demo
+
+    console = Console(stderr=True)
+    try:
+        res = run_demo(args.out, args.config or DEMO_CONFIGS, args.overrides, console)
+    except (ConfigError, ValueError, FileExistsError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for env_id, r in res.items():
+        w, f = r["warm_start"], r["final"]
+        console.print(f"{env_id}: held-out success {w['success']:.3f} [{w['ci95'][0]:.3f}, {w['ci95'][1]:.3f}] after "
+                      f"the warm start -> {f['success']:.3f} [{f['ci95'][0]:.3f}, {f['ci95'][1]:.3f}] after RL "
+                      f"({f['episodes']} episodes)")
+    console.print(f"wrote {Path(args.out) / 'eval.json'} and {Path(args.out) / 'curve.png'}")
+    return 0
+
+
 def _plot(args) -> int:
     from rl.plot import plot_run
 
@@ -395,6 +415,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=_eval)
 
+    p = sub.add_parser("demo", help="warm start + RL + held-out evaluation on the demo configs: eval.json, curve.png")
+    p.add_argument("--out", default="runs/demo", help="where the runs, eval.json and curve.png go")
+    p.add_argument("--config", action="append", help="a demo config (repeatable; default configs/demo/*.yaml)")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides for every config")
+    p.set_defaults(fn=_demo)
+
     p = sub.add_parser("policy", help="the project's sparse-MoE policy")
     psub = p.add_subparsers(dest="policy_command", required=True)
     pi = psub.add_parser("info", help="layer pattern, parameter counts and cache sizes of a flavour (built on meta)")
@@ -409,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     # Overrides may come before or after the options; argparse alone stops collecting positionals
     # at the first option, so gather the leftovers here.
     args, extra = parser.parse_known_args(argv)
-    bad = [x for x in extra if x.startswith("-") or args.command not in ("train", "submit") or "=" not in x]
+    bad = [x for x in extra if x.startswith("-") or args.command not in ("train", "submit", "demo") or "=" not in x]
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
     if extra:

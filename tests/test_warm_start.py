@@ -60,3 +60,24 @@ def test_training_starts_from_the_warm_started_policy(ray_cluster, tiny_policy, 
     initial = json.loads((tmp_path / "run" / "eval-initial.json").read_text())
     assert initial["eval/episodes"] == 4 and initial["eval/policy_version"] == 0
     assert rows[-1]["eval/episodes"] == 4 and rows[-1]["eval/policy_version"] == 1
+
+
+@pytest.mark.slow
+def test_demo_pipeline_writes_eval_json_and_the_curve(ray_cluster, tmp_path):
+    """The `make demo` pipeline, shortened (one environment, a few iterations): warm start, RL with
+    held-out evaluation before and after, `eval.json` in the issue's format and the wall-time curve.
+    (Whether the curve goes up is what the full demo measures; this checks the plumbing.)"""
+    from rl.demo import run_demo
+
+    res = run_demo(tmp_path / "demo", [str(REPO / "configs" / "demo" / "digits.yaml")],
+                   ["iterations=2", "eval.every=1", "eval.episodes=8", "warm_start.demos=8",
+                    "rollout.groups_per_iteration=2", "rollout.group_size=4"])
+    saved = json.loads((tmp_path / "demo" / "eval.json").read_text())
+    assert saved == res and set(saved) == {"text/digits-v0"}
+    for stage in ("warm_start", "final"):
+        entry = saved["text/digits-v0"][stage]
+        assert set(entry) == {"success", "ci95", "episodes"} and entry["episodes"] == 8
+        assert 0.0 <= entry["ci95"][0] <= entry["success"] <= entry["ci95"][1] <= 1.0
+    png = tmp_path / "demo" / "curve.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert (tmp_path / "demo" / "digits" / "warm-start" / "warm_start.json").exists()
