@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -72,6 +73,7 @@ def main() -> None:
                                   "staleness_max": max(x["staleness_max"] for x in rows)})
             print(f"run {r} {mode}: {per_min[mode][-1]:.2f} iterations/min", file=sys.stderr, flush=True)
 
+    shutil.rmtree(tmp, ignore_errors=True)  # the runs were only measured, not kept
     s, a = statistics.median(per_min["sync"]), statistics.median(per_min["async"])
     result = {"sync_iter_per_min": s, "async_iter_per_min": a, "ratio": a / s, "runs": details,
               "step_latency_s": args.step_latency, "iterations": args.iterations, "repeats": args.repeats,
