@@ -7,8 +7,9 @@ observation and loss-mask bookkeeping): what the warm start (rl/sft.py) trains o
 token what rollouts look like. Tests use it to drive the loop down paths a random model never
 reaches (rewards, milestones, solved tasks).
 
-Each context is matched to its task by its prompt, so the tasks' prompts must differ (distinct
-seeds), and every episode of a task is served its turns in order.
+Each context is matched to its task by its prompt, and its turn by its length: episodes with the
+same prompt (two seeds can draw the same task) follow the same script through the same
+observations, so at a given turn their contexts are equally long.
 """
 
 from __future__ import annotations
@@ -28,15 +29,19 @@ class ExpertEngine:
             env = envs.make(env_id, **env_kwargs)
             obs, info = env.reset(seed=s)
             prompt = chat.prompt_ids([{"role": "user", "content": obs}], info["tools"])
-            self.tasks.append((prompt, turns or env.expert_turns(), [0]))
+            self.tasks.append((prompt, turns or env.expert_turns()))
             env.close()
+        self._lengths: dict[tuple, list[int]] = {}  # per prompt: the context lengths seen, one per turn
 
     def generate(self, prompts, *, max_tokens, temperature=1.0, top_p=1.0, stop_token_ids=None, seeds=None,
                  min_tokens=0):
         out = []
         for p in prompts:
-            _, turns, served = next(t for t in self.tasks if p[: len(t[0])] == t[0])
-            ids = self.chat.encode(turns[served[0]]) + [self.chat.eot_id]
-            served[0] += 1
+            prompt, turns = next(t for t in self.tasks if p[: len(t[0])] == t[0])
+            seen = self._lengths.setdefault(tuple(prompt), [])
+            if len(p) not in seen:
+                seen.append(len(p))
+                seen.sort()
+            ids = self.chat.encode(turns[seen.index(len(p))]) + [self.chat.eot_id]
             out.append(Generation(ids, [-0.5] * len(ids), "stop"))
         return out

@@ -21,6 +21,9 @@ def test_demonstrations_are_solved_episodes_in_the_rollout_format(tokenizer):
         assert sum(t.loss_mask) == sum(turn.gen_end - turn.gen_start for turn in t.turns)
     (maze,) = demonstrations(chat, "vision/maze-v0", 1, env_kwargs={"size": 7, "max_turns": 20}, max_turns=20)
     assert maze.reward > 0
+    # 64 seeds of a task with ~100 distinct prompts: some seeds share a prompt, each still solved
+    digits = demonstrations(chat, "text/digits-v0", 64, max_turns=1)
+    assert len({t.task for t in digits}) < 64 and all(t.reward == 1.0 for t in digits)
 
 
 def _mean_assistant_logprob(logprobs, traj):
