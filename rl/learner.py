@@ -132,13 +132,14 @@ class Learner:
         n_layers, k = shape
         out = torch.full((n_layers, len(mb), width, k), -1, dtype=torch.long)
         for b, t in enumerate(mb):
-            for p, per_layer in enumerate(t.routed_experts or []):
-                if not per_layer:
-                    continue
+            pos = [p for p, per_layer in enumerate(t.routed_experts or []) if per_layer]
+            for p in pos:
+                per_layer = t.routed_experts[p]
                 if len(per_layer) != n_layers or any(len(ids) != k for ids in per_layer):
                     raise ValueError(f"episode {t.episode_id}: token {p} records {len(per_layer)} MoE layer(s) of "
                                      f"{[len(ids) for ids in per_layer]} experts; the policy has {n_layers} × {k}")
-                out[:, b, p] = torch.tensor(per_layer)
+            if pos:  # one copy per episode: positions × layers × k → layers × positions × k
+                out[:, b, pos] = torch.tensor([t.routed_experts[p] for p in pos]).transpose(0, 1)
         return out
 
     def _logprobs(self, lm, ids, attn, with_entropy: bool = False, routing_out: list | None = None,
@@ -303,13 +304,14 @@ class Learner:
             self.version += 1
             return {**dropped, "policy_version": self.version, "skipped_update": 1, "train_s": time.perf_counter() - t0}
         plan = self.plan(batch)
-        old, old_v, ref, diffs, kls, lags, replayed = {}, {}, {}, [], [], [], []
+        old, old_v, ref, replays, diffs, kls, lags, replayed = {}, {}, {}, {}, [], [], [], []
         with torch.no_grad():
             for micro in (m for mb in plan for m in mb):
                 ids, attn, mask, rollout = self._tensors([batch[i] for i in micro])
                 key = tuple(micro)
-                routing = self._routing([batch[i] for i in micro], ids.shape[1])
-                old[key], _, old_v[key] = self._logprobs(self.lm, ids, attn, routing=routing, replayed=replayed)
+                # the recorded experts, built once and replayed in every forward of this micro-batch
+                replays[key] = self._routing([batch[i] for i in micro], ids.shape[1])
+                old[key], _, old_v[key] = self._logprobs(self.lm, ids, attn, routing=replays[key], replayed=replayed)
                 gen = mask.bool()
                 diffs.append((old[key] - rollout).abs()[gen])
                 d_rollout = (rollout - old[key])[gen]  # k3 estimate of KL(learner ‖ engine) per token
@@ -350,8 +352,7 @@ class Learner:
                     key = tuple(micro)
                     ids, attn, mask, rollout = self._tensors([batch[i] for i in micro])
                     logp, ent, values = self._logprobs(self.lm, ids, attn, with_entropy=bool(c.entropy_coef),
-                                                       routing_out=routing,
-                                                       routing=self._routing([batch[i] for i in micro], ids.shape[1]))
+                                                       routing_out=routing, routing=replays[key])
                     loss, m = policy_loss(
                         logp, old[key], adv_of(micro), mask,
                         clip_low=c.clip_low, clip_high=c.clip_high, aggregation=c.loss_aggregation,
