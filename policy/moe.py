@@ -62,6 +62,16 @@ class GLU(nn.Module):
         return self.w_down(self.act(self.w_gate(x), self.w_up(x)))
 
 
+def replay_selection(own_Nk: torch.Tensor, replay_Nk: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+    """Rollout routing replay's selection: the recorded expert ids where a row has them (rows of -1
+    keep the router's own), and (replayed rows, of which the router's own choice differs as a set).
+    Shared by this router and the hooks on Hugging Face routers (rl/routing.py)."""
+    replay = replay_Nk.to(own_Nk.device).long()
+    have_N = (replay >= 0).all(-1)
+    differ_N = (own_Nk.sort(-1).values != replay.sort(-1).values).any(-1) & have_N
+    return torch.where(have_N[:, None], replay, own_Nk), (int(have_N.sum()), int(differ_N.sum()))
+
+
 class Router(nn.Module):
     def __init__(self, dim: int, a: MoEArgs):
         super().__init__()
@@ -91,11 +101,7 @@ class Router(nn.Module):
         idx = self.select(scores)
         counts = (0, 0)
         if replay_Nk is not None:
-            replay = replay_Nk.long()
-            have_N = (replay >= 0).all(-1)
-            differ_N = (idx.sort(-1).values != replay.sort(-1).values).any(-1) & have_N
-            counts = (int(have_N.sum()), int(differ_N.sum()))
-            idx = torch.where(have_N[:, None], replay, idx)
+            idx, counts = replay_selection(idx, replay_Nk)
         picked = scores.gather(1, idx)
         weights = picked / picked.sum(-1, keepdim=True).clamp(min=1e-20) * a.routed_scaling
         return idx, weights, scores, counts

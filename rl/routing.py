@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from policy.moe import replay_selection
+
 
 def _is_topk_router(module: torch.nn.Module) -> bool:
     return type(module).__name__.endswith("TopKRouter") and hasattr(module, "top_k") and hasattr(module, "weight")
@@ -62,12 +64,9 @@ class HFRoutingReplay:
             self.seen.append(own.detach())
         if self.replay is None:
             return out
-        replay = self.replay[layer].to(own.device).long()
-        have = (replay >= 0).all(-1)
-        differ = (own.sort(-1).values != replay.sort(-1).values).any(-1) & have
-        self.counts[0] += int(have.sum())
-        self.counts[1] += int(differ.sum())
-        idx = torch.where(have[:, None], replay, own)
+        idx, (n, differ) = replay_selection(own, self.replay[layer])
+        self.counts[0] += n
+        self.counts[1] += differ
         weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, idx)
         if getattr(gate, "norm_topk_prob", False):
             weights = weights / weights.sum(-1, keepdim=True)
