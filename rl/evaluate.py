@@ -65,12 +65,18 @@ def summarise(env_id: str, trajs: list[Trajectory], k: int = 1) -> dict:
     return out
 
 
+def play(engine, chat, env_id: str, env_kwargs: dict | None, tasks: list[EpisodeTask], **loop) -> list[Trajectory]:
+    """Evaluation episodes to their ends, in environments made here (`loop`: the agent loop's limits
+    and sampling); nothing is suspended or kept. The rollout workers run their share this way."""
+    kwargs = dict(env_kwargs or {})
+    return run_episodes(engine, chat, lambda: envs.make(env_id, **kwargs), env_id, tasks, **loop)
+
+
 def evaluate(engine, chat, env_id: str, episodes: int, *, k: int = 1, env_kwargs: dict | None = None,
              max_turns: int = 4, max_new_tokens: int = 48, max_episode_tokens: int = 2048,
              temperature: float = 1.0, top_p: float = 1.0, seed: int = 0) -> tuple[dict, list[Trajectory]]:
     """Play the held-out episodes with `engine`; (summary, trajectories)."""
-    kwargs = dict(env_kwargs or {})
-    trajs = run_episodes(engine, chat, lambda: envs.make(env_id, **kwargs), env_id, eval_tasks(episodes, k),
-                         max_turns=max_turns, max_new_tokens=max_new_tokens, max_episode_tokens=max_episode_tokens,
-                         temperature=temperature, top_p=top_p, run_seed=seed)
+    trajs = play(engine, chat, env_id, env_kwargs, eval_tasks(episodes, k), max_turns=max_turns,
+                 max_new_tokens=max_new_tokens, max_episode_tokens=max_episode_tokens, temperature=temperature,
+                 top_p=top_p, run_seed=seed)
     return summarise(env_id, trajs, k), trajs

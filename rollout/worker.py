@@ -19,7 +19,7 @@ from rl.config import EnvConfig, RolloutConfig
 from envs.worker import RemoteEnv
 from rl.sync import Manifest, iter_weights
 from rl.trajectory import Trajectory
-from rollout.agent_loop import EpisodeTask, continue_episodes, run_episodes
+from rollout.agent_loop import EpisodeTask, continue_episodes
 from rollout.chat import ChatFormat
 from rollout.vllm_engine import Generation, VLLMEngine
 
@@ -87,11 +87,12 @@ class RolloutWorker:
     def evaluate(self, env_id: str, env_kwargs: dict, tasks: list[EpisodeTask], temperature: float) -> list[Trajectory]:
         """Held-out episodes (rl/evaluate.py) with the current weights, in this process's environments;
         nothing suspended, nothing kept."""
+        from rl.evaluate import play
+
         c = self.cfg
-        return run_episodes(self.engine, self.chat, lambda: envs.make(env_id, **env_kwargs), env_id, tasks,
-                            max_turns=c.max_turns, max_new_tokens=c.max_new_tokens,
-                            max_episode_tokens=c.max_episode_tokens, temperature=temperature, top_p=c.top_p,
-                            run_seed=self.seed)
+        return play(self.engine, self.chat, env_id, env_kwargs, tasks, max_turns=c.max_turns,
+                    max_new_tokens=c.max_new_tokens, max_episode_tokens=c.max_episode_tokens,
+                    temperature=temperature, top_p=c.top_p, run_seed=self.seed)
 
     def suspended_ids(self) -> list[str]:
         return [ep.task.episode_id for ep in self.suspended]
