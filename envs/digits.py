@@ -26,7 +26,6 @@ class DigitsEnv(ToolEnv):
     tools = []
     max_turns = 1
 
-
     @classmethod
     def succeeded(cls, milestones, reward) -> bool:  # a reply of digits only
         return reward >= 1.0 - 1e-9

@@ -71,7 +71,6 @@ class FixTestsEnv(SandboxedEnv):
         ToolSpec("submit", "Declare the fix done; ends the episode.", {"type": "object", "properties": {}}),
     ]
 
-
     @classmethod
     def succeeded(cls, milestones, reward) -> bool:  # every broken test passes: the pass:* rewards add up to 1
         return sum(m["reward"] for m in milestones if m["name"].startswith("pass:")) >= 1.0 - 1e-9

@@ -28,7 +28,6 @@ class MazeEnv(ToolEnv):
                   "required": ["direction"]}),
     ]
 
-
     @classmethod
     def succeeded(cls, milestones, reward) -> bool:
         return any(m["name"] == "exit" for m in milestones)
