@@ -204,5 +204,10 @@ class Policy(nn.Module):
         }
         return h, router_info
 
+    def never_generated(self) -> list[int]:
+        """Token ids that are input only: the image placeholder. Engines and the learner give them
+        zero probability (logit -inf), so sampled tokens and their log-probs agree on both sides."""
+        return [self.args.vision.image_token_id] if self.args.vision.enabled else []
+
     def routers(self):
         return [blk.mlp.router for blk in self.layers if blk.is_moe]

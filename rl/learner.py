@@ -152,7 +152,8 @@ class Learner:
             valid = attn.reshape(-1).bool()  # padding takes no part in balancing
             routing_out.append([s[valid] for s in router_info["scores"]])
         logp, ent = chunked_logprobs(h, lm.head, ids, temperature=self.temperature,
-                                     chunk_tokens=self.cfg.logprob_chunk_tokens, with_entropy=with_entropy)
+                                     chunk_tokens=self.cfg.logprob_chunk_tokens, with_entropy=with_entropy,
+                                     banned_ids=lm.banned_ids)
         # the value of the state before token p comes from the hidden state at p-1, like its logits
         values = self.value_head(h[:, :-1]) if (self.value_head is not None and lm is self.lm) else None
         return logp, ent, values
@@ -391,7 +392,8 @@ class Learner:
         """The learner's log p(token_ids[i] | token_ids[:i]) for i >= 1 (temperature 1)."""
         ids = torch.tensor([token_ids])
         h = self.lm.hidden(ids)
-        return chunked_logprobs(h, self.lm.head, ids, chunk_tokens=self.cfg.logprob_chunk_tokens)[0][0].tolist()
+        return chunked_logprobs(h, self.lm.head, ids, chunk_tokens=self.cfg.logprob_chunk_tokens,
+                                banned_ids=self.lm.banned_ids)[0][0].tolist()
 
     @torch.no_grad()
     def weights(self) -> list[tuple[str, np.ndarray]]:
@@ -420,6 +422,10 @@ class Learner:
             from policy.checkpoint import save_policy
 
             save_policy(self.model, tmp)
+            if (Path(self._tokenizer_path) / "tokenizer_config.json").exists():
+                from transformers import AutoTokenizer
+
+                AutoTokenizer.from_pretrained(self._tokenizer_path).save_pretrained(tmp)
         else:
             from transformers import AutoTokenizer
 

@@ -20,23 +20,32 @@ import torch.utils.checkpoint
 from policy.norm import upcast
 
 
-def _chunk_logprobs(h_BCD, head_weight, head_bias, ids_BC, temperature: float, with_entropy: bool):
+def _chunk_logprobs(h_BCD, head_weight, head_bias, ids_BC, temperature: float, with_entropy: bool, banned_V=None):
     logits = upcast(torch.nn.functional.linear(h_BCD, head_weight, head_bias)) / temperature
+    if banned_V is not None:
+        logits = logits.masked_fill(banned_V, -torch.inf)
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, ids_BC[..., None]).squeeze(-1)
-    ent = -(logp_all.exp() * logp_all).sum(-1) if with_entropy else torch.zeros_like(logp)
+    ent = torch.zeros_like(logp)
+    if with_entropy:  # banned tokens: 0 · log 0 counts as 0
+        ent = -(logp_all.exp() * (logp_all if banned_V is None else logp_all.masked_fill(banned_V, 0.0))).sum(-1)
     return logp, ent
 
 
 def chunked_logprobs(hidden_BTD, head: torch.nn.Linear, ids_BT, *, temperature: float = 1.0,
-                     chunk_tokens: int = 1024, with_entropy: bool = False):
-    """log p(ids[:, t+1] | ids[:, :t+1]) for t < T-1 (B × T-1, fp32), and the entropies if asked."""
+                     chunk_tokens: int = 1024, with_entropy: bool = False, banned_ids: list[int] | None = None):
+    """log p(ids[:, t+1] | ids[:, :t+1]) for t < T-1 (B × T-1, fp32), and the entropies if asked.
+    `banned_ids`: tokens the model never generates (`CausalLM.banned_ids`), at probability zero."""
     h = hidden_BTD[:, :-1]
+    banned = None
+    if banned_ids:
+        banned = torch.zeros(head.weight.shape[0], dtype=torch.bool, device=h.device)
+        banned[banned_ids] = True
     targets = ids_BT[:, 1:]
     recompute = torch.is_grad_enabled() and (h.requires_grad or head.weight.requires_grad)
     lps, ents = [], []
     for h_c, t_c in zip(h.split(chunk_tokens, dim=1), targets.split(chunk_tokens, dim=1)):
-        args = (h_c, head.weight, head.bias, t_c, temperature, with_entropy)
+        args = (h_c, head.weight, head.bias, t_c, temperature, with_entropy, banned)
         if recompute:
             lp, ent = torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:
@@ -51,6 +60,7 @@ class CausalLM:
 
     def __init__(self, module: torch.nn.Module, kind: str):
         self.module, self.kind = module, kind
+        self.banned_ids = module.never_generated() if kind == "policy" else []
         self.hf_replay = None
         if kind == "hf":
             from rl.routing import HFRoutingReplay

@@ -153,11 +153,17 @@ class Trainer:
             if not (init / "config.json").exists():
                 raise FileNotFoundError(f"--from-store: set policy.path; {init} holds no policy")
             return str(init)
-        from policy.tiny_hf import make_tiny_qwen3_moe
-
         init = self.run_dir / "policy-init"
         if not (init / "config.json").exists():
-            make_tiny_qwen3_moe(init, self.cfg.policy.tiny, seed=self.cfg.seed)
+            if self.cfg.policy.flavour:
+                from policy.args import load_model_args
+                from policy.checkpoint import make_tiny_policy
+
+                make_tiny_policy(init, load_model_args(self.cfg.policy.flavour), seed=self.cfg.seed)
+            else:
+                from policy.tiny_hf import make_tiny_qwen3_moe
+
+                make_tiny_qwen3_moe(init, self.cfg.policy.tiny, seed=self.cfg.seed)
         return self.warm_started(str(init))
 
     def warm_started(self, init: str) -> str:

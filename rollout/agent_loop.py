@@ -217,6 +217,11 @@ def _turn(engine, chat: ChatFormat, live: list[_Episode], pool, *, max_turns, ma
     texts = []
     for ep, gen in zip(live, gens):
         ep.gen_s += dt
+        if gen.prompt_routed_experts is not None:  # the context's routing, where not recorded yet
+            for pos, r in enumerate(gen.prompt_routed_experts):
+                if r and not ep.routed[pos]:
+                    ep.routed[pos] = r
+                    ep.any_routed = True
         ep.turn_start = len(ep.ids)
         ep.ids += gen.token_ids
         ep.mask += [1] * len(gen.token_ids)

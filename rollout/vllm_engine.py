@@ -41,6 +41,8 @@ class Generation:
     routed_experts: list[list[list[int]]] | None = None
     """Per generated token, per MoE layer, the expert ids it was routed to, from engines that record
     them (vLLM's CPU build cannot: its routed-expert capture needs Triton)."""
+    prompt_routed_experts: list[list[list[int]]] | None = None
+    """The same for the prompt's tokens, where the engine ran them ([] for a reused cached prefix)."""
 
 
 class VLLMEngine:

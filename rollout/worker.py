@@ -1,4 +1,5 @@
-"""RolloutWorker: one vLLM engine, a tokenizer-level chat format and environment instances.
+"""RolloutWorker: one engine (vLLM, or the native one for the `policy/` model), a tokenizer-level
+chat format and environment instances.
 
 A plain class; `RolloutWorkerActor` is its thin Ray shell, so the same code runs in-process in
 tests and debugging. Environments run in the worker's process, or, given `env_actors`, in
@@ -21,7 +22,8 @@ from rl.sync import Manifest, iter_weights
 from rl.trajectory import Trajectory
 from rollout.agent_loop import EpisodeTask, continue_episodes
 from rollout.chat import ChatFormat
-from rollout.vllm_engine import Generation, VLLMEngine
+from rollout.engines import make_engine
+from rollout.vllm_engine import Generation
 
 
 class StaleWorkerError(RuntimeError):
@@ -40,14 +42,9 @@ class RolloutWorker:
         self._slots = itertools.count(int.from_bytes(os.urandom(4), "little") << 32)
         envs.spec(env.id)  # fail here, by name, if the environment is unknown
         self.chat = ChatFormat(AutoTokenizer.from_pretrained(policy_path))
-        self.engine = VLLMEngine(
-            policy_path,
-            seed=seed,
-            max_model_len=rollout.max_model_len,
-            kv_cache_gib=rollout.kv_cache_gib,
-            dtype=dtype,
-            enforce_eager=rollout.enforce_eager,
-        )
+        self.engine = make_engine(rollout.engine, policy_path, seed=seed, max_model_len=rollout.max_model_len,
+                                  dtype=dtype, kv_cache_gib=rollout.kv_cache_gib, enforce_eager=rollout.enforce_eager,
+                                  max_batch=rollout.max_batch)
 
     def version(self) -> int:
         return self.engine.version

@@ -1,0 +1,41 @@
+"""Rollout engines behind one protocol: `generate(prompts, *, max_tokens, temperature, top_p,
+stop_token_ids, seeds, min_tokens) -> [Generation]`, `score(token_ids)`, `load_weights(named
+tensors, version)` and `version`.
+
+- `vllm`: rollout/vllm_engine.py, Hugging Face architectures through vLLM.
+- `native`: rollout/engines/native.py, the project's `policy/` model in plain PyTorch, recording
+  routed experts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def is_policy_checkpoint(path: str) -> bool:
+    """True for the project's own `policy/` checkpoints (config.json model_type `longhorizon_policy`)."""
+    from policy.checkpoint import MODEL_TYPE
+
+    return json.loads((Path(path) / "config.json").read_text()).get("model_type") == MODEL_TYPE
+
+
+def make_engine(kind: str, policy_path: str, *, seed: int, max_model_len: int, dtype: str = "float32",
+                kv_cache_gib: float = 1.0, enforce_eager: bool = True, max_batch: int = 32):
+    """The engine `kind` serving `policy_path`; a checkpoint the engine cannot serve is refused by name."""
+    if kind == "native":
+        if not is_policy_checkpoint(policy_path):
+            raise ValueError(f"rollout.engine=native serves the project's policy/ model only; {policy_path} is a "
+                             "Hugging Face checkpoint (use rollout.engine=vllm)")
+        from rollout.engines.native import NativeEngine
+
+        return NativeEngine(policy_path, seed=seed, max_model_len=max_model_len, dtype=dtype, max_batch=max_batch)
+    if kind == "vllm":
+        if is_policy_checkpoint(policy_path):
+            raise ValueError(f"{policy_path} is a policy/ checkpoint, which vLLM cannot serve until its model plugin "
+                             "lands (issue #8); set rollout.engine=native")
+        from rollout.vllm_engine import VLLMEngine
+
+        return VLLMEngine(policy_path, seed=seed, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, dtype=dtype,
+                          enforce_eager=enforce_eager)
+    raise ValueError(f"unknown rollout engine {kind!r}: vllm or native")
