@@ -38,6 +38,7 @@ with `device`).
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -178,7 +179,8 @@ class NativeEngine:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.prefix_cache_entries = prefix_cache_entries
         self._prefixes: OrderedDict[tuple, PolicyCache] = OrderedDict()
-        self.stats = {"prefill_tokens": 0, "prefix_hit_tokens": 0, "decode_steps": 0, "generated_tokens": 0}
+        self.stats = {"prefill_tokens": 0, "prefix_hit_tokens": 0, "prefill_s": 0.0, "decode_steps": 0,
+                      "decode_s": 0.0, "generated_tokens": 0}
 
     # -- protocol ------------------------------------------------------------------------------
 
@@ -222,13 +224,15 @@ class NativeEngine:
                     active.append(r)
             if not active:
                 break
+            t0 = time.perf_counter()
             x_B1 = torch.tensor([[r.out[-1]] for r in active])
             logits, cache, info = self.model(x_B1, cache=cache)
-            self.stats["decode_steps"] += 1
             experts = info["experts"]  # L × B × 1 × k, or None without MoE layers
             for b, r in enumerate(active):
                 r.routed.append(experts[:, b, 0].tolist() if experts is not None else [])
             self._sample(active, logits[:, -1], **sample)
+            self.stats["decode_steps"] += 1
+            self.stats["decode_s"] += time.perf_counter() - t0
             if any(r.finish for r in active):
                 keep = [b for b, r in enumerate(active) if not r.finish]
                 for b, r in enumerate(active):
@@ -273,9 +277,11 @@ class NativeEngine:
     def _prefill(self, r: _Request) -> tuple[torch.Tensor, PolicyCache]:
         """Run the prompt (after the longest cached prefix of it) into a fresh one-row cache;
         returns the last position's logits and the cache."""
+        t0 = time.perf_counter()
         hit, cache = self._lookup(r.prompt)
         new = r.prompt[hit:]
         logits, cache, info = self.model(torch.tensor([new]), cache=cache)
+        self.stats["prefill_s"] += time.perf_counter() - t0
         self.stats["prefill_tokens"] += len(new)
         self.stats["prefix_hit_tokens"] += hit
         experts = info["experts"]
