@@ -1,0 +1,176 @@
+"""Parallelism for the `policy/` model, applied from outside: the model files know nothing of it.
+
+    parallelize(model, group)     # after torch.distributed.init_process_group, on every rank
+
+- **Expert parallelism.** Each LatentMoE layer's routed experts are split across the ranks of the
+  group in contiguous blocks (rank r owns experts [r·E/N, (r+1)·E/N)); the layer's other weights
+  (router, shared expert, latent down/up projections, norms) stay whole. Its forward routes on
+  each rank's own tokens, sends every (token, slot) latent to the rank that owns the chosen expert
+  with one all-to-all, runs the local experts, sends the outputs back with a second all-to-all and
+  combines them with the router's weights, so a token's output is exactly the single-process sum.
+  Both all-to-alls are differentiable (`torch.distributed.nn.functional`), so an expert's gradient
+  is the sum over every rank's tokens routed to it.
+- **FSDP2.** Every block's attention and MLP, then the root (embeddings, head, norms, AttnRes
+  queries, vision encoder), is `fully_shard`ed over the same ranks; the root's forward must be what
+  runs (`model(...)`: FSDP gathers a unit's parameters in its forward pre-hook): parameters, gradients and optimizer state are sharded;
+  the expert weights are left out (`ignored_params`: each already lives on exactly one rank).
+  Gradients are summed across ranks, not averaged (`set_gradient_divide_factor(1)`): the caller
+  divides each rank's loss by the global token count, so the sum is the single-process gradient.
+
+`clip_grad_norm_` and `gather_full_state` here know both kinds of parameter: FSDP's DTensor shards
+and the plain per-rank expert blocks. Data-parallel ranks equal expert-parallel ranks (one group);
+tensor and pipeline parallelism are not covered. CPU with gloo and GPU with NCCL take the same path
+(the mesh's device type follows the parameters).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
+from torch import nn
+
+from policy.model import Policy
+from policy.moe import LatentMoE
+
+
+class ExpertParallelMoE(LatentMoE):
+    """A LatentMoE whose routed experts are split across `ep_group`: see the module docstring.
+    Installed by `parallelize` on an existing LatentMoE (its class is swapped, its expert weights
+    sliced to this rank's block); nothing else about the layer changes."""
+
+    ep_group: dist.ProcessGroup
+    ep_size: int
+    ep_rank: int
+    local_experts: int
+
+    def forward(self, x_BTD, replay_BTk=None):
+        B, T, D = x_BTD.shape
+        x = x_BTD.reshape(-1, D)
+        replay = replay_BTk.reshape(-1, replay_BTk.shape[-1]) if replay_BTk is not None else None
+        idx_Nk, w_Nk, scores, replayed = self.router(x, replay)
+        lat_NL = self.down(x)
+        k = idx_Nk.shape[1]
+
+        # dispatch: every (token, slot) pair, sorted by expert, hence by owning rank
+        flat_e = idx_Nk.flatten()
+        order = torch.argsort(flat_e, stable=True)
+        tok = order // k
+        send_counts = torch.bincount(flat_e // self.local_experts, minlength=self.ep_size)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
+        send_sizes, recv_sizes = send_counts.tolist(), recv_counts.tolist()
+        recv_e = flat_e.new_empty(sum(recv_sizes))
+        dist.all_to_all_single(recv_e, flat_e[order].contiguous(), recv_sizes, send_sizes, group=self.ep_group)
+        recv_lat = dist_fn.all_to_all_single(lat_NL.new_empty(sum(recv_sizes), lat_NL.shape[1]), lat_NL[tok],
+                                             recv_sizes, send_sizes, group=self.ep_group)
+
+        # the local experts on what arrived
+        out = torch.zeros_like(recv_lat)
+        local_e = recv_e - self.ep_rank * self.local_experts
+        for e in local_e.unique().tolist():
+            rows = torch.where(local_e == e)[0]
+            out = out.index_add(0, rows, self.expert(e, recv_lat[rows]))
+
+        # return to the senders, in the order they were sent, and combine with the router's weights
+        back = dist_fn.all_to_all_single(lat_NL.new_empty(len(tok), lat_NL.shape[1]), out, send_sizes, recv_sizes,
+                                         group=self.ep_group)
+        u = torch.zeros_like(lat_NL).index_add(0, tok, back * w_Nk.flatten()[order, None].to(back.dtype))
+        y = self.up(self.latent_norm(u))
+        if self.shared is not None:
+            y = y + self.shared(x)
+        load = torch.bincount(flat_e, minlength=self.a.n_routed_experts)
+        info = {"experts": idx_Nk.view(B, T, -1), "load": load, "scores": scores.detach().float(), "replayed": replayed}
+        return y.view(B, T, D), info
+
+
+def expert_params(moe: LatentMoE) -> list[nn.Parameter]:
+    return [moe.w_gate_EFL, moe.w_up_EFL, moe.w_down_ELF]
+
+
+def shard_experts(moe: LatentMoE, group: dist.ProcessGroup) -> ExpertParallelMoE:
+    """Keep this rank's block of `moe`'s routed experts and make it dispatch across `group`."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    E = moe.a.n_routed_experts
+    if E % size:
+        raise ValueError(f"expert parallelism: {E} routed experts do not split over {size} ranks")
+    n = E // size
+    with torch.no_grad():
+        for name in ("w_gate_EFL", "w_up_EFL", "w_down_ELF"):
+            full = getattr(moe, name)
+            setattr(moe, name, nn.Parameter(full[rank * n : (rank + 1) * n].clone(), requires_grad=full.requires_grad))
+    moe.__class__ = ExpertParallelMoE
+    moe.ep_group, moe.ep_size, moe.ep_rank, moe.local_experts = group, size, rank, n
+    return moe
+
+
+def parallelize(model: Policy, group: dist.ProcessGroup | None = None, *, expert_parallel: bool = True,
+                reshard_after_forward: bool = True) -> Policy:
+    """Expert parallelism, then FSDP2, over `group` (default: the whole world); in place."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    group = group or dist.group.WORLD
+    device = next(model.parameters()).device.type
+    ranks = dist.get_process_group_ranks(group)
+    mesh = DeviceMesh.from_group(group, device, mesh=torch.tensor(ranks))
+    ignored: set[nn.Parameter] = set()
+    if expert_parallel:
+        for blk in model.layers:
+            if blk.is_moe:
+                shard_experts(blk.mlp, group)
+                ignored.update(expert_params(blk.mlp))
+    # Units are the modules the model calls (FSDP gathers a unit's parameters in its forward
+    # pre-hook): each block's attention and MLP. The block's own small tensors (norms, AttnRes
+    # queries), the embeddings, the head and the vision encoder go with the root.
+    units = [m for blk in model.layers for m in (blk.attn, blk.mlp)]
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored)
+    for unit in units + [model]:
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
+    return model
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Clip the global gradient norm (FSDP shards and expert blocks are disjoint across ranks, so
+    the squared norm is the sum of every rank's local squares); returns the norm before clipping."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    sq = torch.zeros((), dtype=torch.float64)
+    for g in grads:
+        sq += _local(g).double().pow(2).sum()
+    dist.all_reduce(sq, group=group)
+    norm = sq.sqrt()
+    scale = max_norm / (float(norm) + 1e-6)
+    if scale < 1.0:
+        for g in grads:
+            _local(g).mul_(scale)
+    return norm.float()
+
+
+def gather_full_state(model: nn.Module, group: dist.ProcessGroup | None = None, *, grads: bool = False) -> dict[str, torch.Tensor]:
+    """Every rank gets the full, single-process state dict (names as `Policy.state_dict()`), or
+    with `grads` the full gradient of every parameter: FSDP shards all-gathered, expert blocks
+    all-gathered and concatenated in rank order. For tests and small models; weight sync streams
+    buckets instead."""
+    experts = {}
+    for mod_name, mod in model.named_modules():
+        if isinstance(mod, ExpertParallelMoE):
+            for p_name in ("w_gate_EFL", "w_up_EFL", "w_down_ELF"):
+                experts[f"{mod_name}.{p_name}"] = mod
+    items = ((n, p.grad) for n, p in model.named_parameters() if p.grad is not None) if grads else model.state_dict().items()
+    out = {}
+    for name, t in items:
+        if name in experts:
+            mod = experts[name]
+            parts = [torch.empty_like(t) for _ in range(mod.ep_size)]
+            dist.all_gather(parts, t.detach().contiguous(), group=mod.ep_group)
+            out[name] = torch.cat(parts)
+        else:
+            out[name] = t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+    return out
