@@ -158,11 +158,7 @@ def gather_full_state(model: nn.Module, group: dist.ProcessGroup | None = None, 
     with `grads` the full gradient of every parameter: FSDP shards all-gathered, expert blocks
     all-gathered and concatenated in rank order. For tests and small models; weight sync streams
     buckets instead."""
-    experts = {}
-    for mod_name, mod in model.named_modules():
-        if isinstance(mod, ExpertParallelMoE):
-            for p_name in ("w_gate_EFL", "w_up_EFL", "w_down_ELF"):
-                experts[f"{mod_name}.{p_name}"] = mod
+    experts = _expert_modules(model)
     items = ((n, p.grad) for n, p in model.named_parameters() if p.grad is not None) if grads else model.state_dict().items()
     out = {}
     for name, t in items:
@@ -174,3 +170,83 @@ def gather_full_state(model: nn.Module, group: dist.ProcessGroup | None = None, 
         else:
             out[name] = t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharded checkpoints and streamed full weights
+
+
+def _expert_modules(model: nn.Module) -> dict[str, ExpertParallelMoE]:
+    """Parameter name → its ExpertParallelMoE, for every expert block."""
+    return {f"{name}.{p}": mod for name, mod in model.named_modules() if isinstance(mod, ExpertParallelMoE)
+            for p in ("w_gate_EFL", "w_up_EFL", "w_down_ELF")}
+
+
+def _as_shards(sd: dict, experts: dict, fqn_of=lambda k: k) -> dict:
+    """Expert blocks as DTensors sharded on dim 0 over their group, so the checkpoint knows each
+    rank's block is a slice of one global tensor (and can be re-cut for another world size)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    out = {}
+    for k, v in sd.items():
+        mod = experts.get(fqn_of(k))
+        if mod is not None and isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() > 0:
+            ranks = dist.get_process_group_ranks(mod.ep_group)
+            mesh = DeviceMesh.from_group(mod.ep_group, v.device.type, mesh=torch.tensor(ranks))
+            v = DTensor.from_local(v, mesh, [Shard(0)], run_check=False)
+        out[k] = v
+    return out
+
+
+def _sharded_state(model: nn.Module, optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
+    experts = _expert_modules(model)
+    msd = _as_shards(msd, experts)
+    osd = dict(osd, state={fqn: _as_shards(st, experts, lambda _k, fqn=fqn: fqn) for fqn, st in osd["state"].items()})
+    return {"model": msd, "optim": osd}
+
+
+def save_sharded(model: nn.Module, optimizer, path: str) -> None:
+    """Every rank writes its shards (torch.distributed.checkpoint): FSDP's parameter and optimizer
+    shards and its expert blocks, each as a slice of the global tensor, so a run can resume on
+    another number of ranks. Collective: call on every rank."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_sharded_state(model, optimizer), checkpoint_id=path)
+
+
+def load_sharded(model: nn.Module, optimizer, path: str) -> None:
+    """Load `save_sharded`'s checkpoint into a parallelized model and its optimizer, whatever the
+    number of ranks it was saved from (each rank reads the slices it now owns). Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.tensor import DTensor
+
+    state = _sharded_state(model, optimizer)  # initialises the optimizer state it will overwrite
+    dcp.load(state, checkpoint_id=path)
+    experts = _expert_modules(model)
+
+    def local(sd, fqn_of=lambda k: k):
+        return {k: (v.to_local() if isinstance(v, DTensor) and fqn_of(k) in experts else v) for k, v in sd.items()}
+
+    osd = dict(state["optim"], state={fqn: local(st, lambda _k, fqn=fqn: fqn) for fqn, st in state["optim"]["state"].items()})
+    set_state_dict(model, optimizer, model_state_dict=local(state["model"]), optim_state_dict=osd)
+
+
+def iter_full_weights(model: nn.Module):
+    """(name, full array) in `state_dict` order, gathered one tensor at a time on every rank: a
+    rank holds one gathered tensor beyond its shards, never the whole model. Collective: every rank
+    must consume it to the end (rank 0 publishes, the others discard)."""
+    experts = _expert_modules(model)
+    for name, t in model.state_dict().items():
+        if name in experts:
+            mod = experts[name]
+            parts = [torch.empty_like(t) for _ in range(mod.ep_size)]
+            dist.all_gather(parts, t.detach().contiguous(), group=mod.ep_group)
+            full = torch.cat(parts)
+        else:
+            full = t.full_tensor() if hasattr(t, "full_tensor") else t.detach()
+        yield name, full.cpu().numpy()

@@ -47,31 +47,30 @@ class Manifest:
         return int(sum(self.bucket_bytes))
 
 
-def bucketize(named: Iterable[tuple[str, np.ndarray]], max_bytes: int) -> list[list[tuple[str, np.ndarray]]]:
+def bucketize(named: Iterable[tuple[str, np.ndarray]], max_bytes: int) -> Iterator[list[tuple[str, np.ndarray]]]:
     """Consecutive (name, array) pairs grouped so each group holds at most `max_bytes` (a single
-    array larger than that is a group of its own). Order is kept: every array appears exactly once."""
-    out: list[list] = []
+    array larger than that is a group of its own). Order is kept: every array appears exactly once.
+    Lazy: a group is yielded as soon as it is full, so a streamed source (a sharded learner
+    gathering one tensor at a time) is never held whole."""
     cur, size = [], 0
     for name, arr in named:
         if cur and size + arr.nbytes > max_bytes:
-            out.append(cur)
+            yield cur
             cur, size = [], 0
         cur.append((name, arr))
         size += arr.nbytes
     if cur:
-        out.append(cur)
-    return out
+        yield cur
 
 
 def publish(named: Iterable[tuple[str, np.ndarray]], version: int, bucket_mb: float) -> Manifest:
     """Put the weights into the object store, bucket by bucket (runs inside the learner)."""
-    groups = bucketize(named, max(1, int(bucket_mb * (1 << 20))))
-    return Manifest(
-        version=version,
-        buckets=[ray.put(g) for g in groups],
-        bucket_bytes=[int(sum(a.nbytes for _, a in g)) for g in groups],
-        names=[[n for n, _ in g] for g in groups],
-    )
+    m = Manifest(version=version, buckets=[], bucket_bytes=[], names=[])
+    for g in bucketize(named, max(1, int(bucket_mb * (1 << 20)))):  # each bucket into the store as it fills
+        m.buckets.append(ray.put(g))
+        m.bucket_bytes.append(int(sum(a.nbytes for _, a in g)))
+        m.names.append([n for n, _ in g])
+    return m
 
 
 def iter_weights(manifest: Manifest) -> Iterator[tuple[str, np.ndarray]]:

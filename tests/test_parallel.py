@@ -16,6 +16,7 @@ from policy.checkpoint import load_policy, save_policy
 from policy.model import Policy
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+pytestmark = pytest.mark.slow
 
 LR = 1e-2
 MAX_NORM = 0.5
@@ -35,40 +36,109 @@ def free_port() -> int:
 
 @ray.remote(num_cpus=0)  # the session's long-lived actors may hold most CPUs
 class Rank:
-    def __init__(self, rank: int, world: int, port: int):
+    """One rank: the policy parallelized over the group, its AdamW, and the collective calls the
+    test drives (every rank gets the same call)."""
+
+    def __init__(self, rank: int, world: int, port: int, ckpt: str):
         import torch.distributed as dist
+
+        from policy.parallelize import parallelize
 
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         self.rank, self.world = rank, world
+        self.model = parallelize(load_policy(ckpt))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, foreach=False)
 
-    def step(self, ckpt: str, batch: list[list[int]]) -> dict:
+    def step(self, batch: list[list[int]]) -> dict:
         """One AdamW step on this rank's share of `batch` (sequences rank, rank + world, ...), the
         loss scaled by the global token count; returns the global loss, the gradient norm before
-        clipping and (rank 0) the full updated state."""
+        clipping, this rank's routing and (rank 0) the full gradients."""
         import torch.distributed as dist
 
-        from policy.parallelize import clip_grad_norm_, gather_full_state, parallelize
+        from policy.parallelize import clip_grad_norm_, gather_full_state
 
-        model = parallelize(load_policy(ckpt))
-        opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+        self.opt.zero_grad()
         total = sum(len(s) - 1 for s in batch)
-        mine = torch.tensor(batch[self.rank :: self.world])
-        loss, info = nll_sum(model, mine)
+        loss, info = nll_sum(self.model, torch.tensor(batch[self.rank :: self.world]))
         (loss / total).backward()
-        grads = gather_full_state(model, grads=True)
-        norm = clip_grad_norm_(model, MAX_NORM)
-        opt.step()
+        grads = gather_full_state(self.model, grads=True)
+        norm = clip_grad_norm_(self.model, MAX_NORM)
+        self.opt.step()
         loss = loss.detach() / total
         dist.all_reduce(loss)
-        state = gather_full_state(model)
         return {"loss": float(loss), "norm": float(norm), "experts": info["experts"].tolist(),
-                "state": state if self.rank == 0 else None, "grads": grads if self.rank == 0 else None}
+                "grads": grads if self.rank == 0 else None}
+
+    def state(self):
+        from policy.parallelize import gather_full_state
+
+        state = gather_full_state(self.model)
+        return state if self.rank == 0 else None
+
+    def save(self, path: str):
+        from policy.parallelize import save_sharded
+
+        save_sharded(self.model, self.opt, path)
+
+    def load(self, path: str):
+        from policy.parallelize import load_sharded
+
+        load_sharded(self.model, self.opt, path)
+
+    def publish(self, bucket_mb: float):
+        from policy.parallelize import iter_full_weights
+        from rl.sync import publish
+
+        if self.rank == 0:
+            return publish(iter_full_weights(self.model), 1, bucket_mb)
+        for _ in iter_full_weights(self.model):
+            pass
 
     def close(self):
         import torch.distributed as dist
 
         dist.destroy_process_group()
+
+
+class Group:
+    """`world` Rank actors in one process group; `call` runs a method on all and returns their results."""
+
+    def __init__(self, world: int, ckpt: str):
+        port = free_port()
+        self.ranks = [Rank.remote(r, world, port, ckpt) for r in range(world)]
+
+    def call(self, method: str, *args):
+        return ray.get([getattr(r, method).remote(*args) for r in self.ranks], timeout=600)
+
+    def close(self):
+        self.call("close")
+        for r in self.ranks:
+            ray.kill(r)
+
+
+def single_process_steps(ckpt, batches):
+    model = load_policy(ckpt)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
+    outs = []
+    for batch in batches:
+        opt.zero_grad()
+        total = sum(len(s) - 1 for s in batch)
+        loss, info = nll_sum(model, torch.tensor(batch))
+        (loss / total).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        opt.step()
+        outs.append({"loss": float(loss.detach()) / total, "norm": float(norm), "experts": info["experts"],
+                     "grads": grads, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}})
+    return outs
+
+
+def assert_state_close(state, ref, atol):
+    assert state.keys() == ref.keys()
+    for name, r in ref.items():
+        assert state[name].shape == r.shape, name
+        assert torch.allclose(state[name], r, atol=atol), (name, (state[name] - r).abs().max())
 
 
 @pytest.fixture(scope="module")
@@ -84,52 +154,67 @@ def ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def batch():
+def batches():
     g = torch.Generator().manual_seed(3)
-    return torch.randint(0, 256, (8, 40), generator=g).tolist()
+    return [torch.randint(0, 256, (8, 40), generator=g).tolist() for _ in range(2)]
 
 
 @pytest.fixture(scope="module")
-def reference(ckpt, batch):
-    model = load_policy(ckpt)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False)
-    total = sum(len(s) - 1 for s in batch)
-    loss, info = nll_sum(model, torch.tensor(batch))
-    (loss / total).backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
-    opt.step()
-    return {"loss": float(loss.detach()) / total, "norm": float(norm), "experts": info["experts"], "grads": grads,
-            "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+def reference(ckpt, batches):
+    return single_process_steps(ckpt, batches)
+
+
+@pytest.fixture(scope="module")
+def first_steps(ray_cluster, ckpt, batches):
+    """A 2-rank and a 4-rank group (started once: actor start-up is most of the cost), each after
+    one step on the first batch from the same initial weights."""
+    groups = {world: Group(world, ckpt) for world in (2, 4)}
+    try:
+        yield {world: (g, g.call("step", batches[0]), g.call("state")[0]) for world, g in groups.items()}
+    finally:
+        for g in groups.values():
+            g.close()
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_a_sharded_expert_parallel_step_equals_the_single_process_step(ray_cluster, ckpt, batch, reference, world):
-    port = free_port()
-    ranks = [Rank.remote(r, world, port) for r in range(world)]
-    try:
-        outs = ray.get([r.step.remote(ckpt, batch) for r in ranks], timeout=600)
-    finally:
-        ray.get([r.close.remote() for r in ranks])
-        for r in ranks:
-            ray.kill(r)
-    assert all(abs(o["loss"] - reference["loss"]) < 1e-5 for o in outs)
-    assert all(abs(o["norm"] - reference["norm"]) < 1e-4 for o in outs)
-    assert reference["norm"] > MAX_NORM  # clipping was exercised
-    # each rank routed its own rows exactly as the single process did
-    for r, o in enumerate(outs):
-        assert torch.equal(torch.tensor(o["experts"]), reference["experts"][:, r::world])
+def test_a_sharded_expert_parallel_step_equals_the_single_process_step(ckpt, first_steps, reference, world):
+    _, outs, state = first_steps[world]
+    ref = reference[0]
+    assert all(abs(o["loss"] - ref["loss"]) < 1e-5 for o in outs)
+    assert all(abs(o["norm"] - ref["norm"]) < 1e-4 for o in outs)
+    assert ref["norm"] > MAX_NORM  # clipping was exercised
+    for r, o in enumerate(outs):  # each rank routed its own rows exactly as the single process did
+        assert torch.equal(torch.tensor(o["experts"]), ref["experts"][:, r::world])
     grads = outs[0]["grads"]
-    assert grads.keys() == reference["grads"].keys()
-    for name, ref in reference["grads"].items():
-        assert torch.allclose(grads[name], ref, rtol=1e-4, atol=1e-7), (name, (grads[name] - ref).abs().max())
+    assert grads.keys() == ref["grads"].keys()
+    for name, g in ref["grads"].items():
+        assert torch.allclose(grads[name], g, rtol=1e-4, atol=1e-7), (name, (grads[name] - g).abs().max())
     # updated weights: AdamW's first step is ~lr·sign(g), so a gradient entry near zero turns float
     # noise into a visible step; the tolerance is a small share of one step
-    state = outs[0]["state"]
-    assert state.keys() == reference["state"].keys()
+    assert_state_close(state, ref["state"], atol=0.01 * LR)
     before = load_policy(ckpt).state_dict()
-    for name, ref in reference["state"].items():
-        assert state[name].shape == ref.shape, name
-        assert torch.allclose(state[name], ref, atol=0.01 * LR), (name, (state[name] - ref).abs().max())
-    moved = [n for n in before if "w_gate_EFL" in n and not torch.equal(before[n], reference["state"][n])]
-    assert moved  # the expert weights were trained, and matched
+    assert any(not torch.equal(before[n], ref["state"][n]) for n in before if "w_gate_EFL" in n)  # experts trained
+
+
+def test_a_sharded_checkpoint_resumes_on_another_number_of_ranks_and_publishes_full_weights(
+        first_steps, batches, reference, tmp_path):
+    """The 2-rank group's state after step 1, saved sharded, loaded by the 4-rank group (parameters
+    and AdamW moments re-cut, its own step 1 overwritten); step 2 there equals two single-process
+    steps. Then the 4 ranks publish their weights through the sync path, gathered a tensor at a
+    time, and a rollout worker's view equals them."""
+    from rl.sync import iter_weights
+
+    two, _, saved = first_steps[2]
+    four = first_steps[4][0]
+    two.call("save", str(tmp_path / "sharded"))
+    assert len(list((tmp_path / "sharded").glob("*.distcp"))) == 2  # one file of shards per rank
+    four.call("load", str(tmp_path / "sharded"))
+    assert_state_close(four.call("state")[0], saved, atol=0)  # exactly what was saved
+    out = four.call("step", batches[1])
+    assert abs(out[0]["loss"] - reference[1]["loss"]) < 1e-4
+    state = four.call("state")[0]
+    assert_state_close(state, reference[1]["state"], atol=0.02 * LR)
+    manifest = four.call("publish", 0.01)[0]
+    assert len(manifest.buckets) > 3
+    published = {n: torch.from_numpy(a.copy()) for n, a in iter_weights(manifest)}
+    assert_state_close(published, state, atol=0)

@@ -23,13 +23,29 @@ def _named(sizes):
 
 def test_buckets_are_bounded_ordered_and_cover_every_tensor_once():
     named = _named([10, 300, 5, 5, 5, 1000, 7])  # 4 bytes each: 40, 1200, 20, 20, 20, 4000, 28
-    groups = bucketize(named, max_bytes=1024)
+    groups = list(bucketize(named, max_bytes=1024))
     assert [n for g in groups for n, _ in g] == [n for n, _ in named]
     for g in groups:
         size = sum(a.nbytes for _, a in g)
         assert size <= 1024 or len(g) == 1  # only a tensor larger than the bound sits alone over it
     assert [[n for n, _ in g] for g in groups] == [["w0"], ["w1"], ["w2", "w3", "w4"], ["w5"], ["w6"]]
-    assert bucketize([], 1024) == []
+    assert list(bucketize([], 1024)) == []
+
+
+def test_buckets_are_cut_as_the_source_streams():
+    """A bucket is handed on as soon as it is full: a streamed source (a sharded learner gathering
+    one tensor at a time) is read only one array past the bucket being handed on."""
+    pulled = []
+
+    def source():
+        for name, arr in _named([100, 100, 100, 100, 100]):  # 400 bytes each: two per 1 KiB bucket
+            pulled.append(name)
+            yield name, arr
+
+    seen = []
+    for g in bucketize(source(), max_bytes=1024):
+        seen.append((len(pulled), [n for n, _ in g]))
+    assert seen == [(3, ["w0", "w1"]), (5, ["w2", "w3"]), (5, ["w4"])]
 
 
 def test_published_buckets_round_trip_through_the_object_store(ray_cluster):
