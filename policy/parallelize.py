@@ -160,16 +160,17 @@ def gather_full_state(model: nn.Module, group: dist.ProcessGroup | None = None, 
     buckets instead."""
     experts = _expert_modules(model)
     items = ((n, p.grad) for n, p in model.named_parameters() if p.grad is not None) if grads else model.state_dict().items()
-    out = {}
-    for name, t in items:
-        if name in experts:
-            mod = experts[name]
-            parts = [torch.empty_like(t) for _ in range(mod.ep_size)]
-            dist.all_gather(parts, t.detach().contiguous(), group=mod.ep_group)
-            out[name] = torch.cat(parts)
-        else:
-            out[name] = t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
-    return out
+    return {name: _full(t, experts.get(name)).clone() for name, t in items}
+
+
+def _full(t: torch.Tensor, ep_owner: "ExpertParallelMoE | None") -> torch.Tensor:
+    """The whole tensor behind this rank's piece: an expert block all-gathered over its group and
+    concatenated in rank order, an FSDP shard all-gathered, anything else as it is. Collective."""
+    if ep_owner is not None:
+        parts = [torch.empty_like(t) for _ in range(ep_owner.ep_size)]
+        dist.all_gather(parts, t.detach().contiguous(), group=ep_owner.ep_group)
+        return torch.cat(parts)
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,11 +243,4 @@ def iter_full_weights(model: nn.Module):
     must consume it to the end (rank 0 publishes, the others discard)."""
     experts = _expert_modules(model)
     for name, t in model.state_dict().items():
-        if name in experts:
-            mod = experts[name]
-            parts = [torch.empty_like(t) for _ in range(mod.ep_size)]
-            dist.all_gather(parts, t.detach().contiguous(), group=mod.ep_group)
-            full = torch.cat(parts)
-        else:
-            full = t.full_tensor() if hasattr(t, "full_tensor") else t.detach()
-        yield name, full.cpu().numpy()
+        yield name, _full(t, experts.get(name)).cpu().numpy()
