@@ -104,9 +104,25 @@ def shard_experts(moe: LatentMoE, group: dist.ProcessGroup) -> ExpertParallelMoE
     return moe
 
 
+class HiddenStates(nn.Module):
+    """The policy's trunk as a module whose `forward` is `Policy.hidden_states`: the root FSDP unit
+    for callers that project to the vocabulary themselves (the learner's chunked log-probs read
+    `policy.lm_head.weight` after the forward). The root's parameters stay gathered from its
+    forward until its backward, so the head can be used in between."""
+
+    def __init__(self, policy: Policy):
+        super().__init__()
+        self.policy = policy
+
+    def forward(self, input_ids_BT, images=None, routing=None):
+        return self.policy.hidden_states(input_ids_BT, images, routing=routing)
+
+
 def parallelize(model: Policy, group: dist.ProcessGroup | None = None, *, expert_parallel: bool = True,
-                reshard_after_forward: bool = True) -> Policy:
-    """Expert parallelism, then FSDP2, over `group` (default: the whole world); in place."""
+                reshard_after_forward: bool = True, root: nn.Module | None = None) -> Policy:
+    """Expert parallelism, then FSDP2, over `group` (default: the whole world); in place. `root`:
+    the module whose forward callers run (default the policy itself; `HiddenStates(model)` for
+    callers that apply the head themselves)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
@@ -126,8 +142,11 @@ def parallelize(model: Policy, group: dist.ProcessGroup | None = None, *, expert
     units = [m for blk in model.layers for m in (blk.attn, blk.mlp)]
     for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored)
-    for unit in units + [model]:
+    # the root stays gathered from its forward to its backward (its parameters are needed again
+    # at once, and a head applied after the forward reads them)
+    root = root if root is not None else model
+    fully_shard(root, mesh=mesh, reshard_after_forward=False, ignored_params=ignored)
+    for unit in units + [root]:
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
     return model

@@ -70,6 +70,24 @@ class Rank:
         return {"loss": float(loss), "norm": float(norm), "experts": info["experts"].tolist(),
                 "grads": grads if self.rank == 0 else None}
 
+    def head_apart_step(self, ckpt: str, batch: list[list[int]]) -> dict:
+        """The learner's way: a fresh model whose root unit is its trunk (`HiddenStates`), the
+        log-probs projected by `rl.logprobs.chunked_logprobs` with the head read after the forward
+        (small chunks, recomputed in backward); returns the full gradients (rank 0)."""
+        from policy.parallelize import HiddenStates, gather_full_state, parallelize
+        from rl.logprobs import chunked_logprobs
+
+        policy = load_policy(ckpt)
+        trunk = HiddenStates(policy)
+        parallelize(policy, root=trunk)
+        total = sum(len(s) - 1 for s in batch)
+        ids = torch.tensor(batch[self.rank :: self.world])
+        h, _ = trunk(ids)
+        lp, _ = chunked_logprobs(h, policy.lm_head, ids, chunk_tokens=8)
+        (-lp.sum() / total).backward()
+        grads = gather_full_state(trunk, grads=True)
+        return {k.removeprefix("policy."): v for k, v in grads.items()} if self.rank == 0 else None
+
     def state(self):
         from policy.parallelize import gather_full_state
 
@@ -218,3 +236,13 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_ranks_and_publishes_f
     assert len(manifest.buckets) > 3
     published = {n: torch.from_numpy(a.copy()) for n, a in iter_weights(manifest)}
     assert_state_close(published, state, atol=0)
+
+
+def test_the_head_applied_apart_from_the_sharded_trunk_gets_the_single_process_gradients(first_steps, ckpt, batches, reference):
+    """The learner projects hidden states to log-probs itself (chunked, outside the model's forward):
+    with the trunk as the root unit, every gradient still equals the single-process one."""
+    grads = first_steps[2][0].call("head_apart_step", ckpt, batches[0])[0]
+    ref = reference[0]["grads"]
+    assert grads.keys() == ref.keys()
+    for name, g in ref.items():
+        assert torch.allclose(grads[name], g, rtol=1e-4, atol=1e-7), (name, (grads[name] - g).abs().max())
