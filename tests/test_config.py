@@ -58,6 +58,17 @@ def test_literal_and_range_checks(tmp_path):
         load_config(QUICKSTART, ["nope=1"])
     with pytest.raises(ConfigError, match="must look like section.key=value"):
         load_config(QUICKSTART, ["rollout.group_size"])
+    with pytest.raises(ConfigError, match="rollout.engine vllm cannot serve a policy.flavour model"):
+        load_config(QUICKSTART, ["policy.flavour=configs/policy/debug.yaml"])
+    with pytest.raises(ConfigError, match="rollout.engine native serves the policy/ model"):
+        load_config(QUICKSTART, ["rollout.engine=native"])
+    both = tmp_path / "policy.yaml"
+    both.write_text("policy: {flavour: configs/policy/debug.yaml}\nrollout: {engine: native}\nwarm_start: {demos: 4}\n")
+    with pytest.raises(ConfigError, match="policy.yaml: warm_start.demos needs a Hugging Face policy"):
+        load_config(both)
+    both.write_text("policy: {flavour: configs/policy/debug.yaml, path: /tmp/x}\nrollout: {engine: native}\n")
+    with pytest.raises(ConfigError, match="policy.flavour and policy.path exclude each other"):
+        load_config(both)
     with pytest.raises(ConfigError, match="ray.learner_resources must map resource names to non-negative amounts"):
         load_config(QUICKSTART, ["ray.learner_resources={learner: -1}"])
     with pytest.raises(ConfigError, match="ray.rollout_resources must be dict"):
