@@ -23,7 +23,9 @@ def policy_run(ray_cluster, tmp_path_factory):
 
     cfg = load_config(REPO / "configs" / "quickstart_policy.yaml",
                       ["iterations=2", "algo.entropy_coef=0.01", "rollout.groups_per_iteration=2",
-                       "rollout.max_new_tokens=24", "sync.bucket_mb=0.05"])
+                       "rollout.max_new_tokens=24", "sync.bucket_mb=0.05",
+                       # the session's other runs may hold most of the local Ray's CPUs
+                       "rollout.cpus_per_worker=0"])
     run_dir = tmp_path_factory.mktemp("policy-run")
     trainer = Trainer(cfg, run_dir)
     trainer.start()
