@@ -29,6 +29,12 @@ from policy.model import Policy
 MODEL_TYPE = "longhorizon_policy"
 
 
+def is_policy_checkpoint(path: str | Path) -> bool:
+    """True for this project's checkpoints (config.json model_type `longhorizon_policy`), False for
+    Hugging Face ones."""
+    return json.loads((Path(path) / "config.json").read_text()).get("model_type") == MODEL_TYPE
+
+
 def save_policy(model: Policy, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

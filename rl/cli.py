@@ -244,7 +244,8 @@ def _eval(args) -> int:
 
     from rl.evaluate import evaluate
     from rollout.chat import ChatFormat
-    from rollout.engines import is_policy_checkpoint, make_engine
+    from policy.checkpoint import is_policy_checkpoint
+    from rollout.engines import make_engine
 
     if not (src / "config.yaml").exists():  # a bare checkpoint: the engine that serves its kind
         rollout.engine = "native" if is_policy_checkpoint(str(policy)) else "vllm"

@@ -99,12 +99,9 @@ class CausalLM:
 def load_causal_lm(path: str | Path, dtype: torch.dtype) -> CausalLM:
     """A Hugging Face causal LM, or a `policy/` checkpoint (config.json model_type
     `longhorizon_policy`), behind the same adapter."""
-    import json
+    from policy.checkpoint import is_policy_checkpoint, load_policy
 
-    cfg = json.loads((Path(path) / "config.json").read_text())
-    if cfg.get("model_type") == "longhorizon_policy":
-        from policy.checkpoint import load_policy
-
+    if is_policy_checkpoint(path):
         return CausalLM(load_policy(path, dtype=dtype), "policy")
     from transformers import AutoModelForCausalLM
 

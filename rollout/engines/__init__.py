@@ -9,15 +9,7 @@ tensors, version)` and `version`.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-
-def is_policy_checkpoint(path: str) -> bool:
-    """True for the project's own `policy/` checkpoints (config.json model_type `longhorizon_policy`)."""
-    from policy.checkpoint import MODEL_TYPE
-
-    return json.loads((Path(path) / "config.json").read_text()).get("model_type") == MODEL_TYPE
+from policy.checkpoint import is_policy_checkpoint
 
 
 def make_engine(kind: str, policy_path: str, *, seed: int, max_model_len: int, dtype: str = "float32",
