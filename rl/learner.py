@@ -422,14 +422,13 @@ class Learner:
             from policy.checkpoint import save_policy
 
             save_policy(self.model, tmp)
-            if (Path(self._tokenizer_path) / "tokenizer_config.json").exists():
-                from transformers import AutoTokenizer
-
-                AutoTokenizer.from_pretrained(self._tokenizer_path).save_pretrained(tmp)
         else:
+            self.model.save_pretrained(tmp)
+        # with its tokenizer, so engines and `longhorizon eval` load the checkpoint alone (a
+        # `policy/` checkpoint may come without one)
+        if (Path(self._tokenizer_path) / "tokenizer_config.json").exists():
             from transformers import AutoTokenizer
 
-            self.model.save_pretrained(tmp)
             AutoTokenizer.from_pretrained(self._tokenizer_path).save_pretrained(tmp)
         state = {"optimizer": self.opt.state_dict(), "version": self.version, "torch_rng": torch.get_rng_state(),
                  "value_head": self.value_head.state_dict() if self.value_head is not None else None, **(extra or {})}
