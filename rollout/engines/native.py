@@ -172,6 +172,8 @@ class NativeEngine:
         self.max_model_len = max_model_len
         self.max_batch = max_batch
         self.model = load_policy(model_path, dtype=getattr(torch, dtype)).eval()
+        self._banned = self.model.never_generated()  # the image placeholder: input only
+        self._has_moe = any(blk.is_moe for blk in self.model.layers)
         self.tokenizer = None
         if (Path(model_path) / "tokenizer_config.json").exists():
             from transformers import AutoTokenizer
@@ -241,20 +243,19 @@ class NativeEngine:
                 active = [active[b] for b in keep]
                 cache = select_rows(cache, keep) if keep else None
 
-        has_moe = any(blk.is_moe for blk in self.model.layers)
         out = []
         for r in reqs:
             self.stats["generated_tokens"] += len(r.out)
-            routed = (r.routed + [[]])[: len(r.out)] if has_moe else None
+            routed = (r.routed + [[]])[: len(r.out)] if self._has_moe else None
             out.append(Generation(r.out, r.logprobs, r.finish or "length", routed,
-                                  r.prompt_routed if has_moe else None))
+                                  r.prompt_routed if self._has_moe else None))
         return out
 
     @torch.no_grad()
     def score(self, token_ids: list[int]) -> list[float]:
         """log p(token_ids[i] | token_ids[:i]) for i >= 1 (unscaled), one full forward."""
         logits, _, _ = self.model(torch.tensor([token_ids]))
-        lp = processed_logprobs(logits[0, :-1], 1.0, 0, 1.0, self.model.never_generated())
+        lp = processed_logprobs(logits[0, :-1], 1.0, 0, 1.0, self._banned)
         return lp.gather(-1, torch.tensor(token_ids[1:])[:, None])[:, 0].tolist()
 
     @torch.no_grad()
@@ -311,7 +312,7 @@ class NativeEngine:
             self._prefixes.popitem(last=False)
 
     def _sample(self, reqs: list[_Request], logits_BV: torch.Tensor, *, temperature, top_k, top_p, stop_ids, stop):
-        lp_BV = processed_logprobs(logits_BV, temperature, top_k, top_p, self.model.never_generated())
+        lp_BV = processed_logprobs(logits_BV, temperature, top_k, top_p, self._banned)
         for b, r in enumerate(reqs):
             lp = lp_BV[b]
             if len(r.out) < r.min_tokens and stop_ids:
