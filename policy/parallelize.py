@@ -123,13 +123,10 @@ def parallelize(model: Policy, group: dist.ProcessGroup | None = None, *, expert
     """Expert parallelism, then FSDP2, over `group` (default: the whole world); in place. `root`:
     the module whose forward callers run (default the policy itself; `HiddenStates(model)` for
     callers that apply the head themselves)."""
-    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
     group = group or dist.group.WORLD
-    device = next(model.parameters()).device.type
-    ranks = dist.get_process_group_ranks(group)
-    mesh = DeviceMesh.from_group(group, device, mesh=torch.tensor(ranks))
+    mesh = _mesh(group, next(model.parameters()).device.type)
     ignored: set[nn.Parameter] = set()
     if expert_parallel:
         for blk in model.layers:
@@ -150,6 +147,13 @@ def parallelize(model: Policy, group: dist.ProcessGroup | None = None, *, expert
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)  # plain SUM: gloo has no PREMUL_SUM
     return model
+
+
+def _mesh(group: dist.ProcessGroup, device: str):
+    """A one-dimensional device mesh over `group`'s ranks."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group, device, mesh=torch.tensor(dist.get_process_group_ranks(group)))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -202,19 +206,17 @@ def _expert_modules(model: nn.Module) -> dict[str, ExpertParallelMoE]:
             for p in ("w_gate_EFL", "w_up_EFL", "w_down_ELF")}
 
 
-def _as_shards(sd: dict, experts: dict, fqn_of=lambda k: k) -> dict:
+def _as_shards(sd: dict, experts: dict, fqn: str | None = None) -> dict:
     """Expert blocks as DTensors sharded on dim 0 over their group, so the checkpoint knows each
-    rank's block is a slice of one global tensor (and can be re-cut for another world size)."""
-    from torch.distributed.device_mesh import DeviceMesh
+    rank's block is a slice of one global tensor (and can be re-cut for another world size). Keys
+    are parameter names, or with `fqn` the optimizer state entries of that one parameter."""
     from torch.distributed.tensor import DTensor, Shard
 
     out = {}
     for k, v in sd.items():
-        mod = experts.get(fqn_of(k))
+        mod = experts.get(fqn or k)
         if mod is not None and isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() > 0:
-            ranks = dist.get_process_group_ranks(mod.ep_group)
-            mesh = DeviceMesh.from_group(mod.ep_group, v.device.type, mesh=torch.tensor(ranks))
-            v = DTensor.from_local(v, mesh, [Shard(0)], run_check=False)
+            v = DTensor.from_local(v, _mesh(mod.ep_group, v.device.type), [Shard(0)], run_check=False)
         out[k] = v
     return out
 
@@ -224,9 +226,8 @@ def _sharded_state(model: nn.Module, optimizer) -> dict:
 
     msd, osd = get_state_dict(model, optimizer)
     experts = _expert_modules(model)
-    msd = _as_shards(msd, experts)
-    osd = dict(osd, state={fqn: _as_shards(st, experts, lambda _k, fqn=fqn: fqn) for fqn, st in osd["state"].items()})
-    return {"model": msd, "optim": osd}
+    osd = dict(osd, state={fqn: _as_shards(st, experts, fqn) for fqn, st in osd["state"].items()})
+    return {"model": _as_shards(msd, experts), "optim": osd}
 
 
 def save_sharded(model: nn.Module, optimizer, path: str) -> None:
@@ -249,10 +250,10 @@ def load_sharded(model: nn.Module, optimizer, path: str) -> None:
     dcp.load(state, checkpoint_id=path)
     experts = _expert_modules(model)
 
-    def local(sd, fqn_of=lambda k: k):
-        return {k: (v.to_local() if isinstance(v, DTensor) and fqn_of(k) in experts else v) for k, v in sd.items()}
+    def local(sd, fqn=None):  # the expert blocks back as this rank's plain tensors (`_as_shards` undone)
+        return {k: (v.to_local() if isinstance(v, DTensor) and (fqn or k) in experts else v) for k, v in sd.items()}
 
-    osd = dict(state["optim"], state={fqn: local(st, lambda _k, fqn=fqn: fqn) for fqn, st in state["optim"]["state"].items()})
+    osd = dict(state["optim"], state={fqn: local(st, fqn) for fqn, st in state["optim"]["state"].items()})
     set_state_dict(model, optimizer, model_state_dict=local(state["model"]), optim_state_dict=osd)
 
 
