@@ -28,10 +28,11 @@ def policy_run(ray_cluster, tmp_path_factory):
                        "rollout.cpus_per_worker=0"])
     run_dir = tmp_path_factory.mktemp("policy-run")
     trainer = Trainer(cfg, run_dir)
-    trainer.start()
-    rows = trainer.run()
-    yield trainer, rows, run_dir
-    trainer.close()
+    try:  # a failed run still takes its actors down
+        trainer.start()
+        yield trainer, trainer.run(), run_dir
+    finally:
+        trainer.close()
 
 
 def test_the_loop_trains_the_policy_model_through_the_native_engine(policy_run):
