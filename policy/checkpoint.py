@@ -35,12 +35,14 @@ def is_policy_checkpoint(path: str | Path) -> bool:
     return json.loads((Path(path) / "config.json").read_text()).get("model_type") == MODEL_TYPE
 
 
-def save_policy(model: Policy, out_dir: str | Path) -> Path:
+def save_policy(model: Policy, out_dir: str | Path, state: dict | None = None) -> Path:
+    """config.json + model.safetensors; `state`: the weights to write instead of `model`'s own
+    (a sharded learner's gathered full state)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = {"model_type": MODEL_TYPE, "architectures": ["LonghorizonPolicy"], **dataclasses.asdict(model.args)}
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    state = {k: v.detach().contiguous() for k, v in (state if state is not None else model.state_dict()).items()}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 

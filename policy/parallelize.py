@@ -1,6 +1,8 @@
-"""Parallelism for the `policy/` model, applied from outside: the model files know nothing of it.
+"""Parallelism for the `policy/` model and Hugging Face MoE checkpoints, applied from outside:
+the model files know nothing of it.
 
-    parallelize(model, group)     # after torch.distributed.init_process_group, on every rank
+    parallelize(model, group)       # the policy/ model, after init_process_group, on every rank
+    parallelize_hf(lm, group)       # a transformers MoE causal LM (Qwen3-MoE / Qwen2-MoE layout)
 
 - **Expert parallelism.** Each LatentMoE layer's routed experts are split across the ranks of the
   group in contiguous blocks (rank r owns experts [r·E/N, (r+1)·E/N)); the layer's other weights
@@ -16,6 +18,10 @@
   the expert weights are left out (`ignored_params`: each already lives on exactly one rank).
   Gradients are summed across ranks, not averaged (`set_gradient_divide_factor(1)`): the caller
   divides each rank's loss by the global token count, so the sum is the single-process gradient.
+
+Hugging Face models get the same two steps: the experts module's 3D-stacked `gate_up_proj` /
+`down_proj` split by expert with the same dispatch (`dispatch_combine`), every decoder layer and
+the root FSDP units; the routers' forward hooks (routing replay, rl/routing.py) keep working.
 
 `clip_grad_norm_` and `gather_full_state` here know both kinds of parameter: FSDP's DTensor shards
 and the plain per-rank expert blocks. Data-parallel ranks equal expert-parallel ranks (one group);
@@ -34,74 +40,165 @@ from policy.model import Policy
 from policy.moe import LatentMoE
 
 
-class ExpertParallelMoE(LatentMoE):
-    """A LatentMoE whose routed experts are split across `ep_group`: see the module docstring.
-    Installed by `parallelize` on an existing LatentMoE (its class is swapped, its expert weights
-    sliced to this rank's block); nothing else about the layer changes."""
+def dispatch_combine(x_NH: torch.Tensor, idx_Nk: torch.Tensor, w_Nk: torch.Tensor, run_expert, *,
+                     group: dist.ProcessGroup, rank: int, local_experts: int) -> torch.Tensor:
+    """Σ_k w[n, k] · expert_{idx[n, k]}(x[n]) for this rank's tokens, with the experts split over
+    `group` in contiguous blocks of `local_experts` (this rank owns block `rank`): every (token,
+    slot) row goes to its expert's owner with one all-to-all, `run_expert(e_local, rows)` runs there,
+    the outputs come back with a second all-to-all and are combined with the router's weights on the
+    sending rank (so the weights' gradient stays local). An expert maps H to H. Both all-to-alls are differentiable: an
+    expert's gradient is the sum over every rank's tokens routed to it. Collective."""
+    size = dist.get_world_size(group)
+    k = idx_Nk.shape[1]
+    flat_e = idx_Nk.flatten()
+    order = torch.argsort(flat_e, stable=True)  # sorted by expert, hence by owning rank
+    tok = order // k
+    send_counts = torch.bincount(flat_e // local_experts, minlength=size)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    send_sizes, recv_sizes = send_counts.tolist(), recv_counts.tolist()
+    recv_e = flat_e.new_empty(sum(recv_sizes))
+    dist.all_to_all_single(recv_e, flat_e[order].contiguous(), recv_sizes, send_sizes, group=group)
+    recv_x = dist_fn.all_to_all_single(x_NH.new_empty(sum(recv_sizes), x_NH.shape[1]), x_NH[tok],
+                                       recv_sizes, send_sizes, group=group)
+    # `recv_x * 0` keeps the output on the autograd path even where nothing (or one expert's rows
+    # only) arrived: every rank must run both all-to-alls' backward, or the others wait forever
+    out = recv_x * 0
+    local_e = recv_e - rank * local_experts
+    for e in local_e.unique().tolist():
+        rows = torch.where(local_e == e)[0]
+        out = out.index_add(0, rows, run_expert(e, recv_x[rows]).to(out.dtype))
+    back = dist_fn.all_to_all_single(x_NH.new_empty(len(tok), x_NH.shape[1]), out, send_sizes, recv_sizes, group=group)
+    return torch.zeros_like(x_NH, dtype=back.dtype).index_add(0, tok, back * w_Nk.flatten()[order, None].to(back.dtype))
+
+
+class ExpertParallel:
+    """Marks a module whose routed experts are split across `ep_group` (`ep_params` name its
+    per-rank expert blocks, each holding experts [ep_rank·local_experts, (ep_rank+1)·local_experts))."""
 
     ep_group: dist.ProcessGroup
     ep_size: int
     ep_rank: int
     local_experts: int
+    ep_params: tuple[str, ...]
+
+
+class ExpertParallelMoE(ExpertParallel, LatentMoE):
+    """A LatentMoE whose routed experts are split across `ep_group`: see the module docstring.
+    Installed by `parallelize` on an existing LatentMoE (its class is swapped, its expert weights
+    sliced to this rank's block); nothing else about the layer changes."""
+
+    ep_params = ("w_gate_EFL", "w_up_EFL", "w_down_ELF")
 
     def forward(self, x_BTD, replay_BTk=None):
         B, T, D = x_BTD.shape
         x = x_BTD.reshape(-1, D)
         replay = replay_BTk.reshape(-1, replay_BTk.shape[-1]) if replay_BTk is not None else None
         idx_Nk, w_Nk, scores, replayed = self.router(x, replay)
-        lat_NL = self.down(x)
-        k = idx_Nk.shape[1]
-
-        # dispatch: every (token, slot) pair, sorted by expert, hence by owning rank
-        flat_e = idx_Nk.flatten()
-        order = torch.argsort(flat_e, stable=True)
-        tok = order // k
-        send_counts = torch.bincount(flat_e // self.local_experts, minlength=self.ep_size)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.ep_group)
-        send_sizes, recv_sizes = send_counts.tolist(), recv_counts.tolist()
-        recv_e = flat_e.new_empty(sum(recv_sizes))
-        dist.all_to_all_single(recv_e, flat_e[order].contiguous(), recv_sizes, send_sizes, group=self.ep_group)
-        recv_lat = dist_fn.all_to_all_single(lat_NL.new_empty(sum(recv_sizes), lat_NL.shape[1]), lat_NL[tok],
-                                             recv_sizes, send_sizes, group=self.ep_group)
-
-        # the local experts on what arrived
-        out = torch.zeros_like(recv_lat)
-        local_e = recv_e - self.ep_rank * self.local_experts
-        for e in local_e.unique().tolist():
-            rows = torch.where(local_e == e)[0]
-            out = out.index_add(0, rows, self.expert(e, recv_lat[rows]))
-
-        # return to the senders, in the order they were sent, and combine with the router's weights
-        back = dist_fn.all_to_all_single(lat_NL.new_empty(len(tok), lat_NL.shape[1]), out, send_sizes, recv_sizes,
-                                         group=self.ep_group)
-        u = torch.zeros_like(lat_NL).index_add(0, tok, back * w_Nk.flatten()[order, None].to(back.dtype))
+        u = dispatch_combine(self.down(x), idx_Nk, w_Nk, self.expert, group=self.ep_group, rank=self.ep_rank,
+                             local_experts=self.local_experts)
         y = self.up(self.latent_norm(u))
         if self.shared is not None:
             y = y + self.shared(x)
-        load = torch.bincount(flat_e, minlength=self.a.n_routed_experts)
+        load = torch.bincount(idx_Nk.flatten(), minlength=self.a.n_routed_experts)
         info = {"experts": idx_Nk.view(B, T, -1), "load": load, "scores": scores.detach().float(), "replayed": replayed}
         return y.view(B, T, D), info
 
 
-def expert_params(moe: LatentMoE) -> list[nn.Parameter]:
-    return [moe.w_gate_EFL, moe.w_up_EFL, moe.w_down_ELF]
+def _split_experts(module: nn.Module, names: tuple[str, ...], n_experts: int, group: dist.ProcessGroup) -> None:
+    """Keep this rank's contiguous block of each expert-stacked parameter (dim 0 = expert)."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if n_experts % size:
+        raise ValueError(f"expert parallelism: {n_experts} routed experts do not split over {size} ranks; "
+                         "pick a learner world size that divides the expert count")
+    n = n_experts // size
+    with torch.no_grad():
+        for name in names:
+            full = getattr(module, name)
+            setattr(module, name, nn.Parameter(full[rank * n : (rank + 1) * n].clone(), requires_grad=full.requires_grad))
+    module.ep_group, module.ep_size, module.ep_rank, module.local_experts = group, size, rank, n
+
+
+def expert_params(module: ExpertParallel) -> list[nn.Parameter]:
+    return [getattr(module, name) for name in module.ep_params]
 
 
 def shard_experts(moe: LatentMoE, group: dist.ProcessGroup) -> ExpertParallelMoE:
     """Keep this rank's block of `moe`'s routed experts and make it dispatch across `group`."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    E = moe.a.n_routed_experts
-    if E % size:
-        raise ValueError(f"expert parallelism: {E} routed experts do not split over {size} ranks")
-    n = E // size
-    with torch.no_grad():
-        for name in ("w_gate_EFL", "w_up_EFL", "w_down_ELF"):
-            full = getattr(moe, name)
-            setattr(moe, name, nn.Parameter(full[rank * n : (rank + 1) * n].clone(), requires_grad=full.requires_grad))
+    _split_experts(moe, ExpertParallelMoE.ep_params, moe.a.n_routed_experts, group)
     moe.__class__ = ExpertParallelMoE
-    moe.ep_group, moe.ep_size, moe.ep_rank, moe.local_experts = group, size, rank, n
     return moe
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face MoE checkpoints (Qwen3-MoE / Qwen2-MoE layout)
+
+
+def _hf_experts_forward(self, hidden_states_ND, top_k_index_Nk, top_k_weights_Nk):
+    """The experts module's forward with its experts split across ranks (same math as
+    transformers' eager loop: act(gate) · up, then down, per expert)."""
+
+    def run(e, x):
+        gate, up = nn.functional.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e])
+
+    return dispatch_combine(hidden_states_ND, top_k_index_Nk, top_k_weights_Nk, run, group=self.ep_group,
+                            rank=self.ep_rank, local_experts=self.local_experts).to(hidden_states_ND.dtype)
+
+
+def _is_hf_experts(module: nn.Module) -> bool:
+    return hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and hasattr(module, "num_experts")
+
+
+def shard_hf_experts(experts: nn.Module, group: dist.ProcessGroup) -> nn.Module:
+    """Expert parallelism for a transformers experts module that stacks its experts in 3D tensors
+    (`gate_up_proj` E × 2F × D concatenated [gate; up], `down_proj` E × D × F: Qwen3-MoE, Qwen2-MoE).
+    Other layouts (transposed, interleaved, with biases) are refused by name."""
+    layout = {k: getattr(experts, k, v) for k, v in
+              (("is_transposed", False), ("is_concatenated", True), ("has_bias", False), ("has_gate", True))}
+    if layout != {"is_transposed": False, "is_concatenated": True, "has_bias": False, "has_gate": True}:
+        raise ValueError(f"expert parallelism: {type(experts).__name__} stores its experts as {layout}; "
+                         "only the concatenated, untransposed gate_up_proj/down_proj layout is supported")
+    _split_experts(experts, ("gate_up_proj", "down_proj"), experts.num_experts, group)
+    cls = type(experts)
+    experts.__class__ = type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls),
+                             {"forward": _hf_experts_forward, "ep_params": ("gate_up_proj", "down_proj")})
+    return experts
+
+
+class HFHiddenStates(nn.Module):
+    """A Hugging Face causal LM's trunk as the root FSDP unit (the `HiddenStates` of an HF model):
+    forward gives the last hidden states; `lm.lm_head` stays gathered for the caller's head."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids_BT, attention_mask_BT=None):
+        return self.lm.model(input_ids=input_ids_BT, attention_mask=attention_mask_BT).last_hidden_state
+
+
+def parallelize_hf(lm: nn.Module, group: dist.ProcessGroup | None = None, *, expert_parallel: bool = True,
+                   root: nn.Module | None = None) -> nn.Module:
+    """Expert parallelism (3D-stacked experts, see `shard_hf_experts`), then FSDP2 on every decoder
+    layer and the root (`root`: what callers run, default `HFHiddenStates(lm)`'s owner `lm`); in place."""
+    from torch.distributed.fsdp import fully_shard
+
+    group = group or dist.group.WORLD
+    mesh = _mesh(group, next(lm.parameters()).device.type)
+    ignored: set[nn.Parameter] = set()
+    if expert_parallel:
+        for experts in [m for m in lm.modules() if _is_hf_experts(m)]:
+            ignored.update(expert_params(shard_hf_experts(experts, group)))
+    units = list(lm.model.layers)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, ignored_params=ignored)
+    root = root if root is not None else lm
+    fully_shard(root, mesh=mesh, reshard_after_forward=False, ignored_params=ignored)
+    for unit in units + [root]:
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+    return lm
 
 
 class HiddenStates(nn.Module):
@@ -160,6 +257,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def fill_expert_grads(model: nn.Module) -> None:
+    """Zero gradients for expert blocks that got none. A rank whose experts received no token in a
+    step has no gradient for its block, but the single-process model's stacked expert tensor always
+    has one (zeros where no token went), so AdamW still applies its momentum and weight decay there;
+    call after the step's backward passes, before clipping and the optimizer step."""
+    for mod in {id(m): m for m in _expert_modules(model).values()}.values():
+        for p in expert_params(mod):
+            if p.grad is None and p.requires_grad:
+                p.grad = torch.zeros_like(p)
+
+
 def clip_grad_norm_(model: nn.Module, max_norm: float, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Clip the global gradient norm (FSDP shards and expert blocks are disjoint across ranks, so
     the squared norm is the sum of every rank's local squares); returns the norm before clipping."""
@@ -186,7 +294,7 @@ def gather_full_state(model: nn.Module, group: dist.ProcessGroup | None = None, 
     return {name: _full(t, experts.get(name)).clone() for name, t in items}
 
 
-def _full(t: torch.Tensor, ep_owner: "ExpertParallelMoE | None") -> torch.Tensor:
+def _full(t: torch.Tensor, ep_owner: "ExpertParallel | None") -> torch.Tensor:
     """The whole tensor behind this rank's piece: an expert block all-gathered over its group and
     concatenated in rank order, an FSDP shard all-gathered, anything else as it is. Collective."""
     if ep_owner is not None:
@@ -200,10 +308,10 @@ def _full(t: torch.Tensor, ep_owner: "ExpertParallelMoE | None") -> torch.Tensor
 # Sharded checkpoints and streamed full weights
 
 
-def _expert_modules(model: nn.Module) -> dict[str, ExpertParallelMoE]:
-    """Parameter name → its ExpertParallelMoE, for every expert block."""
-    return {f"{name}.{p}": mod for name, mod in model.named_modules() if isinstance(mod, ExpertParallelMoE)
-            for p in ("w_gate_EFL", "w_up_EFL", "w_down_ELF")}
+def _expert_modules(model: nn.Module) -> dict[str, ExpertParallel]:
+    """Parameter name → its expert-parallel module, for every expert block."""
+    return {f"{name}.{p}": mod for name, mod in model.named_modules() if isinstance(mod, ExpertParallel)
+            for p in mod.ep_params}
 
 
 def _as_shards(sd: dict, experts: dict, fqn: str | None = None) -> dict:
