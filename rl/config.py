@@ -170,6 +170,16 @@ class AlgoConfig:
 
 
 @dataclass
+class LearnerConfig:
+    world_size: int = 1
+    """Learner ranks (Ray actors) training one model together in a torch.distributed group: FSDP2 shards parameters, gradients and optimizer state, MoE experts are split across ranks (policy/parallelize.py), each optimiser step's micro-batches are shared out by tokens. 1: a single plain learner."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """Process-group backend for world_size > 1: auto is nccl when the learner sees a GPU, else gloo."""
+    expert_parallel: bool = True
+    """Split each MoE layer's routed experts across the ranks (all-to-all dispatch); off: experts are FSDP-sharded like the rest. The expert count must divide by world_size."""
+
+
+@dataclass
 class RayConfig:
     address: str = ""
     """Existing cluster address; empty starts a local Ray bound to loopback."""
@@ -184,9 +194,9 @@ class RayConfig:
     env_worker_resources: dict = field(default_factory=dict)
     """Custom Ray resources each EnvWorker actor requests (e.g. {env_worker: 1})."""
     learner_resources: dict = field(default_factory=dict)
-    """Custom Ray resources the learner requests (e.g. {learner: 1})."""
+    """Custom Ray resources each learner rank requests (e.g. {learner: 1})."""
     learner_cpus: float = 0.0
-    """Ray CPUs reserved for the learner (0: it shares the driver's node without a reservation)."""
+    """Ray CPUs reserved for each learner rank (0: it shares the node without a reservation)."""
     local_resources: dict = field(default_factory=dict)
     """Custom resources the local Ray advertises (ignored with `address`): lets a one-machine run use the same placement."""
     max_restarts: int = 3
@@ -265,6 +275,8 @@ class RunConfig:
     """Rollout workers and the agent loop."""
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     """The learner's algorithm."""
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    """How many learner ranks train the policy together."""
     ray: RayConfig = field(default_factory=RayConfig)
     """Where actors run."""
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
@@ -288,6 +300,7 @@ class RunConfig:
             ("rollout.max_turns", self.rollout.max_turns >= 1, "must be >= 1"),
             ("rollout.max_new_tokens", self.rollout.max_new_tokens >= 1, "must be >= 1"),
             ("rollout.max_batch", self.rollout.max_batch >= 1, "must be >= 1"),
+            ("learner.world_size", self.learner.world_size >= 1, "must be >= 1"),
             ("policy.flavour", not (self.policy.flavour and self.policy.path), "and policy.path exclude each other (a flavour makes a new random policy)"),
             ("rollout.engine", not (self.rollout.engine == "vllm" and self.policy.flavour),
              "vllm cannot serve a policy.flavour model until its plugin lands (issue 8): set rollout.engine=native"),

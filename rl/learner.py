@@ -22,6 +22,13 @@ learner scores the tokens with the experts that generated them and the router st
 share of recorded decisions the learner's router would have made differently is
 `router_decisions_differ`. Hugging Face MoE checkpoints replay through hooks on their routers
 (`rl/routing.py`, Qwen3-MoE-style top-k routers).
+
+Learner group (`learner.world_size` > 1, driven by rl/learner_group.py): each rank is one of these,
+`join`ed to a process group, its model sharded (FSDP2 + expert parallelism); every rank gets the
+whole batch and trains on its token share of each minibatch (rl/shares.py), the losses scaled by the
+minibatch's global counts so the summed gradients are the single learner's. The pre-update
+log-probs, the balancing scores and the metrics are gathered, so every rank takes the same
+decisions and rank 0 reports what a single learner would.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from rl.credit import token_advantages
 from rl.ppo import ValueHead, episode_targets, value_loss
 from rl.grpo import group_advantages, policy_loss, truncated_is_weights
 from rl.logprobs import chunked_logprobs, load_causal_lm
+from rl.shares import all_gather_objects, all_gather_rows, all_reduce_sum, deal_by_tokens, padded_slots
 from rl.trajectory import Trajectory
 
 
@@ -88,6 +96,7 @@ class Learner:
         self._tokenizer_path = policy_path
         self.value_head = None
         self._load(policy_path)
+        self.rank, self.world = 0, 1
         self.ref = None
         if algo.kl_beta:  # frozen copy of the starting policy
             self.ref = load_causal_lm(policy_path, self.dtype)
@@ -103,11 +112,37 @@ class Learner:
                 self.model.activation_checkpointing = True
             else:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        params = list(self.model.parameters())
         if self.cfg.name == "ppo":  # value head on the shared trunk
             self.value_head = ValueHead(self.lm.head.in_features).to(self.dtype)
+        self._make_optimizer()
+
+    def _make_optimizer(self) -> None:
+        """AdamW over the model (and value head); after `join`, over the sharded parameters."""
+        params = list(self.model.parameters())
+        if self.value_head is not None:
             params += list(self.value_head.parameters())
         self.opt = torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+
+    # --- learner group (rl/learner_group.py) ---
+    def address(self) -> str:
+        """host:port on this rank's node for the group's rendezvous (rank 0 is asked)."""
+        import socket
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return f"{host}:{s.getsockname()[1]}"
+
+    def join(self, master: str, rank: int, world_size: int, *, expert_parallel: bool = True) -> None:
+        """Join the group's gloo process group at `master` as `rank` and shard the model over it;
+        the optimizer is rebuilt over the shards. The frozen reference model (KL) stays whole on
+        every rank: it only runs forwards on the rank's own micro-batches."""
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=world_size)
+        self.rank, self.world = rank, world_size
+        self.lm.parallelize(expert_parallel=expert_parallel)
+        self._make_optimizer()
 
     @property
     def ref_model(self):
@@ -165,48 +200,59 @@ class Learner:
 
         The update uses the scores the step's forward produced, with the bias it had; it takes
         effect from the next forward (rollouts see it after the next weight sync)."""
-        if self.lm.kind != "policy" or not scores_per_micro:
-            return {}
+        if self.lm.kind != "policy" or not (scores_per_micro or self.world > 1):
+            return {}  # (in a group, a rank with only dummies still takes part in the collectives)
         from policy.balance import QuantileHistogram, load_imbalance, quantile_bias, sign_update
 
         out = {"router_load_max_over_mean": []}
         for layer, router in enumerate(self.model.routers()):
             a = router.a
-            scores = torch.cat([micro[layer] for micro in scores_per_micro])
+            scores = torch.cat([micro[layer] for micro in scores_per_micro] or [torch.zeros(0, a.n_routed_experts)])
             idx = (scores + router.bias).topk(a.top_k, dim=-1).indices
-            load = torch.bincount(idx.flatten(), minlength=a.n_routed_experts)
+            # every rank's tokens count: loads and histograms are summed, exact quantiles see all scores
+            load = all_reduce_sum(torch.bincount(idx.flatten(), minlength=a.n_routed_experts))
             out["router_load_max_over_mean"].append(load_imbalance(load))
             if a.balance == "quantile":
-                router.bias.copy_(quantile_bias(scores, router.bias, a.top_k))
+                router.bias.copy_(quantile_bias(all_gather_rows(scores), router.bias, a.top_k))
             elif a.balance == "quantile_hist":
                 hist = QuantileHistogram(a.n_routed_experts, a.top_k, a.hist_bins, a.hist_range)
-                for micro in scores_per_micro:  # per-micro-batch counts add up (as across workers)
+                for micro in scores_per_micro:  # per-micro-batch counts add up (as across ranks)
                     hist.add(micro[layer], router.bias)
+                all_reduce_sum(hist.counts_EB)
                 router.bias.copy_(hist.bias())
             elif a.balance == "sign":
                 router.bias.copy_(sign_update(load, router.bias, a.balance_rate))
-        return {"router_load_max_over_mean": max(out["router_load_max_over_mean"])}
+        return {"router_load_max_over_mean": max(out["router_load_max_over_mean"])} if out["router_load_max_over_mean"] else {}
 
     def plan(self, batch: list[Trajectory]) -> list[list[list[int]]]:
         """Minibatches of `minibatch_episodes` episodes (one optimiser step each), each packed into
         micro-batches whose padded size stays within `microbatch_tokens` (an episode longer than
-        the budget gets a micro-batch of its own)."""
+        the budget gets a micro-batch of its own). In a learner group: every rank's micro-batches."""
+        return [[m for share in mb for m in share] for mb in self.shares(batch)]
+
+    def shares(self, batch: list[Trajectory]) -> list[list[list[list[int]]]]:
+        """Per minibatch, per rank, that rank's micro-batches: the minibatch's episodes dealt to the
+        ranks by tokens, each share packed on its own (one share, the whole minibatch, alone)."""
         c = self.cfg
-        plan = []
+        lengths = [len(t.token_ids) for t in batch]
+        out = []
         for s in range(0, len(batch), c.minibatch_episodes):
-            idx = sorted(range(s, min(s + c.minibatch_episodes, len(batch))), key=lambda i: len(batch[i].token_ids))
-            micro, longest = [], 0
-            packed = []
-            for i in idx:
-                n = len(batch[i].token_ids)
-                if micro and max(longest, n) * (len(micro) + 1) > c.microbatch_tokens:
-                    packed.append(micro)
-                    micro, longest = [], 0
-                micro.append(i)
-                longest = max(longest, n)
+            idx = list(range(s, min(s + c.minibatch_episodes, len(batch))))
+            out.append([self._pack(share, lengths) for share in deal_by_tokens(idx, lengths, self.world)])
+        return out
+
+    def _pack(self, idx: list[int], lengths: list[int]) -> list[list[int]]:
+        micro, longest, packed = [], 0, []
+        for i in sorted(idx, key=lambda i: (lengths[i], i)):
+            n = lengths[i]
+            if micro and max(longest, n) * (len(micro) + 1) > self.cfg.microbatch_tokens:
+                packed.append(micro)
+                micro, longest = [], 0
+            micro.append(i)
+            longest = max(longest, n)
+        if micro:
             packed.append(micro)
-            plan.append(packed)
-        return plan
+        return packed
 
     def _advantages(self, batch, plan, old_v):
         """(advantages for a micro-batch's index list, PPO returns {episode: {position: R}}, mean |A|)."""
@@ -304,35 +350,29 @@ class Learner:
         if not batch:  # nothing to learn from; the version still advances so the loop stays uniform
             self.version += 1
             return {**dropped, "policy_version": self.version, "skipped_update": 1, "train_s": time.perf_counter() - t0}
-        plan = self.plan(batch)
-        old, old_v, ref, replays, diffs, kls, lags, replayed = {}, {}, {}, {}, [], [], [], []
+        shares = self.shares(batch)
+        plan = [[m for share in mb for m in share] for mb in shares]
+        mine = [padded_slots(mb, self.rank) for mb in shares]  # this rank's micro-batches, None: a dummy
+        old, old_v, ref, replays, replayed = {}, {}, {}, {}, []
         with torch.no_grad():
-            for micro in (m for mb in plan for m in mb):
-                ids, attn, mask, rollout = self._tensors([batch[i] for i in micro])
+            for micro in (m for slots in mine for m in slots):
+                if micro is None:
+                    self._dummy()
+                    continue
+                ids, attn, _, _ = self._tensors([batch[i] for i in micro])
                 key = tuple(micro)
                 # the recorded experts, built once and replayed in every forward of this micro-batch
                 replays[key] = self._routing([batch[i] for i in micro], ids.shape[1])
                 old[key], _, old_v[key] = self._logprobs(self.lm, ids, attn, routing=replays[key], replayed=replayed)
-                gen = mask.bool()
-                diffs.append((old[key] - rollout).abs()[gen])
-                d_rollout = (rollout - old[key])[gen]  # k3 estimate of KL(learner ‖ engine) per token
-                kls.append(torch.exp(d_rollout) - d_rollout - 1)
-                versions = torch.tensor(_pad([token_versions(batch[i]) for i in micro], -1))[:, 1:]
-                lags.append((self.version - versions)[gen])
                 if self.ref is not None:
                     ref[key], _, _ = self._logprobs(self.ref, ids, attn)
-        d, lag = torch.cat(diffs), torch.cat(lags)
-        # How far the engine's log-probs are from the weights about to be trained: numerical noise
-        # for tokens of the current version, real policy lag for stale ones (async mode). The
-        # truncated importance weights min(π_old/π_rollout, cap) correct both; the split by version
-        # shows which one a gap comes from.
-        out = {**dropped, "rollout_logprob_diff_mean": float(d.mean()), "rollout_logprob_diff_max": float(d.max()),
-               "rollout_kl": float(torch.cat(kls).mean()),
-               "staleness_token_mean": float(lag.float().mean())}
-        if bool((lag > 0).any()):
-            out["rollout_logprob_diff_mean_stale"] = float(d[lag > 0].mean())
-        if bool((lag == 0).any()):
-            out["rollout_logprob_diff_mean_current"] = float(d[lag == 0].mean())
+        if self.world > 1:  # every rank needs every micro-batch's numbers (advantages, KL, annotations)
+            parts = all_gather_objects((old, old_v, ref, replayed))
+            for part in parts:
+                for own, theirs in zip((old, old_v, ref), part[:3]):
+                    own.update(theirs)
+            replayed = [r for part in parts for r in part[3]]
+        out = {**dropped, **self._rollout_gap(batch, plan, old)}
         n_replayed, n_differ = (sum(r[j] for r in replayed) for j in (0, 1))
         if n_replayed:  # token × MoE-layer decisions taken from the rollout engine's record
             out.update(routing_replay_decisions=n_replayed, router_decisions_differ=n_differ / n_replayed)
@@ -340,16 +380,20 @@ class Learner:
             batch, penalty = self._kl_in_reward(batch, plan, old, ref)
             out["kl_reward_penalty_mean"] = penalty
         adv_of, returns, adv_abs = self._advantages(batch, plan, old_v)
-        out["annotations"] = self._annotations(batch, plan, old, adv_of)
+        if self.rank == 0:
+            out["annotations"] = self._annotations(batch, plan, old, adv_of)
         stats: dict[str, list[float]] = {}
         for _ in range(c.epochs):
-            for mb in plan:
+            for mb, slots in zip(plan, mine):
                 n_tokens = sum(batch[i].num_generated for m in mb for i in m)
                 n_seqs = sum(len(m) for m in mb)
                 self.opt.zero_grad(set_to_none=True)
                 total = 0.0
                 routing: list = []
-                for micro in mb:
+                for micro in slots:
+                    if micro is None:
+                        self._dummy(backward=True)
+                        continue
                     key = tuple(micro)
                     ids, attn, mask, rollout = self._tensors([batch[i] for i in micro])
                     logp, ent, values = self._logprobs(self.lm, ids, attn, with_entropy=bool(c.entropy_coef),
@@ -371,12 +415,17 @@ class Learner:
                     total += loss.item()
                     for k, v in m.items():
                         stats.setdefault(k, []).append(v)
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.max_grad_norm)
-                self.opt.step()
+                grad_norm = self._clip_and_step()
                 for k, v in self.balance_routers(routing).items():
                     stats.setdefault(k, []).append(v)
-                stats.setdefault("loss", []).append(total)
-                stats.setdefault("grad_norm", []).append(float(grad_norm))
+                stats.setdefault("loss", []).append(float(all_reduce_sum(torch.tensor(total, dtype=torch.float64))))
+                stats.setdefault("grad_norm", []).append(grad_norm)
+        if self.world > 1:  # per-micro-batch metrics from every rank, as one learner would average them
+            merged: dict[str, list[float]] = {}
+            for part in all_gather_objects(stats):
+                for k, v in part.items():
+                    merged.setdefault(k, []).extend(v)
+            stats = merged
         self.version += 1
         out.update({k: float(np.mean(v)) for k, v in stats.items()})
         out.update(
@@ -386,6 +435,57 @@ class Learner:
             train_s=time.perf_counter() - t0,
         )
         return out
+
+    def _rollout_gap(self, batch, plan, old) -> dict:
+        """How far the engine's log-probs are from the weights about to be trained: numerical noise
+        for tokens of the current version, real policy lag for stale ones (async mode). The
+        truncated importance weights min(π_old/π_rollout, cap) correct both; the split by version
+        shows which one a gap comes from."""
+        diffs, kls, lags = [], [], []
+        for micro in (m for mb in plan for m in mb):
+            _, _, mask, rollout = self._tensors([batch[i] for i in micro])
+            gen, lp = mask.bool(), old[tuple(micro)]
+            diffs.append((lp - rollout).abs()[gen])
+            d_rollout = (rollout - lp)[gen]  # k3 estimate of KL(learner ‖ engine) per token
+            kls.append(torch.exp(d_rollout) - d_rollout - 1)
+            versions = torch.tensor(_pad([token_versions(batch[i]) for i in micro], -1))[:, 1:]
+            lags.append((self.version - versions)[gen])
+        d, lag = torch.cat(diffs), torch.cat(lags)
+        out = {"rollout_logprob_diff_mean": float(d.mean()), "rollout_logprob_diff_max": float(d.max()),
+               "rollout_kl": float(torch.cat(kls).mean()), "staleness_token_mean": float(lag.float().mean())}
+        if bool((lag > 0).any()):
+            out["rollout_logprob_diff_mean_stale"] = float(d[lag > 0].mean())
+        if bool((lag == 0).any()):
+            out["rollout_logprob_diff_mean_current"] = float(d[lag == 0].mean())
+        return out
+
+    def _dummy(self, backward: bool = False) -> None:
+        """A two-token forward (and backward of zero loss) for a rank with fewer micro-batches than
+        another: the collectives inside must run on every rank. Its gradients are zeros."""
+        ids = torch.zeros(1, 2, dtype=torch.long)
+        logp, _, values = self._logprobs(self.lm, ids, torch.ones_like(ids))
+        if backward:
+            loss = logp.sum() * 0.0
+            if values is not None:
+                loss = loss + values.sum() * 0.0
+            loss.backward()
+
+    def _clip_and_step(self) -> float:
+        """Clip the global gradient norm and step; in a group, the value head's (unsharded)
+        gradients are summed first and the norm covers every rank's shards."""
+        c = self.cfg
+        if self.world == 1:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.max_grad_norm)
+        else:
+            from policy.parallelize import clip_grad_norm_, fill_expert_grads
+
+            fill_expert_grads(self.model)
+            for p in self.value_head.parameters() if self.value_head is not None else []:
+                if p.grad is not None:
+                    all_reduce_sum(p.grad)
+            grad_norm = clip_grad_norm_(self.model, c.max_grad_norm)
+        self.opt.step()
+        return float(grad_norm)
 
     @torch.no_grad()
     def logprobs(self, token_ids: list[int]) -> list[float]:
@@ -398,53 +498,122 @@ class Learner:
     @torch.no_grad()
     def weights(self) -> list[tuple[str, np.ndarray]]:
         """The current weights as (HF name, numpy array): Ray stores numpy zero-copy, so every
-        rollout worker on the node reads the same shared-memory buffers."""
+        rollout worker on the node reads the same shared-memory buffers. In a group: gathered,
+        on rank 0 (collective; the other ranks return nothing)."""
+        if self.world > 1:
+            named = list(self._full_weights())
+            return named if self.rank == 0 else []
         return [(name, p.detach().cpu().numpy()) for name, p in self.model.state_dict().items()]
+
+    def _full_weights(self):
+        """In a group: (name, full array), gathered one tensor at a time on every rank (collective)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        from policy.parallelize import iter_full_weights
+
+        for m in self.lm.root.modules():  # the root stays gathered after a forward without backward
+            if isinstance(m, FSDPModule):
+                m.reshard()
+        return iter_full_weights(self.model)
 
     def publish(self, bucket_mb: float):
         """Put the current weights into Ray's object store in buckets (rl/sync.py); the manifest
-        names this version."""
+        names this version. In a group every rank gathers tensor by tensor and rank 0 puts the
+        buckets as they fill, so no rank holds a full copy of the model (the others return None)."""
         from rl.sync import publish
 
-        return publish(self.weights(), self.version, bucket_mb)
+        if self.world == 1:
+            return publish(self.weights(), self.version, bucket_mb)
+        named = self._full_weights()
+        if self.rank == 0:
+            return publish(named, self.version, bucket_mb)
+        for _ in named:  # take part in every gather
+            pass
+        return None
 
     def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
         """A checkpoint directory (Hugging Face format, or the policy's own) plus `trainer_state.pt`
-        (optimiser, version, RNG, `extra`).
+        (optimiser, version, RNG, `extra`). A learner group also writes `sharded/` (every rank's
+        parameter and optimizer shards, torch.distributed.checkpoint; resumable on another number
+        of ranks) and rank 0 the full weights beside it, so engines and `longhorizon eval` read the
+        checkpoint like any other; its optimizer state lives only in `sharded/`.
 
         Written to a temporary directory and renamed, so a kill mid-save leaves the previous
         checkpoints as they were and never a partial one under the final name."""
         out = Path(path)
         tmp = out.with_name(f".{out.name}.tmp")
-        if tmp.exists():
+        state = None
+        if self.world > 1:
+            import torch.distributed as dist
+
+            from policy.parallelize import save_sharded
+
+            if self.rank == 0:
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                (tmp / "sharded").mkdir(parents=True)
+            dist.barrier()
+            save_sharded(self.model, self.opt, str(tmp / "sharded"))
+            full = {name: torch.from_numpy(a) for name, a in self._full_weights()}
+            if self.rank != 0:
+                dist.barrier()  # rank 0 renames the directory
+                return str(out)
+            state = full
+        elif tmp.exists():
             shutil.rmtree(tmp)
-        if self.lm.kind == "policy":
-            from policy.checkpoint import save_policy
+        try:
+            if self.lm.kind == "policy":
+                from policy.checkpoint import save_policy
 
-            save_policy(self.model, tmp)
-        else:
-            self.model.save_pretrained(tmp)
-        # with its tokenizer, so engines and `longhorizon eval` load the checkpoint alone (a
-        # `policy/` checkpoint may come without one)
-        if (Path(self._tokenizer_path) / "tokenizer_config.json").exists():
-            from transformers import AutoTokenizer
+                save_policy(self.model, tmp, state)
+            else:
+                self.model.save_pretrained(tmp, state_dict=state)
+            # with its tokenizer, so engines and `longhorizon eval` load the checkpoint alone (a
+            # `policy/` checkpoint may come without one)
+            if (Path(self._tokenizer_path) / "tokenizer_config.json").exists():
+                from transformers import AutoTokenizer
 
-            AutoTokenizer.from_pretrained(self._tokenizer_path).save_pretrained(tmp)
-        state = {"optimizer": self.opt.state_dict(), "version": self.version, "torch_rng": torch.get_rng_state(),
-                 "value_head": self.value_head.state_dict() if self.value_head is not None else None, **(extra or {})}
-        torch.save(state, tmp / "trainer_state.pt")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+                AutoTokenizer.from_pretrained(self._tokenizer_path).save_pretrained(tmp)
+            trainer_state = {"version": self.version, "torch_rng": torch.get_rng_state(),
+                             "value_head": self.value_head.state_dict() if self.value_head is not None else None,
+                             **(extra or {})}
+            if self.world > 1:
+                trainer_state["sharded_world_size"] = self.world
+            else:
+                trainer_state["optimizer"] = self.opt.state_dict()
+            torch.save(trainer_state, tmp / "trainer_state.pt")
+            if out.exists():
+                shutil.rmtree(out)
+            os.replace(tmp, out)
+        finally:
+            if self.world > 1:
+                import torch.distributed as dist
+
+                dist.barrier()
         return str(out)
 
     def load_checkpoint(self, path: str) -> dict:
-        """Restore weights, optimiser state, version and RNG from `save_checkpoint`'s directory."""
+        """Restore weights, optimiser state, version and RNG from `save_checkpoint`'s directory;
+        a group reads `sharded/` whatever number of ranks wrote it."""
         state = torch.load(Path(path) / "trainer_state.pt", weights_only=False)
-        self._load(path)
+        saved_by = state.get("sharded_world_size")
+        if self.world > 1:
+            if not saved_by:
+                raise ValueError(f"{path} was saved by a single learner: its optimizer state cannot be sharded "
+                                 "here; resume with learner.world_size=1, or start a new run from its weights "
+                                 "(policy.path)")
+            from policy.parallelize import load_sharded
+
+            load_sharded(self.model, self.opt, str(Path(path) / "sharded"))
+        else:
+            if saved_by:
+                raise ValueError(f"{path} was saved by a learner group of {saved_by} ranks (optimizer state in "
+                                 "sharded/): resume with learner.world_size > 1, or start a new run from its "
+                                 "weights (policy.path)")
+            self._load(path)
+            self.opt.load_state_dict(state["optimizer"])
         if self.value_head is not None and state.get("value_head"):
             self.value_head.load_state_dict(state["value_head"])
-        self.opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         self.version = state["version"]
         return {k: v for k, v in state.items() if k not in ("optimizer", "torch_rng", "value_head")}

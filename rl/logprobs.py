@@ -60,6 +60,7 @@ class CausalLM:
 
     def __init__(self, module: torch.nn.Module, kind: str):
         self.module, self.kind = module, kind
+        self.root: torch.nn.Module | None = None  # the root FSDP unit once `parallelize` has run
         self.banned_ids = module.never_generated() if kind == "policy" else []
         self.hf_replay = None
         if kind == "hf":
@@ -86,14 +87,30 @@ class CausalLM:
         replays recorded expert ids (`routing`, L × B × T × k, -1 where none); right padding needs
         no mask there (every layer is causal, padding only follows real tokens)."""
         if self.kind == "policy":
-            return self.module.hidden_states(input_ids, routing=routing)
+            return (self.root or self.module.hidden_states)(input_ids, routing=routing)
         self.hf_replay.set(routing)
         try:
-            h = self.module.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+            if self.root is not None:
+                h = self.root(input_ids, attention_mask)
+            else:
+                h = self.module.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             counts = tuple(self.hf_replay.counts)
         finally:
             self.hf_replay.set(None)
         return h, ({"replayed": counts, "scores": []} if routing is not None else None)
+
+
+    def parallelize(self, group=None, *, expert_parallel: bool = True) -> None:
+        """Shard the model over `group` (FSDP2 + expert parallelism, policy/parallelize.py), with
+        its trunk as the root unit so the head can be applied after the forward, as here."""
+        from policy.parallelize import HFHiddenStates, HiddenStates, parallelize, parallelize_hf
+
+        if self.kind == "policy":
+            self.root = HiddenStates(self.module)
+            parallelize(self.module, group, expert_parallel=expert_parallel, root=self.root)
+        else:
+            self.root = HFHiddenStates(self.module)
+            parallelize_hf(self.module, group, expert_parallel=expert_parallel, root=self.root)
 
 
 def load_causal_lm(path: str | Path, dtype: torch.dtype) -> CausalLM:

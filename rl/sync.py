@@ -133,7 +133,9 @@ def start_sync(learner, workers: list, bucket_mb: float, indices: list[int] | No
     after the publish; on each worker the load runs after the calls already queued there).
     `indices` names the workers in errors (default: their positions in `workers`)."""
     t0 = time.perf_counter()
-    manifest = ray.get(learner.publish.remote(bucket_mb))
+    from rl.learner_group import result
+
+    manifest = result(learner.publish.remote(bucket_mb))  # a learner group answers with rank 0's manifest
     publish_s = time.perf_counter() - t0
     indices = list(range(len(workers))) if indices is None else indices
     futures = {w.load_weights.remote(manifest): i for i, w in zip(indices, workers)}

@@ -54,7 +54,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rl.config import RunConfig, dump_config
-from rl.learner import LearnerActor
+from rl.learner_group import LearnerGroup, result
 from rl.ray_utils import init_ray
 from rl.store import TrajectoryStore
 from rl.trajectory import Trajectory
@@ -217,14 +217,14 @@ class Trainer:
         init_ray(self.cfg.ray)
         c = self.cfg
         self.console.log(f"starting {c.rollout.num_workers} rollout worker(s), {c.env.workers} env worker(s) "
-                         "and the learner")
+                         f"and {c.learner.world_size} learner rank(s)")
         r = c.ray
         # the learner holds the run's state: never restarted by Ray (max_restarts=0), resumed from a checkpoint
-        self.learner = LearnerActor.options(num_cpus=r.learner_cpus, resources=dict(r.learner_resources),
-                                            max_restarts=0).remote(
+        self.learner = LearnerGroup(
+            c.learner.world_size, dict(num_cpus=r.learner_cpus, resources=dict(r.learner_resources), max_restarts=0),
             path, c.algo, seed=c.seed, dtype=c.policy.dtype, temperature=c.rollout.temperature,
             max_generated_tokens=c.rollout.max_turns * c.rollout.max_new_tokens,
-            max_staleness=self.staleness_bound(),
+            max_staleness=self.staleness_bound(), expert_parallel=c.learner.expert_parallel,
         )
         rollouts = self.source is None  # training from a store needs no engines and no environments
         self.env_workers = [
@@ -241,7 +241,8 @@ class Trainer:
             for i in range(c.rollout.num_workers if rollouts else 0)
         ]
         self._outstanding = [{} for _ in self.workers]
-        ray.get([w.version.remote() for w in self.workers] + [self.learner.logprobs.remote([0, 0])])
+        ray.get([w.version.remote() for w in self.workers])
+        self.learner.call("logprobs", [0, 0])
         if ckpt is not None:
             self._resume_from(ckpt)
 
@@ -390,9 +391,9 @@ class Trainer:
             out[f"eval/pass@{e.k}"] = s[f"pass@{e.k}"]
         return out
 
-    def _learner_get(self, ref, during: str):
+    def _learner_get(self, refs, during: str):
         with self._learner_alive(during):
-            return ray.get(ref)
+            return result(refs)
 
     @contextmanager
     def _learner_alive(self, during: str):
@@ -513,6 +514,6 @@ class Trainer:
             self.wandb.close()
             self.wandb = None
         self._inflight, self._syncs = {}, []
-        for actor in self.workers + self.env_workers + ([self.learner] if self.learner is not None else []):
+        for actor in self.workers + self.env_workers + (self.learner.actors if self.learner is not None else []):
             ray.kill(actor)
         self.workers, self.env_workers, self.learner = [], [], None

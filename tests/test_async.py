@@ -73,7 +73,7 @@ def test_after_the_last_bucketed_sync_the_engine_matches_the_learner(async_run):
     trainer, _, run_dir = async_run
     t = next(iter(TrajectoryStore(run_dir).trajectories()))
     ids = t.token_ids[:200]
-    learner = ray.get(trainer.learner.logprobs.remote(ids))
+    learner = trainer.learner.call("logprobs", ids)
     engine = ray.get(trainer.workers[0].score.remote(ids))
     assert max(abs(a - b) for a, b in zip(learner, engine)) < TOL
 

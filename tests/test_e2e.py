@@ -27,7 +27,7 @@ def stored(e2e_run):
 def test_versions_advance_on_every_worker(e2e_run):
     trainer, rows, _ = e2e_run
     assert [r["policy_version"] for r in rows] == [1, 2]
-    n_bytes = ray.get(trainer.learner.weights.remote())
+    n_bytes = trainer.learner.call("weights")
     assert all(r["sync_bytes"] == sum(a.nbytes for _, a in n_bytes) > 0 for r in rows)
     assert all(r["sync_buckets"] > 2 for r in rows)  # the fixture's small buckets: a sync in several parts
     assert [r["sync_version"] for r in rows] == [1, 2]
@@ -73,7 +73,7 @@ def test_learner_records_every_trained_episode(e2e_run, stored):
 def test_learner_weights_moved(e2e_run, hf_model, stored):
     trainer, _, _ = e2e_run
     ids = stored[0].token_ids
-    now = torch.tensor(ray.get(trainer.learner.logprobs.remote(ids)))
+    now = torch.tensor(trainer.learner.call("logprobs", ids))
     with torch.no_grad():
         t = torch.tensor([ids])
         from rl.grpo import token_logprobs
@@ -91,7 +91,7 @@ def test_after_sync_engines_match_learner_on_cached_prefix(e2e_run, stored):
     for i, worker in enumerate(trainer.workers):
         gen = ray.get(worker.generate.remote(prompt, 12, 1234 + i))
         full = prompt + gen.token_ids
-        learner = torch.tensor(ray.get(trainer.learner.logprobs.remote(full)))
+        learner = torch.tensor(trainer.learner.call("logprobs", full))
         err = (learner[len(prompt) - 1 :] - torch.tensor(gen.logprobs)).abs().max().item()
         assert err < TOL, f"worker {i}: sampled-token log-probs differ from the learner's by {err}"
         scored = torch.tensor(ray.get(worker.score.remote(full)))

@@ -51,7 +51,7 @@ def test_after_sync_the_workers_serve_the_learners_weights(policy_run):
     trainer, _, run_dir = policy_run
     (traj, *_) = TrajectoryStore(run_dir).trajectories()
     ids = traj.token_ids[:200]
-    learner = np.array(ray.get(trainer.learner.logprobs.remote(ids)))
+    learner = np.array(trainer.learner.call("logprobs", ids))
     for w in trainer.workers:
         assert np.abs(np.array(ray.get(w.score.remote(ids))) - learner).max() < 1e-3
 
