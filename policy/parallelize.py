@@ -294,7 +294,7 @@ def gather_full_state(model: nn.Module, group: dist.ProcessGroup | None = None, 
     return {name: _full(t, experts.get(name)).clone() for name, t in items}
 
 
-def _full(t: torch.Tensor, ep_owner: "ExpertParallel | None") -> torch.Tensor:
+def _full(t: torch.Tensor, ep_owner: ExpertParallel | None) -> torch.Tensor:
     """The whole tensor behind this rank's piece: an expert block all-gathered over its group and
     concatenated in rank order, an FSDP shard all-gathered, anything else as it is. Collective."""
     if ep_owner is not None:

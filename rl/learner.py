@@ -33,10 +33,7 @@ decisions and rank 0 reports what a single learner would.
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
-from pathlib import Path
 
 import numpy as np
 import ray
@@ -44,10 +41,16 @@ import torch
 
 from rl.config import AlgoConfig
 from rl.credit import token_advantages
-from rl.ppo import ValueHead, episode_targets, value_loss
 from rl.grpo import group_advantages, policy_loss, truncated_is_weights
 from rl.logprobs import chunked_logprobs, load_causal_lm
-from rl.shares import all_gather_objects, all_gather_rows, all_reduce_sum, deal_by_tokens, padded_slots
+from rl.ppo import ValueHead, episode_targets, value_loss
+from rl.shares import (
+    all_gather_objects,
+    all_gather_rows,
+    all_reduce_sum,
+    deal_by_tokens,
+    padded_slots,
+)
 from rl.trajectory import Trajectory
 
 
@@ -202,7 +205,12 @@ class Learner:
         effect from the next forward (rollouts see it after the next weight sync)."""
         if self.lm.kind != "policy" or not (scores_per_micro or self.world > 1):
             return {}  # (in a group, a rank with only dummies still takes part in the collectives)
-        from policy.balance import QuantileHistogram, load_imbalance, quantile_bias, sign_update
+        from policy.balance import (
+            QuantileHistogram,
+            load_imbalance,
+            quantile_bias,
+            sign_update,
+        )
 
         out = {"router_load_max_over_mean": []}
         for layer, router in enumerate(self.model.routers()):
@@ -501,11 +509,11 @@ class Learner:
         rollout worker on the node reads the same shared-memory buffers. In a group: gathered,
         on rank 0 (collective; the other ranks return nothing)."""
         if self.world > 1:
-            named = list(self._full_weights())
+            named = list(self.full_weights())
             return named if self.rank == 0 else []
         return [(name, p.detach().cpu().numpy()) for name, p in self.model.state_dict().items()]
 
-    def _full_weights(self):
+    def full_weights(self):
         """In a group: (name, full array), gathered one tensor at a time on every rank (collective)."""
         from torch.distributed.fsdp import FSDPModule
 
@@ -524,7 +532,7 @@ class Learner:
 
         if self.world == 1:
             return publish(self.weights(), self.version, bucket_mb)
-        named = self._full_weights()
+        named = self.full_weights()
         if self.rank == 0:
             return publish(named, self.version, bucket_mb)
         for _ in named:  # take part in every gather
@@ -532,91 +540,17 @@ class Learner:
         return None
 
     def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
-        """A checkpoint directory (Hugging Face format, or the policy's own) plus `trainer_state.pt`
-        (optimiser, version, RNG, `extra`). A learner group also writes `sharded/` (every rank's
-        parameter and optimizer shards, torch.distributed.checkpoint; resumable on another number
-        of ranks) and rank 0 the full weights beside it, so engines and `longhorizon eval` read the
-        checkpoint like any other; its optimizer state lives only in `sharded/`.
+        """A checkpoint directory (rl/checkpoints.py: weights, tokenizer, `trainer_state.pt`, and a
+        group's `sharded/`), written under a temporary name and renamed."""
+        from rl.checkpoints import save_learner
 
-        Written to a temporary directory and renamed, so a kill mid-save leaves the previous
-        checkpoints as they were and never a partial one under the final name."""
-        out = Path(path)
-        tmp = out.with_name(f".{out.name}.tmp")
-        state = None
-        if self.world > 1:
-            import torch.distributed as dist
-
-            from policy.parallelize import save_sharded
-
-            if self.rank == 0:
-                if tmp.exists():
-                    shutil.rmtree(tmp)
-                (tmp / "sharded").mkdir(parents=True)
-            dist.barrier()
-            save_sharded(self.model, self.opt, str(tmp / "sharded"))
-            full = {name: torch.from_numpy(a) for name, a in self._full_weights()}
-            if self.rank != 0:
-                dist.barrier()  # rank 0 renames the directory
-                return str(out)
-            state = full
-        elif tmp.exists():
-            shutil.rmtree(tmp)
-        try:
-            if self.lm.kind == "policy":
-                from policy.checkpoint import save_policy
-
-                save_policy(self.model, tmp, state)
-            else:
-                self.model.save_pretrained(tmp, state_dict=state)
-            # with its tokenizer, so engines and `longhorizon eval` load the checkpoint alone (a
-            # `policy/` checkpoint may come without one)
-            if (Path(self._tokenizer_path) / "tokenizer_config.json").exists():
-                from transformers import AutoTokenizer
-
-                AutoTokenizer.from_pretrained(self._tokenizer_path).save_pretrained(tmp)
-            trainer_state = {"version": self.version, "torch_rng": torch.get_rng_state(),
-                             "value_head": self.value_head.state_dict() if self.value_head is not None else None,
-                             **(extra or {})}
-            if self.world > 1:
-                trainer_state["sharded_world_size"] = self.world
-            else:
-                trainer_state["optimizer"] = self.opt.state_dict()
-            torch.save(trainer_state, tmp / "trainer_state.pt")
-            if out.exists():
-                shutil.rmtree(out)
-            os.replace(tmp, out)
-        finally:
-            if self.world > 1:
-                import torch.distributed as dist
-
-                dist.barrier()
-        return str(out)
+        return save_learner(self, path, extra)
 
     def load_checkpoint(self, path: str) -> dict:
-        """Restore weights, optimiser state, version and RNG from `save_checkpoint`'s directory;
-        a group reads `sharded/` whatever number of ranks wrote it."""
-        state = torch.load(Path(path) / "trainer_state.pt", weights_only=False)
-        saved_by = state.get("sharded_world_size")
-        if self.world > 1:
-            if not saved_by:
-                raise ValueError(f"{path} was saved by a single learner: its optimizer state cannot be sharded "
-                                 "here; resume with learner.world_size=1, or start a new run from its weights "
-                                 "(policy.path)")
-            from policy.parallelize import load_sharded
+        """Restore weights, optimiser state, version and RNG from `save_checkpoint`'s directory."""
+        from rl.checkpoints import load_learner
 
-            load_sharded(self.model, self.opt, str(Path(path) / "sharded"))
-        else:
-            if saved_by:
-                raise ValueError(f"{path} was saved by a learner group of {saved_by} ranks (optimizer state in "
-                                 "sharded/): resume with learner.world_size > 1, or start a new run from its "
-                                 "weights (policy.path)")
-            self._load(path)
-            self.opt.load_state_dict(state["optimizer"])
-        if self.value_head is not None and state.get("value_head"):
-            self.value_head.load_state_dict(state["value_head"])
-        torch.set_rng_state(state["torch_rng"])
-        self.version = state["version"]
-        return {k: v for k, v in state.items() if k not in ("optimizer", "torch_rng", "value_head")}
+        return load_learner(self, path)
 
 
 LearnerActor = ray.remote(Learner)

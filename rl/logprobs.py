@@ -103,7 +103,12 @@ class CausalLM:
     def parallelize(self, group=None, *, expert_parallel: bool = True) -> None:
         """Shard the model over `group` (FSDP2 + expert parallelism, policy/parallelize.py), with
         its trunk as the root unit so the head can be applied after the forward, as here."""
-        from policy.parallelize import HFHiddenStates, HiddenStates, parallelize, parallelize_hf
+        from policy.parallelize import (
+            HFHiddenStates,
+            HiddenStates,
+            parallelize,
+            parallelize_hf,
+        )
 
         if self.kind == "policy":
             self.root = HiddenStates(self.module)

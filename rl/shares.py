@@ -42,7 +42,7 @@ def world() -> tuple[int, int]:
 
 def all_gather_objects(obj) -> list:
     """Every rank's `obj` (picklable), in rank order; [obj] without a process group."""
-    rank, size = world()
+    _, size = world()
     if size == 1:
         return [obj]
     out = [None] * size
@@ -52,7 +52,7 @@ def all_gather_objects(obj) -> list:
 
 def all_gather_rows(t_NE: torch.Tensor) -> torch.Tensor:
     """Every rank's rows concatenated in rank order (row counts may differ)."""
-    rank, size = world()
+    _, size = world()
     if size == 1:
         return t_NE
     n = torch.tensor([t_NE.shape[0]])

@@ -131,10 +131,11 @@ def test_a_two_rank_group_trains_the_policy_model_with_ppo_and_balancing_like_on
     single learner's, router biases included."""
     import dataclasses
 
+    from transformers import AutoTokenizer
+
     from policy.args import load_model_args
     from policy.checkpoint import make_tiny_policy
     from rl.learner_group import LearnerGroup
-    from transformers import AutoTokenizer
 
     args = load_model_args("configs/policy/debug.yaml")
     args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, balance=balance))
@@ -161,8 +162,8 @@ def test_the_quickstart_runs_with_a_two_rank_learner_and_resumes(ray_cluster, ti
     sharded checkpoint for a third iteration."""
     import numpy as np
     import ray
-
     from conftest import REPO
+
     from rl.config import load_config
     from rl.trainer import Trainer
 
