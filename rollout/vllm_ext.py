@@ -47,9 +47,15 @@ class WeightSyncExtension:
                 count += 1
                 yield name, value if isinstance(value, torch.Tensor) else torch.from_numpy(value)
 
+        model = self.model_runner.get_model()
+        if getattr(model, "loads_in_place", False):
+            # plain torch weights with no post-load processing (the policy/ plugin): copied into the
+            # served tensors one by one, each checked first, so a refused tensor leaves a working
+            # model (vLLM's layerwise reload would leave its layers on placeholder tensors)
+            model.load_weights(as_tensors())
+            return count
         self.reload_weights(weights_iterator=as_tensors(), is_checkpoint_format=True)
         if repack_moe:
-            model = self.model_runner.get_model()
             for module, fused in _fused_moe_modules(model):
                 fused.process_weights_after_loading(module)
         return count

@@ -58,8 +58,8 @@ def test_literal_and_range_checks(tmp_path):
         load_config(QUICKSTART, ["nope=1"])
     with pytest.raises(ConfigError, match="must look like section.key=value"):
         load_config(QUICKSTART, ["rollout.group_size"])
-    with pytest.raises(ConfigError, match="rollout.engine vllm cannot serve a policy.flavour model"):
-        load_config(QUICKSTART, ["policy.flavour=configs/policy/debug.yaml"])
+    # vLLM serves the policy/ model through the plugin: a flavour with the default engine is valid
+    assert load_config(QUICKSTART, ["policy.flavour=configs/policy/debug.yaml"]).rollout.engine == "vllm"
     with pytest.raises(ConfigError, match="rollout.engine native serves the policy/ model"):
         load_config(QUICKSTART, ["rollout.engine=native"])
     both = tmp_path / "policy.yaml"

@@ -2,7 +2,8 @@
 stop_token_ids, seeds, min_tokens) -> [Generation]`, `score(token_ids)`, `load_weights(named
 tensors, version)` and `version`.
 
-- `vllm`: rollout/vllm_engine.py, Hugging Face architectures through vLLM.
+- `vllm`: rollout/vllm_engine.py, Hugging Face architectures through vLLM, and the `policy/` model
+  through the project's vLLM plugin (rollout/vllm_plugin.py).
 - `native`: rollout/engines/native.py, the project's `policy/` model in plain PyTorch, recording
   routed experts.
 """
@@ -23,9 +24,6 @@ def make_engine(kind: str, policy_path: str, *, seed: int, max_model_len: int, d
 
         return NativeEngine(policy_path, seed=seed, max_model_len=max_model_len, dtype=dtype, max_batch=max_batch)
     if kind == "vllm":
-        if is_policy_checkpoint(policy_path):
-            raise ValueError(f"{policy_path} is a policy/ checkpoint, which vLLM cannot serve until its model plugin "
-                             "lands (issue #8); set rollout.engine=native")
         from rollout.vllm_engine import VLLMEngine
 
         return VLLMEngine(policy_path, seed=seed, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, dtype=dtype,
