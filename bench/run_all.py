@@ -57,9 +57,10 @@ BENCHES = [
     Bench(6, "Async vs sync iterations per minute with slow environments",
           ["bench/async_vs_sync.py"], ["--iterations", "2", "--repeats", "1"], 1800,
           dict(kind="bar", x=["schedule"], y=["iterations / min"], ylabel="iterations / min")),
-    Bench(7, "Native engine decode tokens/s vs full recompute, and cache bytes per token, at long contexts",
+    Bench(7, "policy/ model decode tokens/s (native engine, vLLM plugin) vs full recompute, and cache bytes per token",
           ["bench/native_decode.py"], ["--contexts", "1024", "4096", "--decode", "9"], 1800,
-          dict(kind="line", x=["context"], y=["native decode tok/s", "full recompute tok/s"], ylabel="tokens / s")),
+          dict(kind="line", x=["context"], y=["native decode tok/s", "vLLM plugin decode tok/s", "full recompute tok/s"],
+               ylabel="tokens / s")),
 ]
 
 def tables(text: str) -> list[tuple[list[str], list[list[str]]]]:

@@ -223,8 +223,8 @@ class LonghorizonPolicyForCausalLM(nn.Module, IsHybrid, HasInnerState):
         self.args = args = cfg.model_args
         if args.vision.enabled and args.vision.image_token_id >= args.vocab_size:
             raise ValueError(f"image_token_id {args.vision.image_token_id} outside the vocabulary {args.vocab_size}")
-        with torch.device("cpu"):
-            self.policy = Policy(args).to(vllm_config.model_config.dtype)
+        # built on the device and dtype vLLM's loader has made the defaults (CPU here, CUDA on GPUs)
+        self.policy = Policy(args).to(vllm_config.model_config.dtype)
         self.adapters = nn.ModuleList()
         for i, blk in enumerate(self.policy.layers):
             name = f"{prefix}layers.{i}.attn" if not prefix else f"{prefix}.layers.{i}.attn"
