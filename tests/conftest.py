@@ -30,6 +30,29 @@ def tokenizer(tiny_policy):
 
 
 @pytest.fixture(scope="session")
+def policy_dir(tmp_path_factory) -> str:
+    """A debug-flavour `policy/` checkpoint with every part on (KDA, gated MLA with RoPE so positions
+    matter, LatentMoE with group-limited routing, SiTU-GLU, AttnRes, the vision token), random fp32
+    weights and a non-zero selection bias, for the engine tests (native and the vLLM plugin)."""
+    import dataclasses
+
+    import torch
+
+    from policy.args import load_model_args
+    from policy.checkpoint import load_policy, make_tiny_policy, save_policy
+
+    args = load_model_args("configs/policy/debug.yaml")
+    args = dataclasses.replace(args, mla=dataclasses.replace(args.mla, rope=True))
+    path = make_tiny_policy(tmp_path_factory.mktemp("engine-policy"), args, seed=0)
+    model = load_policy(path)
+    with torch.no_grad():  # a trained router has moved its selection bias away from zero
+        for r in model.routers():
+            r.bias.normal_(0.0, 0.1)
+    save_policy(model, path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def hf_model(tiny_policy):
     import torch
     from transformers import AutoModelForCausalLM
@@ -90,7 +113,11 @@ def docker_host(tmp_path_factory):
     reaches, else a private `dockerd` this fixture starts (root, Debian's docker.io: `make
     system-deps` installs it) on its own socket with no bridge and no iptables changes, stopped by
     PID at the end. Where neither is possible the tests skip saying why; under CI they fail."""
-    from envs.sandbox.docker_engine import private_dockerd, private_dockerd_unavailable, unavailable_reason
+    from envs.sandbox.docker_engine import (
+        private_dockerd,
+        private_dockerd_unavailable,
+        unavailable_reason,
+    )
 
     if unavailable_reason() is None:
         yield os.environ.get("DOCKER_HOST")

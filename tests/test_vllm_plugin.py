@@ -9,31 +9,15 @@ and leave vLLM's running batch at different steps."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 
-from policy.args import load_model_args
-from policy.checkpoint import load_policy, make_tiny_policy, save_policy
+from policy.checkpoint import load_policy
 
 pytestmark = pytest.mark.slow
 
 LENGTHS = (5, 17, 33, 9, 60)
 BUDGETS = [12, 20, 7, 15, 9]
-
-
-@pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory):
-    args = load_model_args("configs/policy/debug.yaml")
-    args = dataclasses.replace(args, mla=dataclasses.replace(args.mla, rope=True))
-    path = make_tiny_policy(tmp_path_factory.mktemp("plugin-policy"), args, seed=0)
-    model = load_policy(path)
-    with torch.no_grad():  # a trained router has moved its selection bias away from zero
-        for r in model.routers():
-            r.bias.normal_(0.0, 0.1)
-    save_policy(model, path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")
