@@ -69,6 +69,13 @@ class VLLMEngine:
 
         from policy.checkpoint import is_policy_checkpoint
 
+        if is_policy_checkpoint(model_path):
+            from importlib.metadata import entry_points
+
+            if not any(e.name == "longhorizon_policy" for e in entry_points(group="vllm.general_plugins")):
+                raise RuntimeError(f"{model_path} is a policy/ checkpoint, which vLLM serves through the project's "
+                                   "plugin, but its entry point is not installed: run `make install` "
+                                   "(or `pip install -e .`) so vLLM can find it")
         self.model_path = model_path
         self.version = 0
         self.llm = LLM(
