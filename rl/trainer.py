@@ -146,6 +146,12 @@ class Trainer:
 
     # --- set-up ---
     def policy_path(self) -> str:
+        if self.cfg.policy.pretrained:  # converted and upcycled once, in the local cache (rl/pretrained.py)
+            from rl.pretrained import policy
+
+            u = self.cfg.policy.upcycle
+            path = str(policy(self.cfg.policy.pretrained, u.experts, u.top_k, seed=u.seed))
+            return self.warm_started(path) if self.source is None else path
         if self.cfg.policy.path:
             return self.warm_started(self.cfg.policy.path) if self.source is None else self.cfg.policy.path
         if self.source is not None:  # the stored token ids are that run's tokenizer's: train its policy

