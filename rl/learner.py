@@ -44,6 +44,7 @@ from rl.credit import token_advantages
 from rl.grpo import group_advantages, policy_loss, truncated_is_weights
 from rl.logprobs import chunked_logprobs, load_causal_lm
 from rl.ppo import ValueHead, episode_targets, value_loss
+from rl.routing import balance_terms
 from rl.shares import (
     all_gather_objects,
     all_gather_rows,
@@ -181,14 +182,18 @@ class Learner:
         return out
 
     def _logprobs(self, lm, ids, attn, with_entropy: bool = False, routing_out: list | None = None,
-                  routing=None, replayed: list | None = None):
-        """(log-probs, entropies or None, values or None), all aligned to next-token targets."""
-        h, router_info = lm.hidden_and_routing(ids, attn, routing)
+                  routing=None, replayed: list | None = None, hf_routers: list | None = None):
+        """(log-probs, entropies or None, values or None), all aligned to next-token targets.
+        `routing_out` collects the policy's router scores, `hf_routers` a Hugging Face MoE's router
+        logits and choices (both for balancing), `replayed` the routing-replay counts."""
+        h, router_info = lm.hidden_and_routing(ids, attn, routing, capture=hf_routers is not None)
         if replayed is not None and router_info is not None:
             replayed.append(router_info["replayed"])
+        valid = attn.reshape(-1).bool()  # padding takes no part in balancing
         if routing_out is not None and router_info is not None and router_info["scores"]:
-            valid = attn.reshape(-1).bool()  # padding takes no part in balancing
             routing_out.append([s[valid] for s in router_info["scores"]])
+        if hf_routers is not None and router_info is not None and router_info["hf_routers"]:
+            hf_routers.append((router_info["hf_routers"], valid))
         logp, ent = chunked_logprobs(h, lm.head, ids, temperature=self.temperature,
                                      chunk_tokens=self.cfg.logprob_chunk_tokens, with_entropy=with_entropy,
                                      banned_ids=lm.banned_ids)
@@ -231,6 +236,22 @@ class Learner:
             elif a.balance == "sign":
                 router.bias.copy_(sign_update(load, router.bias, a.balance_rate))
         return {"router_load_max_over_mean": max(out["router_load_max_over_mean"])} if out["router_load_max_over_mean"] else {}
+
+    def hf_load_metrics(self, loads_per_micro: list[list[torch.Tensor]]) -> dict:
+        """The worst MoE layer's max/mean expert load over this optimiser step's tokens, for a
+        Hugging Face MoE (in a group the loads are summed over ranks, so every rank takes part)."""
+        if self.lm.kind != "hf" or not self.lm.hf_replay.supported:
+            return {}
+        from policy.balance import load_imbalance
+
+        n_layers, n_experts = len(self.lm.hf_replay.gates), self.lm.hf_replay.num_experts
+        load = torch.zeros(n_layers, n_experts, dtype=torch.long)
+        for per_layer in loads_per_micro:
+            load += torch.stack(per_layer)
+        load = all_reduce_sum(load)
+        if not int(load.sum()):
+            return {}
+        return {"router_load_max_over_mean": max(load_imbalance(row) for row in load)}
 
     def plan(self, batch: list[Trajectory]) -> list[list[list[int]]]:
         """Minibatches of `minibatch_episodes` episodes (one optimiser step each), each packed into
@@ -398,14 +419,18 @@ class Learner:
                 self.opt.zero_grad(set_to_none=True)
                 total = 0.0
                 routing: list = []
+                hf_loads: list = []  # per micro-batch, per MoE layer, tokens per expert (Hugging Face MoE)
+                mb_tokens = sum(len(batch[i].token_ids) for m in mb for i in m)
                 for micro in slots:
                     if micro is None:
                         self._dummy(backward=True)
                         continue
                     key = tuple(micro)
                     ids, attn, mask, rollout = self._tensors([batch[i] for i in micro])
+                    hf_routers = [] if self.lm.kind == "hf" else None
                     logp, ent, values = self._logprobs(self.lm, ids, attn, with_entropy=bool(c.entropy_coef),
-                                                       routing_out=routing, routing=replays[key])
+                                                       routing_out=routing, routing=replays[key],
+                                                       hf_routers=hf_routers)
                     loss, m = policy_loss(
                         logp, old[key], adv_of(micro), mask,
                         clip_low=c.clip_low, clip_high=c.clip_high, aggregation=c.loss_aggregation,
@@ -419,12 +444,20 @@ class Learner:
                         vl = self._value_loss(values, old_v[key], returns, micro, mb)
                         m["value_loss"] = vl.item()
                         loss = loss + c.vf_coef * vl
+                    if hf_routers:  # the micro-batch's share of the minibatch's load-balancing loss
+                        aux, loads = balance_terms(*hf_routers[0])
+                        hf_loads.append(loads)
+                        m["router_aux_loss"] = float(aux.detach())
+                        if c.router_aux_coef:
+                            loss = loss + c.router_aux_coef * aux * (int(attn.sum()) / mb_tokens)
                     loss.backward()
                     total += loss.item()
                     for k, v in m.items():
                         stats.setdefault(k, []).append(v)
                 grad_norm = self._clip_and_step()
                 for k, v in self.balance_routers(routing).items():
+                    stats.setdefault(k, []).append(v)
+                for k, v in self.hf_load_metrics(hf_loads).items():
                     stats.setdefault(k, []).append(v)
                 stats.setdefault("loss", []).append(float(all_reduce_sum(torch.tensor(total, dtype=torch.float64))))
                 stats.setdefault("grad_norm", []).append(grad_norm)
@@ -509,9 +542,9 @@ class Learner:
         rollout worker on the node reads the same shared-memory buffers. In a group: gathered,
         on rank 0 (collective; the other ranks return nothing)."""
         if self.world > 1:
-            named = list(self.full_weights())
+            named = list(self.engine_format(self.full_weights()))
             return named if self.rank == 0 else []
-        return [(name, p.detach().cpu().numpy()) for name, p in self.model.state_dict().items()]
+        return list(self.engine_format((n, p.detach().cpu().numpy()) for n, p in self.model.state_dict().items()))
 
     def full_weights(self):
         """In a group: (name, full array), gathered one tensor at a time on every rank (collective)."""
@@ -524,6 +557,11 @@ class Learner:
                 m.reshard()
         return iter_full_weights(self.model)
 
+    def engine_format(self, named):
+        """(name, array) pairs of the module's state dict as the checkpoint on disk names them,
+        which is what the engines load (`CausalLM.checkpoint_names`). Lazy."""
+        return ((n, t.numpy()) for n, t in self.lm.checkpoint_names((n, torch.from_numpy(a)) for n, a in named))
+
     def publish(self, bucket_mb: float):
         """Put the current weights into Ray's object store in buckets (rl/sync.py); the manifest
         names this version. In a group every rank gathers tensor by tensor and rank 0 puts the
@@ -532,7 +570,7 @@ class Learner:
 
         if self.world == 1:
             return publish(self.weights(), self.version, bucket_mb)
-        named = self.full_weights()
+        named = self.engine_format(self.full_weights())
         if self.rank == 0:
             return publish(named, self.version, bucket_mb)
         for _ in named:  # take part in every gather

@@ -13,6 +13,7 @@ and for the project's own `policy/` model alike.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterable, Iterator
 
 import torch
 import torch.utils.checkpoint
@@ -82,23 +83,55 @@ class CausalLM:
     def hidden(self, input_ids, attention_mask=None):
         return self.hidden_and_routing(input_ids, attention_mask)[0]
 
-    def hidden_and_routing(self, input_ids, attention_mask=None, routing=None):
+    def hidden_and_routing(self, input_ids, attention_mask=None, routing=None, capture: bool = False):
         """(hidden states, router_info or None). The project's policy reports its routing and
         replays recorded expert ids (`routing`, L × B × T × k, -1 where none); right padding needs
-        no mask there (every layer is causal, padding only follows real tokens)."""
+        no mask there (every layer is causal, padding only follows real tokens). A Hugging Face MoE
+        replays through hooks, and with `capture` reports each router's logits and chosen experts
+        (`hf_routers`, for load balancing and load metrics: rl/routing.py)."""
         if self.kind == "policy":
             return (self.root or self.module.hidden_states)(input_ids, routing=routing)
+        capture = capture and self.hf_replay.supported
         self.hf_replay.set(routing)
+        self.hf_replay.capture = [] if capture else None
         try:
             if self.root is not None:
                 h = self.root(input_ids, attention_mask)
             else:
                 h = self.module.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-            counts = tuple(self.hf_replay.counts)
+            counts, captured = tuple(self.hf_replay.counts), self.hf_replay.capture
         finally:
             self.hf_replay.set(None)
-        return h, ({"replayed": counts, "scores": []} if routing is not None else None)
+            self.hf_replay.capture = None
+        if routing is None and not capture:
+            return h, None
+        return h, {"replayed": counts, "scores": [], "hf_routers": captured or []}
 
+
+    def checkpoint_names(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """`named` (the module's state-dict names and tensors, in state-dict order) renamed and reshaped
+        into the checkpoint format that `save_pretrained` writes and engines load. transformers 5
+        keeps some models' experts fused in memory (Mixtral's `mlp.experts.gate_up_proj`) while the
+        checkpoint on disk, which vLLM reads, has one tensor per expert (`block_sparse_moe.experts.0.w1`):
+        a weight sync must speak the engine's format. Lazy, one decoder layer at a time."""
+        if self.kind == "policy":
+            yield from named
+            return
+        from transformers.core_model_loading import revert_weight_conversion
+
+        def layer_of(name: str) -> str:
+            parts = name.split(".")
+            return ".".join(parts[:3]) if len(parts) > 3 and parts[1] == "layers" else ""
+
+        group, key = {}, None
+        for name, t in named:
+            if group and layer_of(name) != key:
+                yield from revert_weight_conversion(self.module, group).items()
+                group = {}
+            key = layer_of(name)
+            group[name] = t
+        if group:
+            yield from revert_weight_conversion(self.module, group).items()
 
     def parallelize(self, group=None, *, expert_parallel: bool = True) -> None:
         """Shard the model over `group` (FSDP2 + expert parallelism, policy/parallelize.py), with

@@ -8,9 +8,17 @@ router's selection for the recorded one: the weights are recomputed from the cur
 logits (softmax over all experts, gathered at the recorded ids, renormalised when the model
 renormalises), so the router still gets gradients. Rows of -1 keep the router's own choice.
 
-Not covered: routers of another shape (Mixtral's plain `nn.Linear` gate, DeepSeek-V3's grouped
-sigmoid router): `HFRoutingReplay.supported` is False for them and the learner trains without
-replay, saying so in its metrics (no `routing_replay_decisions`).
+The same hooks measure and balance expert load while the learner trains (`capture`): each router's
+logits and chosen experts are kept for the forward, `balance_terms` turns them into the Switch
+Transformer load-balancing loss (E · Σ_e f_e · P_e, 1.0 at perfect balance; f_e the share of
+assignments to expert e, P_e its mean router probability) and the per-layer loads behind the
+`router_load_max_over_mean` metric. An upcycled model needs it: its experts start identical and
+its top-k weights are renormalised, so with top-1 the policy loss gives the router no gradient at
+all and nothing but this term keeps tokens from collapsing onto one expert once the experts differ.
+
+Not covered: routers of another shape (DeepSeek-V3's grouped sigmoid router): `HFRoutingReplay.supported`
+is False for them and the learner trains without replay or balancing, saying so in its metrics (no
+`routing_replay_decisions`, no `router_load_max_over_mean`).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ class HFRoutingReplay:
         self.counts = [0, 0]
         self.model = model
         self.seen: list[torch.Tensor] | None = None  # the routers' own choices, while `own_choice` runs
+        self.capture: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # (logits, chosen ids) per layer
         for layer, gate in enumerate(self.gates):
             gate.register_forward_hook(lambda mod, inp, out, layer=layer: self._hook(layer, mod, out))
 
@@ -58,16 +67,42 @@ class HFRoutingReplay:
         finally:
             self.seen = None
 
+    @property
+    def num_experts(self) -> int:
+        return int(self.gates[0].weight.shape[0])
+
     def _hook(self, layer: int, gate, out):
-        logits, _, own = out
+        logits, own_weights, own = out
         if self.seen is not None:
             self.seen.append(own.detach())
         if self.replay is None:
+            if self.capture is not None:
+                self.capture.append((logits, own.detach()))
             return out
         idx, (n, differ) = replay_selection(own, self.replay[layer])
         self.counts[0] += n
         self.counts[1] += differ
+        if self.capture is not None:
+            self.capture.append((logits, idx))
         weights = torch.softmax(logits, dim=-1, dtype=torch.float).gather(1, idx)
-        if getattr(gate, "norm_topk_prob", False):
+        # Qwen-style routers say whether they renormalise; Mixtral's always does and has no flag
+        renorm = getattr(gate, "norm_topk_prob", None)
+        if renorm is None:
+            renorm = bool(torch.allclose(own_weights.float().sum(-1), torch.ones(())))
+        if renorm:
             weights = weights / weights.sum(-1, keepdim=True)
         return logits, weights.to(logits.dtype), idx
+
+
+def balance_terms(captured: list[tuple[torch.Tensor, torch.Tensor]], valid_N: torch.Tensor):
+    """(Switch load-balancing loss averaged over layers, per-layer expert loads) from one forward's
+    captured router logits (N × E) and chosen ids (N × k); padding (`valid_N` False) takes no part."""
+    aux, loads = 0.0, []
+    for logits, idx in captured:
+        logits, idx = logits[valid_N], idx[valid_N]
+        n_experts = logits.shape[-1]
+        load = torch.bincount(idx.flatten(), minlength=n_experts)
+        share = load.float() / max(idx.numel(), 1)
+        aux = aux + n_experts * (share * torch.softmax(logits.float(), -1).mean(0)).sum()
+        loads.append(load)
+    return aux / max(len(captured), 1), loads
