@@ -178,6 +178,8 @@ class AlgoConfig:
     """Recompute each layer in the backward pass instead of keeping its activations."""
     routing_replay: bool = True
     """Rollout routing replay: where trajectories carry the engine's routed expert ids, the learner's MoE layers use them as the selection (weights from the current router, so it still learns); `policy/` checkpoints. Reports `router_decisions_differ`."""
+    fuse_old_logprobs: bool = True
+    """With one optimiser step per batch (GRPO, one epoch, one minibatch, no KL, one learner rank), take the pre-update log-probs from the training forward itself instead of a separate no-grad pass (identical numbers, a third less compute); off: always the separate pass."""
     router_aux_coef: float = 0.0
     """Hugging Face MoE: weight of the Switch-Transformer load-balancing loss on the routers (rl/routing.py; e.g. 0.01 for an upcycled model, whose top-1 router gets no other gradient). The project's policy balances with `moe.balance` instead."""
     max_grad_norm: float = 1.0

@@ -237,6 +237,14 @@ class Learner:
                 router.bias.copy_(sign_update(load, router.bias, a.balance_rate))
         return {"router_load_max_over_mean": max(out["router_load_max_over_mean"])} if out["router_load_max_over_mean"] else {}
 
+    def fuses_old_logprobs(self, n_minibatches: int) -> bool:
+        """Whether the pre-update log-probs come from the training forward itself: GRPO with a single
+        optimiser step per batch (one epoch, one minibatch), nothing else needing them before it (no
+        reference model, no value head) and a single rank, and `algo.fuse_old_logprobs` on."""
+        c = self.cfg
+        return (c.fuse_old_logprobs and c.name == "grpo" and c.epochs == 1 and n_minibatches == 1
+                and not c.kl_beta and self.world == 1)
+
     def hf_load_metrics(self, loads_per_micro: list[list[torch.Tensor]]) -> dict:
         """The worst MoE layer's max/mean expert load over this optimiser step's tokens, for a
         Hugging Face MoE (in a group the loads are summed over ranks, so every rank takes part)."""
@@ -383,8 +391,12 @@ class Learner:
         plan = [[m for share in mb for m in share] for mb in shares]
         mine = [padded_slots(mb, self.rank) for mb in shares]  # this rank's micro-batches, None: a dummy
         old, old_v, ref, replays, replayed = {}, {}, {}, {}, []
+        # One optimiser step on the weights that would score `old`: the training forward's own
+        # log-probs, detached, are the pre-update ones (the same weights on the same micro-batches),
+        # so the separate no-grad pass is skipped; a third of the learner's compute on CPU.
+        fused = self.fuses_old_logprobs(len(plan))
         with torch.no_grad():
-            for micro in (m for slots in mine for m in slots):
+            for micro in (m for slots in mine for m in slots) if not fused else ():
                 if micro is None:
                     self._dummy()
                     continue
@@ -401,16 +413,11 @@ class Learner:
                 for own, theirs in zip((old, old_v, ref), part[:3]):
                     own.update(theirs)
             replayed = [r for part in parts for r in part[3]]
-        out = {**dropped, **self._rollout_gap(batch, plan, old)}
-        n_replayed, n_differ = (sum(r[j] for r in replayed) for j in (0, 1))
-        if n_replayed:  # token × MoE-layer decisions taken from the rollout engine's record
-            out.update(routing_replay_decisions=n_replayed, router_decisions_differ=n_differ / n_replayed)
+        out = dict(dropped)
         if c.kl_beta and c.kl_in == "reward":
             batch, penalty = self._kl_in_reward(batch, plan, old, ref)
             out["kl_reward_penalty_mean"] = penalty
         adv_of, returns, adv_abs = self._advantages(batch, plan, old_v)
-        if self.rank == 0:
-            out["annotations"] = self._annotations(batch, plan, old, adv_of)
         stats: dict[str, list[float]] = {}
         for _ in range(c.epochs):
             for mb, slots in zip(plan, mine):
@@ -427,10 +434,14 @@ class Learner:
                         continue
                     key = tuple(micro)
                     ids, attn, mask, rollout = self._tensors([batch[i] for i in micro])
+                    if fused:
+                        replays[key] = self._routing([batch[i] for i in micro], ids.shape[1])
                     hf_routers = [] if self.lm.kind == "hf" else None
                     logp, ent, values = self._logprobs(self.lm, ids, attn, with_entropy=bool(c.entropy_coef),
                                                        routing_out=routing, routing=replays[key],
-                                                       hf_routers=hf_routers)
+                                                       hf_routers=hf_routers, replayed=replayed if fused else None)
+                    if fused:
+                        old[key] = logp.detach()
                     loss, m = policy_loss(
                         logp, old[key], adv_of(micro), mask,
                         clip_low=c.clip_low, clip_high=c.clip_high, aggregation=c.loss_aggregation,
@@ -461,6 +472,12 @@ class Learner:
                     stats.setdefault(k, []).append(v)
                 stats.setdefault("loss", []).append(float(all_reduce_sum(torch.tensor(total, dtype=torch.float64))))
                 stats.setdefault("grad_norm", []).append(grad_norm)
+        out.update(self._rollout_gap(batch, plan, old))
+        n_replayed, n_differ = (sum(r[j] for r in replayed) for j in (0, 1))
+        if n_replayed:  # token × MoE-layer decisions taken from the rollout engine's record
+            out.update(routing_replay_decisions=n_replayed, router_decisions_differ=n_differ / n_replayed)
+        if self.rank == 0:
+            out["annotations"] = self._annotations(batch, plan, old, adv_of)
         if self.world > 1:  # per-micro-batch metrics from every rank, as one learner would average them
             merged: dict[str, list[float]] = {}
             for part in all_gather_objects(stats):

@@ -107,3 +107,30 @@ def test_router_balancing_during_rl_steps(tmp_path, balance):
     assert loads[0] > 1.6
     assert max(loads[-3:]) <= 1.3
     assert all(r.bias.abs().sum() > 0 for r in learner.model.routers())
+
+
+@pytest.mark.parametrize("kind", ["policy", "hf"])
+def test_fused_pre_update_logprobs_give_the_separate_passs_update(policy_ckpt, tiny_policy, kind):
+    """One optimiser step per batch: the pre-update log-probs taken from the training forward itself
+    give the same metrics, annotations and weights as the separate no-grad pass."""
+    path = policy_ckpt if kind == "policy" else tiny_policy
+    batch = _batch([40, 25, 33, 18, 50, 27])
+    learners = {}
+    for fuse in (True, False):
+        learner = Learner(path, AlgoConfig(minibatch_episodes=6, threads=1, microbatch_tokens=100,
+                                           fuse_old_logprobs=fuse, router_aux_coef=0.01 if kind == "hf" else 0.0))
+        assert learner.fuses_old_logprobs(len(learner.plan(batch))) == fuse
+        learner.opt = torch.optim.SGD(learner.model.parameters(), lr=1.0)  # the step is the gradient
+        learners[fuse] = (learner, learner.train_step(batch))
+    (fused, a), (plain, b) = learners[True], learners[False]
+    assert a["microbatches"] > 1
+    for key in ("loss", "grad_norm", "rollout_logprob_diff_mean", "rollout_kl", "clip_frac", "ratio_mean",
+                "router_load_max_over_mean"):
+        assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    for episode, notes in b["annotations"].items():
+        assert a["annotations"][episode]["learner_logprobs"] == pytest.approx(notes["learner_logprobs"], abs=1e-5)
+        assert a["annotations"][episode]["advantages"] == notes["advantages"]
+    for p, q in zip(fused.model.parameters(), plain.model.parameters()):
+        assert torch.allclose(p, q, atol=1e-5)
+    # two minibatches need the weights' log-probs from before the first step: never fused
+    assert not fused.fuses_old_logprobs(2)
