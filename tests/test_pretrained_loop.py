@@ -20,8 +20,8 @@ pytestmark = pytest.mark.slow
 OVERRIDES = [
     "iterations=2", "policy.pretrained=smollm2-135m-instruct", "policy.upcycle.experts=4", "policy.upcycle.top_k=1",
     "rollout.num_workers=1", "rollout.groups_per_iteration=1", "rollout.group_size=2", "rollout.max_turns=2",
-    "rollout.max_new_tokens=24", "rollout.temperature=0.7", "rollout.max_model_len=1024",
-    "rollout.max_episode_tokens=1024", "rollout.cpus_per_worker=0",
+    "rollout.max_new_tokens=24", "rollout.temperature=0.7", "rollout.max_episode_tokens=1024",
+    "rollout.max_model_len=1024", "rollout.cpus_per_worker=0",
     "algo.lr=1e-5", "algo.entropy_coef=0.01", "algo.router_aux_coef=0.01", "algo.microbatch_tokens=2048",
 ]
 
