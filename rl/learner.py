@@ -393,7 +393,7 @@ class Learner:
         old, old_v, ref, replays, replayed = {}, {}, {}, {}, []
         # One optimiser step on the weights that would score `old`: the training forward's own
         # log-probs, detached, are the pre-update ones (the same weights on the same micro-batches),
-        # so the separate no-grad pass is skipped; a third of the learner's compute on CPU.
+        # so the separate no-grad pass over the whole batch is skipped.
         fused = self.fuses_old_logprobs(len(plan))
         with torch.no_grad():
             for micro in (m for slots in mine for m in slots) if not fused else ():

@@ -107,7 +107,6 @@ class CausalLM:
             return h, None
         return h, {"replayed": counts, "scores": [], "hf_routers": captured or []}
 
-
     def checkpoint_names(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """`named` (the module's state-dict names and tensors, in state-dict order) renamed and reshaped
         into the checkpoint format that `save_pretrained` writes and engines load. transformers 5

@@ -105,7 +105,8 @@ def test_a_two_rank_group_trains_the_hf_moe_like_one_learner_and_resumes_from_it
     finally:
         group.kill()
     assert len(list((ckpt / "sharded").glob("*.distcp"))) == 2  # one file of shards per rank
-    saved = load_causal_lm(ckpt, torch.float32).module.state_dict()  # the full copy, HF format
+    full = load_causal_lm(ckpt, torch.float32)  # the full copy, HF format, named as published
+    saved = dict(full.checkpoint_names(full.module.state_dict().items()))
     assert all(torch.equal(saved[n], state[n]) for n in state)
     with pytest.raises(ValueError, match="learner group of 2 ranks"):
         Learner(tiny_policy, algo).load_checkpoint(str(ckpt))
