@@ -160,3 +160,32 @@ def test_real_smollm2_converts_and_upcycles_to_the_same_logits(tmp_path, monkeyp
     a, b = _logits(dense, ids), _logits(moe, ids)
     assert (a - b).abs().max() < 1e-3
     assert a[0, -1].argmax() == b[0, -1].argmax()
+
+
+def test_upcycle_command_line(tiny_llama, tmp_path):
+    """`longhorizon policy upcycle`: --json is the only thing on stdout; bad input is one line on
+    stderr and exit 2, with nothing written."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "rl.cli", "policy", "upcycle", *args], capture_output=True,
+                              text=True, cwd=REPO, timeout=300)
+
+    out = cli(str(tiny_llama), "--experts", "4", "--top-k", "2", "--out", str(tmp_path / "moe"), "--json")
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads(out.stdout)
+    assert summary["experts"] == 4 and summary["top_k"] == 2 and (tmp_path / "moe" / "config.json").exists()
+    assert summary["total_params"] > summary["active_params"]
+    for args, message in [((str(tiny_llama), "--experts", "4", "--out", str(tmp_path / "moe")), "already exists"),
+                          ((str(tmp_path / "none"), "--experts", "4", "--out", str(tmp_path / "x")), "no config.json"),
+                          ((str(tiny_llama), "--experts", "4", "--top-k", "5", "--out", str(tmp_path / "y")),
+                           "1 <= top_k <= experts")]:
+        bad = cli(*args)
+        assert bad.returncode == 2 and bad.stdout == ""
+        lines = bad.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0] and "Traceback" not in bad.stderr
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
