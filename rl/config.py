@@ -21,6 +21,7 @@ import yaml
 
 from policy.tiny_hf import TinyMoEDims
 from rl.pretrained import PRETRAINED
+from rl.pretrained import missing as pretrained_missing
 
 
 class ConfigError(ValueError):
@@ -310,6 +311,7 @@ class RunConfig:
     """Supervised warm start on expert demonstrations before RL."""
 
     def validate(self, source: str = "config") -> "RunConfig":
+        unavailable = pretrained_missing(self.policy.pretrained) if self.policy.pretrained in PRETRAINED else None
         checks = [
             ("iterations", self.iterations >= 1, "must be >= 1"),
             ("checkpoint_every", self.checkpoint_every >= 1, "must be >= 1"),
@@ -325,6 +327,7 @@ class RunConfig:
              "excludes policy.path and policy.flavour (it names the starting policy itself)"),
             ("policy.pretrained", not self.policy.pretrained or self.policy.pretrained in PRETRAINED,
              f"must be one of: {', '.join(sorted(PRETRAINED))} (got {self.policy.pretrained!r})"),
+            ("policy.pretrained", unavailable is None, f"cannot be loaded: {unavailable}"),
             ("policy.upcycle.experts", self.policy.upcycle.experts == 0 or self.policy.upcycle.experts >= 2,
              "must be 0 (dense) or >= 2"),
             ("policy.upcycle.top_k", 1 <= self.policy.upcycle.top_k <= max(1, self.policy.upcycle.experts),

@@ -63,6 +63,18 @@ def gguf_path(name: str) -> Path:
     return path
 
 
+def missing(name: str) -> str | None:
+    """Why `name` cannot be had here (neither in the cache nor installed), or None: checked when a run
+    config is loaded, before anything starts."""
+    if (cache_dir() / "pretrained" / name / "config.json").exists():
+        return None
+    try:
+        gguf_path(name)
+    except PretrainedError as exc:
+        return str(exc)
+    return None
+
+
 def _atomic_dir(out: Path, write) -> Path:
     """Run `write(tmp)` into a temporary sibling of `out`, then rename it into place."""
     out.parent.mkdir(parents=True, exist_ok=True)

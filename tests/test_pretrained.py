@@ -189,3 +189,14 @@ def test_upcycle_command_line(tiny_llama, tmp_path):
         lines = bad.stderr.strip().splitlines()
         assert len(lines) == 1 and message in lines[0] and "Traceback" not in bad.stderr
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_a_pretrained_model_that_cannot_be_had_is_refused_on_load(monkeypatch, tmp_path):
+    """Neither cached nor installed: the config is refused before anything starts, naming the fix."""
+    from rl.config import ConfigError, load_config
+
+    monkeypatch.setenv("LONGHORIZON_CACHE", str(tmp_path))
+    monkeypatch.setitem(pretrained.PRETRAINED, "smollm2-135m-instruct", ("lh_no_such_package", "x.gguf"))
+    with pytest.raises(ConfigError, match="policy.pretrained cannot be loaded: .*'lh_no_such_package' is not "
+                                          "installed; run `make install`"):
+        load_config(None, ["policy.pretrained=smollm2-135m-instruct"])
