@@ -363,10 +363,10 @@ def _policy_upcycle(args) -> int:
 
 def _policy_pretrained(args) -> int:
     """Convert a packaged pretrained model into the local cache (what `make install` runs)."""
-    from rl.pretrained import PretrainedError, dense, policy
+    from rl.pretrained import PretrainedError, policy
 
     try:
-        path = dense(args.name) if args.experts == 0 else policy(args.name, args.experts, args.top_k)
+        path = policy(args.name, args.experts, args.top_k)  # experts 0: the dense model alone
     except (PretrainedError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -559,8 +559,12 @@ class Learner:
         rollout worker on the node reads the same shared-memory buffers. In a group: gathered,
         on rank 0 (collective; the other ranks return nothing)."""
         if self.world > 1:
-            named = list(self.engine_format(self.full_weights()))
-            return named if self.rank == 0 else []
+            named = self.full_weights()
+            if self.rank == 0:
+                return list(self.engine_format(named))
+            for _ in named:  # take part in every gather; only rank 0's copy is renamed and kept
+                pass
+            return []
         return list(self.engine_format((n, p.detach().cpu().numpy()) for n, p in self.model.state_dict().items()))
 
     def full_weights(self):

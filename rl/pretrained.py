@@ -63,10 +63,14 @@ def gguf_path(name: str) -> Path:
     return path
 
 
+def _dense_dir(name: str) -> Path:
+    return cache_dir() / "pretrained" / name
+
+
 def missing(name: str) -> str | None:
     """Why `name` cannot be had here (neither in the cache nor installed), or None: checked when a run
     config is loaded, before anything starts."""
-    if (cache_dir() / "pretrained" / name / "config.json").exists():
+    if (_dense_dir(name) / "config.json").exists():
         return None
     try:
         gguf_path(name)
@@ -93,7 +97,7 @@ def _atomic_dir(out: Path, write) -> Path:
 
 def dense(name: str) -> Path:
     """The dense Hugging Face checkpoint of a packaged model, converted once into the cache."""
-    out = cache_dir() / "pretrained" / name
+    out = _dense_dir(name)
     if (out / "config.json").exists():
         return out
     gguf = gguf_path(name)
