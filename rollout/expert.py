@@ -7,9 +7,11 @@ observation and loss-mask bookkeeping): what the warm start (rl/sft.py) trains o
 token what rollouts look like. Tests use it to drive the loop down paths a random model never
 reaches (rewards, milestones, solved tasks).
 
-Each context is matched to its task by its prompt, and its turn by its length: episodes with the
-same prompt (two seeds can draw the same task) follow the same script through the same
-observations, so at a given turn their contexts are equally long.
+Each context is matched to its task by its prompt, and its turn by what it extends: a context is
+the prompt (turn 0) or an earlier served context plus the turn served for it plus an observation
+(one turn further). Seeds that draw the same prompt can see different observations (the shell
+task's prompt names only the log level; its files vary), so neither the prompt nor the context's
+length alone says which turn comes next.
 """
 
 from __future__ import annotations
@@ -31,17 +33,18 @@ class ExpertEngine:
             prompt = chat.prompt_ids([{"role": "user", "content": obs}], info["tools"])
             self.tasks.append((prompt, turns or env.expert_turns()))
             env.close()
-        self._lengths: dict[tuple, list[int]] = {}  # per prompt: the context lengths seen, one per turn
+        self._served: dict[tuple, int] = {}  # a served context followed by its reply -> that reply's turn
 
     def generate(self, prompts, *, max_tokens, temperature=1.0, top_p=1.0, stop_token_ids=None, seeds=None,
                  min_tokens=0):
         out = []
         for p in prompts:
             prompt, turns = next(t for t in self.tasks if p[: len(t[0])] == t[0])
-            seen = self._lengths.setdefault(tuple(prompt), [])
-            if len(p) not in seen:
-                seen.append(len(p))
-                seen.sort()
-            ids = self.chat.encode(turns[seen.index(len(p))]) + [self.chat.eot_id]
+            turn = 0 if len(p) == len(prompt) else 1 + max(
+                (t for k, t in self._served.items() if len(k) < len(p) and tuple(p[: len(k)]) == k), default=-1)
+            if turn >= len(turns):
+                raise ValueError(f"the scripted expert has {len(turns)} turns; asked for turn {turn + 1}")
+            ids = self.chat.encode(turns[turn]) + [self.chat.eot_id]
+            self._served[tuple(p) + tuple(ids)] = turn
             out.append(Generation(ids, [-0.5] * len(ids), "stop"))
         return out

@@ -24,6 +24,10 @@ def test_demonstrations_are_solved_episodes_in_the_rollout_format(tokenizer):
     # 64 seeds of a task with ~100 distinct prompts: some seeds share a prompt, each still solved
     digits = demonstrations(chat, "text/digits-v0", 64, max_turns=1)
     assert len({t.task for t in digits}) < 64 and all(t.reward == 1.0 for t in digits)
+    # the shell task's prompt names only the log level, and the files it lists differ per seed:
+    # episodes with one prompt see observations of different lengths, each still solved
+    shell = demonstrations(chat, "tools/shell-v0", 6, max_turns=6)
+    assert len({t.task for t in shell}) < 6 and all(t.reward == pytest.approx(1.0) for t in shell)
 
 
 def _mean_assistant_logprob(logprobs, traj):
