@@ -40,7 +40,7 @@ def main() -> None:
     import vllm
     from rich.console import Console
 
-    from policy.tiny_hf import make_tiny_qwen3_moe
+    from rl.tiny import make_tiny_qwen3_moe
     from rl.config import load_config
     from rl.ray_utils import init_ray
     from rl.trainer import Trainer

@@ -92,7 +92,7 @@ def main() -> int:
     from policy.args import load_model_args
     from policy.model import Policy
     from policy.parallelize import parallelize, parallelize_hf
-    from policy.tiny_hf import make_tiny_qwen3_moe
+    from rl.tiny import make_tiny_qwen3_moe
     from transformers import AutoConfig, AutoModelForCausalLM
 
     args = load_model_args(str(Path(__file__).resolve().parents[1] / "configs/policy/debug.yaml"))

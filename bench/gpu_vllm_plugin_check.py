@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main() -> int:
     from policy.args import load_model_args
-    from policy.checkpoint import make_tiny_policy
+    from rl.tiny import make_tiny_policy
     from rl.logprobs import chunked_logprobs, load_causal_lm
-    from rollout.vllm_engine import VLLMEngine
+    from rollout.engines.vllm_engine import VLLMEngine
 
     path = str(make_tiny_policy(Path(tempfile.mkdtemp()) / "policy", load_model_args("configs/policy/debug.yaml")))
     engine = VLLMEngine(path, max_model_len=1024, seed=0)

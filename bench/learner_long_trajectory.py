@@ -28,7 +28,7 @@ def one(length: int, bounded: bool) -> dict:
     from policy.model import Policy
     from rl.config import AlgoConfig
     from rl.learner import Learner
-    from rl.trajectory import Trajectory
+    from rollout.trajectory import Trajectory
 
     args = load_model_args(REPO / "configs/policy/debug.yaml")
     args = dataclasses.replace(args, vision=dataclasses.replace(args.vision, enabled=False))

@@ -12,7 +12,7 @@ For each context length L, one random prompt of L tokens on a random `policy/` m
   tensor, summed) over L, next to what a plain multi-head softmax KV cache of the same layers and
   head widths would hold (K and V per head per layer, fp32).
 - vLLM: the rollout worker's `VLLMEngine` serving the same checkpoint through the project's plugin
-  (rollout/vllm_plugin.py); vLLM reports no prefill/decode split, so decode tokens/s is
+  (rollout/engines/vllm_plugin.py); vLLM reports no prefill/decode split, so decode tokens/s is
   (N − 1) / (time to generate N tokens − time to generate 1), and its cache bytes per token are the
   expanded per-head K/V of each MLA layer (fp32, padded to the CPU kernel's head size) plus the KDA
   state slots (fixed per sequence) over L — logical sizes: vLLM pads a state slot's page to the
@@ -65,12 +65,12 @@ def main() -> None:
     torch.manual_seed(0)
     model = Policy(args).eval()
     path = save_policy(model, tempfile.mkdtemp())
-    from policy.tiny_hf import build_tokenizer, default_corpus
+    from rl.tiny import build_tokenizer, default_corpus
 
     build_tokenizer(default_corpus()).save_pretrained(path)  # vLLM loads one (the prompts are ids)
     eng = NativeEngine(str(path), max_model_len=max(a.contexts) + a.decode + 8, prefix_cache_entries=0)
-    from rollout.vllm_engine import VLLMEngine
-    from rollout.vllm_plugin import mla_head_size
+    from rollout.engines.vllm_engine import VLLMEngine
+    from rollout.engines.vllm_plugin import mla_head_size
 
     vllm = VLLMEngine(str(path), max_model_len=max(a.contexts) + a.decode + 8, kv_cache_gib=2.0)
     kda, n_kda = args.kda, args.layer_kinds().count("kda")

@@ -45,7 +45,7 @@ def prompts(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
 
 
 def run_ours(path: str, n: int, new: int) -> dict:
-    from rollout.vllm_engine import VLLMEngine
+    from rollout.engines.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(path, max_model_len=PROMPT + new + 8, kv_cache_gib=1)
     vocab = engine.llm.get_tokenizer().vocab_size
@@ -104,7 +104,7 @@ def main() -> None:
     import transformers
     import vllm
 
-    from policy.tiny_hf import TinyMoEDims, make_tiny_qwen3_moe
+    from rl.tiny import TinyMoEDims, make_tiny_qwen3_moe
 
     rows = []
     for size in args.sizes:

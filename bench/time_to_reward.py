@@ -151,7 +151,7 @@ def main() -> None:
     import trl
     import vllm
 
-    from policy.tiny_hf import make_tiny_qwen3_moe
+    from rl.tiny import make_tiny_qwen3_moe
 
     policy = str(make_tiny_qwen3_moe(Path(tempfile.mkdtemp()) / "policy", seed=0))
     runs = {"ours": [], "trl": []}

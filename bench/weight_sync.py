@@ -41,7 +41,7 @@ def main() -> None:
     import torch
     import vllm
 
-    from policy.tiny_hf import TinyMoEDims, make_tiny_qwen3_moe
+    from rl.tiny import TinyMoEDims, make_tiny_qwen3_moe
     from rl.config import AlgoConfig, EnvConfig, RayConfig, RolloutConfig
     from rl.learner import LearnerActor
     from rl.ray_utils import init_ray

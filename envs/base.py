@@ -24,6 +24,7 @@ from typing import Any, Callable
 import gymnasium as gym
 
 from envs.sandbox import Limits, SandboxError, open_sandbox
+from rewards.milestones import MilestoneLedger, solved, step_reward
 from envs.tool_calls import ToolCall, ToolCallError, parse_tool_calls
 
 
@@ -59,7 +60,7 @@ class ToolEnv(gym.Env):
         self.action_space = gym.spaces.Text(max_length=1 << 20)
         self._turn = 0
         self._done = False
-        self._milestones_hit: set[str] = set()
+        self._ledger = MilestoneLedger()
         self._events: list[dict] = []
         self._sandbox_events: list[str] = []
         self._images: list = []
@@ -73,10 +74,8 @@ class ToolEnv(gym.Env):
 
     # --- milestones ---
     def reach(self, name: str, reward: float, events: list[dict]) -> None:
-        """Record milestone `name` (paid once per episode)."""
-        if name not in self._milestones_hit:
-            self._milestones_hit.add(name)
-            events.append({"name": name, "reward": float(reward)})
+        """Record milestone `name` (paid once per episode: rewards/milestones.py)."""
+        self._ledger.reach(name, reward, events)
 
     def show_image(self, image) -> None:
         """Attach an image (H×W×3 uint8 array) to the current observation."""
@@ -93,7 +92,7 @@ class ToolEnv(gym.Env):
         super().reset(seed=seed)
         self._turn = 0
         self._done = False
-        self._milestones_hit = set()
+        self._ledger = MilestoneLedger()
         self._events, self._sandbox_events, self._images = [], [], []
         task = self._reset_task()
         info = {"tools": [t.to_openai() for t in self.tools]}
@@ -138,7 +137,7 @@ class ToolEnv(gym.Env):
         terminated = self._done
         truncated = not terminated and self._turn >= self.max_turns
         self._done = terminated or truncated
-        reward = sum(e["reward"] for e in self._events)
+        reward = step_reward(self._events)
         observation = "\n".join(m["content"] for m in messages)
         info = {"messages": messages, "milestones": list(self._events), "tool_errors": n_errors}
         if infra_error:
@@ -157,7 +156,7 @@ class ToolEnv(gym.Env):
     def succeeded(cls, milestones: list[dict], reward: float) -> bool:
         """Whether an episode that reached `milestones` (and earned `reward`) solved its task, for
         evaluation's success rate. Default: it reached the milestone `solved`."""
-        return any(m["name"] == "solved" for m in milestones)
+        return solved(milestones)
 
 
 class SandboxedEnv(ToolEnv):

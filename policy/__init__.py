@@ -1,3 +1,4 @@
-"""Policies. Today: tiny random Hugging Face Qwen3-MoE checkpoints made locally (`tiny_hf`), with
-a locally trained tokenizer and a tool-calling chat template. The project's own sparse-MoE policy
-(KDA + gated MLA, LatentMoE, ...) lands here as plain PyTorch."""
+"""The project's sparse-MoE policy in plain PyTorch (KDA + gated MLA, attention residuals, LatentMoE
+with quantile balancing, SiTU-GLU, vision), its checkpoints and its parallelisation (applied from
+outside the model files). See policy/README.md. Starting policies (tiny random models, the
+packaged pretrained one) are made in rl/, where runs are set up."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from typed_yaml import load_dataclass, require
+
 
 @dataclass
 class KDAArgs:
@@ -137,8 +139,6 @@ class ModelArgs:
         return kinds
 
     def validate(self, source: str = "policy config") -> "ModelArgs":
-        from rl.config import require
-
         m = self.moe
         checks = [
             ("n_layers", self.n_layers >= 1, "must be >= 1"),
@@ -157,6 +157,4 @@ class ModelArgs:
 
 
 def load_model_args(path) -> ModelArgs:
-    from rl.config import load_dataclass
-
     return load_dataclass(ModelArgs, path).validate(str(path))

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from typed_yaml import build_dataclass
+
 from policy.args import ModelArgs
 from policy.model import Policy
 
@@ -48,8 +50,6 @@ def save_policy(model: Policy, out_dir: str | Path, state: dict | None = None) -
 
 
 def load_policy(path: str | Path, dtype: torch.dtype | None = None) -> Policy:
-    from rl.config import build_dataclass
-
     path = Path(path)
     raw = json.loads((path / "config.json").read_text())
     if raw.pop("model_type", None) != MODEL_TYPE:
@@ -64,28 +64,3 @@ def load_policy(path: str | Path, dtype: torch.dtype | None = None) -> Policy:
     if missing or unexpected:
         raise ValueError(f"{path}: checkpoint does not match the config: missing {missing}, unexpected {unexpected}")
     return model
-
-
-def make_tiny_policy(out_dir: str | Path, args: ModelArgs, seed: int = 0) -> Path:
-    """A random `policy/` checkpoint of flavour `args` with the tiny locally trained tokenizer and
-    chat template (policy/tiny_hf.py), ready for the rollout engines and the learner.
-
-    The vocabulary follows the tokenizer; with vision on, an `<|image|>` special token is added
-    and becomes `vision.image_token_id` (a fixed id would collide with the chat's own tokens)."""
-    from transformers import GenerationConfig
-
-    from policy.tiny_hf import IM_END, PAD, build_tokenizer, default_corpus
-
-    args = dataclasses.replace(args, vision=dataclasses.replace(args.vision))
-    tokenizer = build_tokenizer(default_corpus())
-    if args.vision.enabled:
-        tokenizer.add_special_tokens({"additional_special_tokens": ["<|image|>"]})
-        args.vision.image_token_id = tokenizer.convert_tokens_to_ids("<|image|>")
-    args.vocab_size = len(tokenizer)
-    args.validate("make_tiny_policy")
-    torch.manual_seed(seed)
-    out = save_policy(Policy(args), out_dir)
-    tokenizer.save_pretrained(out)
-    eos, pad = tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(PAD)
-    GenerationConfig(eos_token_id=eos, pad_token_id=pad).save_pretrained(out)
-    return out

@@ -1,7 +1,7 @@
-"""Rewards: functions of a recorded trajectory, milestone specs and verifiers.
+"""Rewards: the bottom layer, pure functions over what an episode recorded (no imports of ours).
 
-Milestone rewards are paid by the environments themselves (`info["milestones"]`, see
-`envs/base.py`) and summed per episode by the agent loop; `rewards.milestones` holds reward
-functions over those records (for `longhorizon replay --rescore`). Verifiers (answers, unit tests)
-and milestone credit assignment land here with the learner's milestone work.
+`rewards.milestones` pays milestones once per episode, turns recorded milestone events into rewards
+(sum, terminal-only, discounted, per turn) and decides `solved`; the environments use it while they
+run, milestone credit (rl/credit.py) when it assigns rewards to turns,
+and `longhorizon replay --rescore` afterwards.
 """

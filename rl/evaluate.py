@@ -10,7 +10,7 @@ The success interval is Wilson's score interval (well behaved at 0 and 1, unlike
 approximation). pass@k is the share of seeds with at least one success among their k episodes.
 
 `evaluate` runs the episodes with any engine (vLLM, or a scripted policy in tests) in this process;
-`longhorizon eval` (rl/cli.py) builds the vLLM engine from a run directory or a checkpoint, and
+`longhorizon eval` (longhorizon/cli.py) builds the vLLM engine from a run directory or a checkpoint, and
 the trainer runs the same tasks on its rollout workers every `eval.every` iterations.
 """
 
@@ -20,8 +20,8 @@ import math
 from collections import defaultdict
 
 import envs
-from rl.trajectory import Trajectory
-from rollout.agent_loop import EpisodeTask, run_episodes
+from rollout.trajectory import Trajectory
+from rollout.agent_loop import EpisodeTask, play
 
 HELD_OUT = 1 << 31
 
@@ -63,13 +63,6 @@ def summarise(env_id: str, trajs: list[Trajectory], k: int = 1) -> dict:
             by_seed[t.group_id].append(w)
         out[f"pass@{k}"] = sum(any(ws) for ws in by_seed.values()) / max(1, len(by_seed))
     return out
-
-
-def play(engine, chat, env_id: str, env_kwargs: dict | None, tasks: list[EpisodeTask], **loop) -> list[Trajectory]:
-    """Evaluation episodes to their ends, in environments made here (`loop`: the agent loop's limits
-    and sampling); nothing is suspended or kept. The rollout workers run their share this way."""
-    kwargs = dict(env_kwargs or {})
-    return run_episodes(engine, chat, lambda: envs.make(env_id, **kwargs), env_id, tasks, **loop)
 
 
 def evaluate(engine, chat, env_id: str, episodes: int, *, k: int = 1, env_kwargs: dict | None = None,

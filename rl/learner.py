@@ -52,7 +52,7 @@ from rl.shares import (
     deal_by_tokens,
     padded_slots,
 )
-from rl.trajectory import Trajectory
+from rollout.trajectory import Trajectory
 
 
 def _pad(rows: list[list], value) -> list[list]:
@@ -587,7 +587,7 @@ class Learner:
         """Put the current weights into Ray's object store in buckets (rl/sync.py); the manifest
         names this version. In a group every rank gathers tensor by tensor and rank 0 puts the
         buckets as they fill, so no rank holds a full copy of the model (the others return None)."""
-        from rl.sync import publish
+        from rollout.weights import publish
 
         if self.world == 1:
             return publish(self.weights(), self.version, bucket_mb)

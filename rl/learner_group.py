@@ -19,18 +19,7 @@ from __future__ import annotations
 import ray
 
 from rl.learner import LearnerActor
-
-
-def result(refs):
-    """The answer of a learner call: rank 0's, once every rank has finished. The first rank to
-    fail raises at once (the others may be waiting for it in a collective). Takes one ref too."""
-    if not isinstance(refs, list):
-        return ray.get(refs)
-    pending, out = list(refs), {}
-    while pending:
-        ready, pending = ray.wait(pending, num_returns=1)
-        out[ready[0]] = ray.get(ready[0])  # raises the rank's error
-    return out[refs[0]]
+from rl.ray_utils import result
 
 
 class _Call:

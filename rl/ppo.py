@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from rl.trajectory import Trajectory
+from rollout.trajectory import Trajectory
 
 
 class ValueHead(torch.nn.Module):

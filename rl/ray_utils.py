@@ -1,4 +1,4 @@
-"""Starting or joining Ray.
+"""Starting or joining Ray, and waiting on a learner group's answer (`result`).
 
 Ray rewrites 127.0.0.1 to the machine's own address and listens on every interface unless told
 otherwise. A local Ray here binds to loopback only: `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` plus an
@@ -39,3 +39,15 @@ def init_ray(cfg: RayConfig) -> bool:
             resources=dict(cfg.local_resources) or None,
         )
     return True
+
+
+def result(refs):
+    """The answer of a learner call: rank 0's, once every rank has finished. The first rank to
+    fail raises at once (the others may be waiting for it in a collective). Takes one ref too."""
+    if not isinstance(refs, list):
+        return ray.get(refs)
+    pending, out = list(refs), {}
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        out[ready[0]] = ray.get(ready[0])  # raises the rank's error
+    return out[refs[0]]

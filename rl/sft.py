@@ -17,7 +17,7 @@ import shutil
 import time
 from pathlib import Path
 
-from rl.trajectory import Trajectory
+from rollout.trajectory import Trajectory
 from rollout.agent_loop import EpisodeTask, run_episodes
 
 DEMO_SEED = 1 << 30

@@ -17,7 +17,7 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rl.trajectory import Trajectory, Turn
+from rollout.trajectory import Trajectory, Turn
 
 SCHEMA_VERSION = 2  # 2: routed_experts (shards of version 1 read with it None)
 

@@ -7,7 +7,7 @@ their sizes, never the arrays. Each rollout worker then fetches the buckets one 
 its engine loads them (`iter_weights` feeds vLLM's reload as a lazy iterator), so a worker pins at
 most one bucket of published weights on top of its engine's own parameters; workers on the
 learner's node read the buckets zero-copy from shared memory, workers on other nodes pull them
-through Ray's object transfer. The driver drops the manifest after the sync and the buckets are
+through Ray's object transfer. The wire format (`Manifest`, `publish`, `iter_weights`) is rollout/weights.py. The driver drops the manifest after the sync and the buckets are
 freed.
 
 GPU path (not exercised on CPU machines): the same manifest shape, but the buckets are flattened
@@ -26,60 +26,11 @@ whose process died is reported back (`PendingSync.lost`) for the driver to resto
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from typing import Iterable, Iterator
 
-import numpy as np
 import ray
 
-
-@dataclass
-class Manifest:
-    """One published version: what a rollout worker needs to fetch and load it."""
-
-    version: int
-    buckets: list  # ObjectRefs, each to a list of (name, array)
-    bucket_bytes: list[int]
-    names: list[list[str]] = field(default_factory=list)
-
-    @property
-    def nbytes(self) -> int:
-        return int(sum(self.bucket_bytes))
-
-
-def bucketize(named: Iterable[tuple[str, np.ndarray]], max_bytes: int) -> Iterator[list[tuple[str, np.ndarray]]]:
-    """Consecutive (name, array) pairs grouped so each group holds at most `max_bytes` (a single
-    array larger than that is a group of its own). Order is kept: every array appears exactly once.
-    Lazy: a group is yielded as soon as it is full, so a streamed source (a sharded learner
-    gathering one tensor at a time) is never held whole."""
-    cur, size = [], 0
-    for name, arr in named:
-        if cur and size + arr.nbytes > max_bytes:
-            yield cur
-            cur, size = [], 0
-        cur.append((name, arr))
-        size += arr.nbytes
-    if cur:
-        yield cur
-
-
-def publish(named: Iterable[tuple[str, np.ndarray]], version: int, bucket_mb: float) -> Manifest:
-    """Put the weights into the object store, bucket by bucket (runs inside the learner)."""
-    m = Manifest(version=version, buckets=[], bucket_bytes=[], names=[])
-    for g in bucketize(named, max(1, int(bucket_mb * (1 << 20)))):  # each bucket into the store as it fills
-        m.buckets.append(ray.put(g))
-        m.bucket_bytes.append(int(sum(a.nbytes for _, a in g)))
-        m.names.append([n for n, _ in g])
-    return m
-
-
-def iter_weights(manifest: Manifest) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, array) pairs of a manifest, fetching one bucket at a time (runs inside a rollout worker).
-    The previous bucket's arrays are released before the next is fetched."""
-    for ref in manifest.buckets:
-        bucket = ray.get(ref)
-        yield from bucket
-        del bucket
+from rl.ray_utils import result
+from rollout.weights import Manifest
 
 
 class PendingSync:
@@ -133,8 +84,6 @@ def start_sync(learner, workers: list, bucket_mb: float, indices: list[int] | No
     after the publish; on each worker the load runs after the calls already queued there).
     `indices` names the workers in errors (default: their positions in `workers`)."""
     t0 = time.perf_counter()
-    from rl.learner_group import result
-
     manifest = result(learner.publish.remote(bucket_mb))  # a learner group answers with rank 0's manifest
     publish_s = time.perf_counter() - t0
     indices = list(range(len(workers))) if indices is None else indices

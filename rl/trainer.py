@@ -57,10 +57,10 @@ from rl.config import RunConfig, dump_config
 from rl.learner_group import LearnerGroup, result
 from rl.ray_utils import init_ray
 from rl.store import TrajectoryStore
-from rl.trajectory import Trajectory
+from rollout.trajectory import Trajectory
 from rollout.agent_loop import EpisodeTask
 from envs.worker import EnvWorkerActor
-from rl.plot import TensorBoardLog
+from rl.loggers import TensorBoardLog
 from rl.sync import PendingSync, start_sync
 from rollout.worker import RolloutWorkerActor, StaleWorkerError
 
@@ -163,11 +163,11 @@ class Trainer:
         if not (init / "config.json").exists():
             if self.cfg.policy.flavour:
                 from policy.args import load_model_args
-                from policy.checkpoint import make_tiny_policy
+                from rl.tiny import make_tiny_policy
 
                 make_tiny_policy(init, load_model_args(self.cfg.policy.flavour), seed=self.cfg.seed)
             else:
-                from policy.tiny_hf import make_tiny_qwen3_moe
+                from rl.tiny import make_tiny_qwen3_moe
 
                 make_tiny_qwen3_moe(init, self.cfg.policy.tiny, seed=self.cfg.seed)
         return self.warm_started(str(init))
@@ -472,7 +472,7 @@ class Trainer:
         self.tensorboard.log(row)
         if self.cfg.log.wandb_project:
             if self.wandb is None:
-                from rl.plot import WandbLog
+                from rl.loggers import WandbLog
 
                 self.wandb = WandbLog(self.cfg, self.run_dir)
             self.wandb.log(row)

@@ -29,7 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from rl.trajectory import Trajectory, Turn
+import envs
+from rollout.trajectory import Trajectory, Turn
 from rollout.chat import ChatFormat
 
 
@@ -300,3 +301,11 @@ def _record(ep: _Episode, env_id: str) -> Trajectory:
         timings={"generate_s": ep.gen_s, "env_s": ep.env_s},
         routed_experts=ep.routed if ep.any_routed else None,
     )
+
+
+def play(engine, chat, env_id: str, env_kwargs: dict | None, tasks: list[EpisodeTask], **loop) -> list[Trajectory]:
+    """Evaluation episodes to their ends, in environments made here (`loop`: the agent loop's limits
+    and sampling); nothing is suspended or kept. Held-out evaluation
+    (rl/evaluate.py) runs this way, on the rollout workers."""
+    kwargs = dict(env_kwargs or {})
+    return run_episodes(engine, chat, lambda: envs.make(env_id, **kwargs), env_id, tasks, **loop)

@@ -17,7 +17,7 @@ length alone says which turn comes next.
 from __future__ import annotations
 
 import envs
-from rollout.vllm_engine import Generation
+from rollout.engines.base import Generation
 
 
 class ExpertEngine:

@@ -16,14 +16,15 @@ import warnings
 import ray
 
 import envs
-from rl.config import EnvConfig, RolloutConfig
+from envs.config import EnvConfig
+from rollout.config import RolloutConfig
 from envs.worker import RemoteEnv
-from rl.sync import Manifest, iter_weights
-from rl.trajectory import Trajectory
+from rollout.weights import Manifest, iter_weights
+from rollout.trajectory import Trajectory
 from rollout.agent_loop import EpisodeTask, continue_episodes
 from rollout.chat import ChatFormat
 from rollout.engines import make_engine
-from rollout.vllm_engine import Generation
+from rollout.engines.base import Generation
 
 
 class StaleWorkerError(RuntimeError):
@@ -84,7 +85,7 @@ class RolloutWorker:
     def evaluate(self, env_id: str, env_kwargs: dict, tasks: list[EpisodeTask], temperature: float) -> list[Trajectory]:
         """Held-out episodes (rl/evaluate.py) with the current weights, in this process's environments;
         nothing suspended, nothing kept."""
-        from rl.evaluate import play
+        from rollout.agent_loop import play
 
         c = self.cfg
         return play(self.engine, self.chat, env_id, env_kwargs, tasks, max_turns=c.max_turns,
@@ -101,7 +102,7 @@ class RolloutWorker:
         return RemoteEnv(self.env_actors[slot % len(self.env_actors)], slot)
 
     def load_weights(self, manifest: Manifest) -> dict:
-        """Load a published version (rl/sync.py) in place, fetching its buckets one at a time while
+        """Load a published version (rollout/weights.py) in place, fetching its buckets one at a time while
         the engine loads them; returns the new version, seconds, bytes and buckets received."""
         t0 = time.perf_counter()
         with warnings.catch_warnings():

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def tiny_policy(tmp_path_factory) -> str:
-    from policy.tiny_hf import make_tiny_qwen3_moe
+    from rl.tiny import make_tiny_qwen3_moe
 
     return str(make_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny-policy"), seed=0))
 
@@ -39,7 +39,8 @@ def policy_dir(tmp_path_factory) -> str:
     import torch
 
     from policy.args import load_model_args
-    from policy.checkpoint import load_policy, make_tiny_policy, save_policy
+    from policy.checkpoint import load_policy, save_policy
+    from rl.tiny import make_tiny_policy
 
     args = load_model_args("configs/policy/debug.yaml")
     args = dataclasses.replace(args, mla=dataclasses.replace(args.mla, rope=True))
@@ -63,7 +64,7 @@ def hf_model(tiny_policy):
 @pytest.fixture(scope="session")
 def engine(tiny_policy):
     """One in-process vLLM engine for the session (vLLM allows one per process)."""
-    from rollout.vllm_engine import VLLMEngine
+    from rollout.engines.vllm_engine import VLLMEngine
 
     return VLLMEngine(tiny_policy, kv_cache_gib=1, max_model_len=4096)
 

@@ -89,7 +89,7 @@ def test_environment_failures_end_only_their_episode(tokenizer):
 
 def test_learner_keeps_infra_failures_out_of_group_statistics():
     from rl.learner import usable_episodes
-    from rl.trajectory import Trajectory
+    from rollout.trajectory import Trajectory
 
     def ep(i, group, reward, infra=""):
         return Trajectory(episode_id=f"e{i}", iteration=0, group_id=group, env_id="x", seed=0, prompt_len=1,
@@ -102,7 +102,7 @@ def test_learner_keeps_infra_failures_out_of_group_statistics():
     assert stats == {"infra_errors": 2, "stale_episodes_dropped": 0, "groups_dropped": 1}
 
     # a staleness bound: an episode with a turn older than min_version leaves too (and its group with it)
-    from rl.trajectory import Turn
+    from rollout.trajectory import Turn
 
     def turn(version):
         return Turn(gen_start=1, gen_end=2, obs_end=2, text="", observation="", tool_calls=0, tool_errors=0,
@@ -122,7 +122,7 @@ class TamperedCalculator(envs.calculator.CalculatorEnv):
 
 
 def test_replay_reproduces_expert_episodes_and_catches_a_tampered_env(tokenizer):
-    from rl.replay import replay_episode
+    from longhorizon.replay import replay_episode
 
     chat = ChatFormat(tokenizer)
     tasks = [EpisodeTask(f"e{s}", s, s, 0) for s in (31, 32)]
@@ -142,7 +142,7 @@ def test_replay_reproduces_expert_episodes_and_catches_a_tampered_env(tokenizer)
 
 
 def test_rescoring_functions_on_an_expert_episode(tokenizer):
-    from rewards.milestones import milestone_sum, terminal_only
+    from rewards.milestones import discounted, milestone_sum, terminal_only, turn_rewards
 
     chat = ChatFormat(tokenizer)
     (t,) = run_episodes(ExpertPolicy(chat, [41]), chat, lambda: envs.make("tools/calculator-v0"),
@@ -150,6 +150,10 @@ def test_rescoring_functions_on_an_expert_episode(tokenizer):
                         max_episode_tokens=4096)
     assert milestone_sum(t) == pytest.approx(t.reward) == pytest.approx(1.25)
     assert terminal_only(t) == 1.0
+    # the product is reached on the first calculator call (turn 0), solved on the answer (turn 2)
+    assert [m["turn"] for m in t.milestones] == [0, 2] and len(t.turns) == 3
+    assert turn_rewards(t.milestones, len(t.turns)) == pytest.approx([0.25, 0.0, 1.0])
+    assert discounted(t, 0.5) == pytest.approx(0.25 + 0.25 * 1.0)
     t.milestones = t.milestones[:1]
     assert terminal_only(t) == 0.0 and milestone_sum(t) == pytest.approx(0.25)
 
@@ -162,7 +166,7 @@ BUILTIN_KWARGS = {"tools/calculator-v0": {}, "tools/shell-v0": {}, "code/fix-tes
 def test_every_builtin_env_records_and_replays_through_the_loop(tokenizer, env_id):
     """The expert's episode goes through the token-in/token-out loop (tool calls decoded from ids),
     is paid in full, and replays in a fresh environment (fresh sandbox) without divergence."""
-    from rl.replay import replay_episode
+    from longhorizon.replay import replay_episode
 
     chat = ChatFormat(tokenizer)
     kwargs = BUILTIN_KWARGS[env_id]
@@ -179,7 +183,7 @@ def test_every_builtin_env_records_and_replays_through_the_loop(tokenizer, env_i
 def test_expert_episodes_through_env_worker_actors(tokenizer, ray_cluster):
     """The same loop with each episode's environment in a slot of an EnvWorker actor."""
     from envs.worker import EnvWorkerActor, RemoteEnv
-    from rl.replay import replay_episode
+    from longhorizon.replay import replay_episode
 
     chat = ChatFormat(tokenizer)
     actor = EnvWorkerActor.options(max_concurrency=4).remote("tools/shell-v0", {})
@@ -214,7 +218,7 @@ def test_sandbox_events_are_recorded_stored_and_shown(tokenizer, tmp_path):
     TrajectoryStore(tmp_path).write("iter-000000", [t])
     (back,) = TrajectoryStore(tmp_path).trajectories()
     assert back.turns[0].sandbox_events == t.turns[0].sandbox_events
-    shown = subprocess.run([sys.executable, "-m", "rl.cli", "inspect", str(tmp_path), "--episode", "i0-g0-e0"],
+    shown = subprocess.run([sys.executable, "-m", "longhorizon.cli", "inspect", str(tmp_path), "--episode", "i0-g0-e0"],
                            cwd=REPO, capture_output=True, text=True, timeout=120)
     assert "sandbox: bwrap: output limit reached" in shown.stdout, shown.stderr
 

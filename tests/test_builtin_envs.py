@@ -28,7 +28,7 @@ BUILTIN = {  # id -> (constructor arguments for the test, milestones the expert 
 
 
 def cli(*args, input=None, env=None):
-    return subprocess.run([sys.executable, "-m", "rl.cli", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "longhorizon.cli", *args], cwd=REPO, capture_output=True, text=True,
                           input=input, env=env, timeout=300)
 
 

@@ -103,7 +103,7 @@ def test_every_field_has_a_docstring():
 def test_cli_reports_config_error_without_starting_anything(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("rollout:\n  temprature: 0.7\n")
-    out = subprocess.run([sys.executable, "-m", "rl.cli", "train", str(bad), "--run-dir", str(tmp_path / "r")],
+    out = subprocess.run([sys.executable, "-m", "longhorizon.cli", "train", str(bad), "--run-dir", str(tmp_path / "r")],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == 2
     assert "rollout.temprature" in out.stderr and "bad.yaml" in out.stderr and "temperature" in out.stderr

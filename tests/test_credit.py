@@ -104,7 +104,7 @@ def test_token_advantages_follow_turn_spans_and_the_learner_uses_them(tiny_polic
     from rl.config import AlgoConfig
     from rl.credit import token_advantages
     from rl.learner import Learner
-    from rl.trajectory import Trajectory, Turn
+    from rollout.trajectory import Trajectory, Turn
 
     def ep(i, milestones):
         ids = tokenizer.encode(f"task {i} first turn then a second turn ok")

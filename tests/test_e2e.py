@@ -164,7 +164,7 @@ def test_store_metrics_and_checkpoints(e2e_run, stored):
 
 def test_inspect_json_summary(e2e_run, stored):
     _, _, run_dir = e2e_run
-    out = subprocess.run([sys.executable, "-m", "rl.cli", "inspect", str(run_dir), "--json"],
+    out = subprocess.run([sys.executable, "-m", "longhorizon.cli", "inspect", str(run_dir), "--json"],
                          capture_output=True, text=True, timeout=120, cwd=REPO, check=True)
     s = json.loads(out.stdout)
     assert s["iterations"] == 2 and s["episodes"] == 32
@@ -172,10 +172,10 @@ def test_inspect_json_summary(e2e_run, stored):
     assert s["mean_reward"][0] == pytest.approx(sum(t.reward for t in stored if t.iteration == 0) / 16)
     assert s["policy_versions"] == [0, 1]
     ep = stored[3].episode_id
-    out = subprocess.run([sys.executable, "-m", "rl.cli", "inspect", str(run_dir), "--episode", ep],
+    out = subprocess.run([sys.executable, "-m", "longhorizon.cli", "inspect", str(run_dir), "--episode", ep],
                          capture_output=True, text=True, timeout=120, cwd=REPO, check=True)
     assert ep in out.stdout and "turn 0" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "rl.cli", "inspect", str(run_dir), "--episode", "nope"],
+    bad = subprocess.run([sys.executable, "-m", "longhorizon.cli", "inspect", str(run_dir), "--episode", "nope"],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     assert bad.returncode == 2 and "no episode 'nope'" in bad.stderr
 
@@ -199,14 +199,14 @@ def test_ray_listens_on_loopback_only(e2e_run):
 def test_cli_train_then_inspect(tmp_path):
     """The user's path: `longhorizon train` in its own process (its own local Ray), then inspect."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "rl.cli", "train", "configs/quickstart.yaml", "--run-dir", str(run_dir),
+    cmd = [sys.executable, "-m", "longhorizon.cli", "train", "configs/quickstart.yaml", "--run-dir", str(run_dir),
            "--iterations", "1", "rollout.num_workers=1", "rollout.groups_per_iteration=2", "rollout.group_size=2",
            "rollout.max_turns=2"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "done" in out.stderr and str(run_dir.resolve()) in out.stderr
     assert (run_dir / "policy-init" / "tokenizer.json").exists()  # made locally, nothing downloaded
-    summary = json.loads(subprocess.run([sys.executable, "-m", "rl.cli", "inspect", str(run_dir), "--json"],
+    summary = json.loads(subprocess.run([sys.executable, "-m", "longhorizon.cli", "inspect", str(run_dir), "--json"],
                                         capture_output=True, text=True, timeout=120, cwd=REPO, check=True).stdout)
     assert summary["iterations"] == 1 and summary["episodes"] == 4 and summary["policy_versions"] == [0]
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
@@ -216,7 +216,7 @@ def test_cli_train_then_inspect(tmp_path):
 
 def test_replay_export_and_rescore_from_the_cli(e2e_run, stored):
     _, _, run_dir = e2e_run
-    run = lambda *a: subprocess.run([sys.executable, "-m", "rl.cli", *a], capture_output=True, text=True,  # noqa: E731
+    run = lambda *a: subprocess.run([sys.executable, "-m", "longhorizon.cli", *a], capture_output=True, text=True,  # noqa: E731
                                     timeout=300, cwd=REPO)
     out = run("replay", str(run_dir), "--all", "--json")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
@@ -235,7 +235,7 @@ def test_replay_export_and_rescore_from_the_cli(e2e_run, stored):
 def test_html_viewer_renders_in_headless_chromium(e2e_run, stored):
     _, _, run_dir = e2e_run
     page = run_dir / "viewer.html"
-    out = subprocess.run([sys.executable, "-m", "rl.cli", "inspect", str(run_dir), "--html", str(page)],
+    out = subprocess.run([sys.executable, "-m", "longhorizon.cli", "inspect", str(run_dir), "--html", str(page)],
                          capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]
     text = page.read_text()
@@ -281,7 +281,7 @@ def test_train_from_store_replays_the_learning_without_rollouts(e2e_run, tiny_po
 
 
 def test_train_from_store_names_a_missing_store(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "rl.cli", "train", "configs/quickstart.yaml", "--run-dir",
+    r = subprocess.run([sys.executable, "-m", "longhorizon.cli", "train", "configs/quickstart.yaml", "--run-dir",
                         str(tmp_path / "x"), "--from-store", str(tmp_path / "nothing")], cwd=REPO,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--from-store" in r.stderr and "no trajectory shards" in r.stderr

@@ -33,7 +33,7 @@ def test_held_out_seeds_never_meet_training_seeds():
 
 
 def test_success_follows_each_environments_rule():
-    from rl.trajectory import Trajectory
+    from rollout.trajectory import Trajectory
 
     def traj(env, milestones, reward, infra=""):
         return Trajectory(episode_id="e", iteration=-1, group_id=0, env_id=env, seed=0, prompt_len=1, token_ids=[1],
@@ -64,7 +64,7 @@ def test_the_expert_solves_every_held_out_task(tokenizer):
 
 
 def test_pass_at_k_counts_seeds_with_any_success():
-    from rl.trajectory import Trajectory
+    from rollout.trajectory import Trajectory
 
     solved, missed = [{"name": "solved", "reward": 1.0}], []
     trajs = [Trajectory(episode_id=f"e{i}", iteration=-1, group_id=g, env_id="tools/calculator-v0", seed=HELD_OUT + g,
@@ -78,18 +78,18 @@ def test_pass_at_k_counts_seeds_with_any_success():
 @pytest.mark.slow
 def test_eval_cli_on_a_run_directory(e2e_run):
     _, _, run_dir = e2e_run
-    r = subprocess.run([sys.executable, "-m", "rl.cli", "eval", str(run_dir), "--episodes", "6", "--k", "2", "--json"],
+    r = subprocess.run([sys.executable, "-m", "longhorizon.cli", "eval", str(run_dir), "--episodes", "6", "--k", "2", "--json"],
                        cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["env_id"] == "tools/calculator-v0" and out["episodes"] == 6 and out["k"] == 2
     assert out["policy"].endswith("checkpoints/version-000002")  # the run's newest weights
     assert 0.0 <= out["ci95"][0] <= out["success"] <= out["ci95"][1] <= 1.0 and "pass@2" in out
-    bad = subprocess.run([sys.executable, "-m", "rl.cli", "eval", str(run_dir / "nope")], cwd=REPO,
+    bad = subprocess.run([sys.executable, "-m", "longhorizon.cli", "eval", str(run_dir / "nope")], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "neither a run directory nor a checkpoint" in bad.stderr
     ckpt = run_dir / "checkpoints" / "version-000002"
-    bad = subprocess.run([sys.executable, "-m", "rl.cli", "eval", str(ckpt)], cwd=REPO, capture_output=True,
+    bad = subprocess.run([sys.executable, "-m", "longhorizon.cli", "eval", str(ckpt)], cwd=REPO, capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "--env is required" in bad.stderr
 

@@ -50,7 +50,7 @@ class _Run:
     def __init__(self, args: list[str], log: Path):
         self.log = log
         self.fh = open(log, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "rl.cli", "train", *args], cwd=REPO,
+        self.proc = subprocess.Popen([sys.executable, "-m", "longhorizon.cli", "train", *args], cwd=REPO,
                                      stdout=self.fh, stderr=subprocess.STDOUT, text=True)
 
     def wait_rows(self, run_dir: Path, n: int, timeout: float = 420) -> None:

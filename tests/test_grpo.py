@@ -104,7 +104,7 @@ def test_truncated_importance_weights_and_k1_kl_by_hand():
 def test_learner_with_reference_kl_and_tis(tiny_policy, tokenizer):
     from rl.config import AlgoConfig
     from rl.learner import Learner
-    from rl.trajectory import Trajectory
+    from rollout.trajectory import Trajectory
 
     learner = Learner(tiny_policy, AlgoConfig(kl_beta=0.1, tis_cap=2.0, minibatch_episodes=2, threads=1), seed=0,
                       max_generated_tokens=8)
@@ -130,7 +130,7 @@ def test_learner_with_reference_kl_and_tis(tiny_policy, tokenizer):
 def test_learner_skips_an_update_with_nothing_usable(tiny_policy, tokenizer):
     from rl.config import AlgoConfig
     from rl.learner import Learner
-    from rl.trajectory import Trajectory
+    from rollout.trajectory import Trajectory
 
     learner = Learner(tiny_policy, AlgoConfig(threads=1), seed=0)
     ids = tokenizer.encode("a b c d")
@@ -151,7 +151,7 @@ def test_kl_in_the_reward(tiny_policy, tokenizer, estimator):
     from rl.config import AlgoConfig
     from rl.grpo import group_advantages
     from rl.learner import Learner
-    from rl.trajectory import Trajectory, Turn
+    from rollout.trajectory import Trajectory, Turn
 
     beta = 0.5
     learner = Learner(tiny_policy, AlgoConfig(kl_beta=beta, kl_in="reward", kl_estimator=estimator, lr=1e-2,

@@ -60,7 +60,7 @@ def ray_head():
 
 
 def cli(*args, timeout=900):
-    return subprocess.run([sys.executable, "-m", "rl.cli", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "longhorizon.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)
 
 

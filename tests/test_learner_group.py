@@ -12,7 +12,7 @@ import torch
 
 from rl.config import AlgoConfig
 from rl.shares import deal_by_tokens, padded_slots
-from rl.trajectory import Trajectory, Turn
+from rollout.trajectory import Trajectory, Turn
 
 
 def test_episodes_are_dealt_by_tokens_and_every_rank_gets_the_same_number_of_slots():
@@ -135,7 +135,7 @@ def test_a_two_rank_group_trains_the_policy_model_with_ppo_and_balancing_like_on
     from transformers import AutoTokenizer
 
     from policy.args import load_model_args
-    from policy.checkpoint import make_tiny_policy
+    from rl.tiny import make_tiny_policy
     from rl.learner_group import LearnerGroup
 
     args = load_model_args("configs/policy/debug.yaml")

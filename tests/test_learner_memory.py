@@ -14,7 +14,7 @@ from rl.config import AlgoConfig
 from rl.grpo import token_logprobs
 from rl.learner import Learner
 from rl.logprobs import chunked_logprobs
-from rl.trajectory import Trajectory
+from rollout.trajectory import Trajectory
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 64])

@@ -106,7 +106,7 @@ class Rank:
 
     def publish(self, bucket_mb: float):
         from policy.parallelize import iter_full_weights
-        from rl.sync import publish
+        from rollout.weights import publish
 
         if self.rank == 0:
             return publish(iter_full_weights(self.model), 1, bucket_mb)
@@ -227,7 +227,7 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_ranks_and_publishes_f
     and AdamW moments re-cut, its own step 1 overwritten); step 2 there equals two single-process
     steps. Then the 4 ranks publish their weights through the sync path, gathered a tensor at a
     time, and a rollout worker's view equals them."""
-    from rl.sync import iter_weights
+    from rollout.weights import iter_weights
 
     two, _, saved = first_steps[2]
     four = first_steps[4][0]

@@ -5,7 +5,8 @@ import subprocess
 import sys
 
 from conftest import REPO
-from rl.plot import TensorBoardLog, plot_run
+from longhorizon.plot import plot_run
+from rl.loggers import TensorBoardLog
 
 ROWS = [{"iteration": i, "policy_version": i + 1, "mean_reward": 0.1 * i, "loss": 1.0 - 0.2 * i,
          "milestone_rate/product": 0.25 * i, "milestone_rate/solved": 0.1 * i, "sync_s": 0.05,
@@ -27,10 +28,10 @@ def test_plot_writes_one_png_per_panel(tmp_path):
 
 
 def test_plot_cli_names_a_run_without_metrics(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "rl.cli", "plot", str(tmp_path)], cwd=REPO, capture_output=True,
+    r = subprocess.run([sys.executable, "-m", "longhorizon.cli", "plot", str(tmp_path)], cwd=REPO, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 2 and "has no metrics.jsonl rows" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "rl.cli", "plot", str(_run(tmp_path)), "--out", str(tmp_path / "p")],
+    r = subprocess.run([sys.executable, "-m", "longhorizon.cli", "plot", str(_run(tmp_path)), "--out", str(tmp_path / "p")],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and (tmp_path / "p" / "reward.png").exists()
 

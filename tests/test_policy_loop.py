@@ -109,7 +109,7 @@ def test_checkpoints_are_policy_checkpoints_that_eval_serves(policy_run):
     ckpt = run_dir / "checkpoints" / "version-000002"
     cfg = json.loads((ckpt / "config.json").read_text())
     assert cfg["model_type"] == "longhorizon_policy" and (ckpt / "tokenizer.json").exists()
-    out = subprocess.run([sys.executable, "-m", "rl.cli", "eval", str(ckpt), "--env", "tools/calculator-v0",
+    out = subprocess.run([sys.executable, "-m", "longhorizon.cli", "eval", str(ckpt), "--env", "tools/calculator-v0",
                           "--episodes", "4", "--json"], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])

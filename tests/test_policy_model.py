@@ -109,7 +109,7 @@ def test_full_config_on_meta_matches_the_reference_counts():
 
 
 def test_policy_info_cli_json():
-    out = subprocess.run([sys.executable, "-m", "rl.cli", "policy", "info", str(DEBUG), "--json"],
+    out = subprocess.run([sys.executable, "-m", "longhorizon.cli", "policy", "info", str(DEBUG), "--json"],
                          capture_output=True, text=True, timeout=120, cwd=REPO, check=True)
     info = json.loads(out.stdout)
     model = Policy(load_model_args(DEBUG))

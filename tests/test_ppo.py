@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rl.ppo import decision_points, gae, value_loss
-from rl.trajectory import Trajectory, Turn
+from rollout.trajectory import Trajectory, Turn
 
 
 def test_gae_by_hand():

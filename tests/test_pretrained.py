@@ -172,7 +172,7 @@ def test_upcycle_command_line(tiny_llama, tmp_path):
     from conftest import REPO
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "rl.cli", "policy", "upcycle", *args], capture_output=True,
+        return subprocess.run([sys.executable, "-m", "longhorizon.cli", "policy", "upcycle", *args], capture_output=True,
                               text=True, cwd=REPO, timeout=300)
 
     out = cli(str(tiny_llama), "--experts", "4", "--top-k", "2", "--out", str(tmp_path / "moe"), "--json")

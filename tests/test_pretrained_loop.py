@@ -80,7 +80,7 @@ def test_expert_load_is_reported_and_every_parameter_trains(pretrained_run):
 
 def test_the_checkpoint_is_served_by_eval(pretrained_run):
     _, _, run_dir = pretrained_run
-    out = subprocess.run([sys.executable, "-m", "rl.cli", "eval", str(run_dir), "--episodes", "2", "--json"],
+    out = subprocess.run([sys.executable, "-m", "longhorizon.cli", "eval", str(run_dir), "--episodes", "2", "--json"],
                          capture_output=True, text=True, cwd=REPO, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])

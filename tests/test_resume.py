@@ -18,7 +18,7 @@ DETERMINISTIC = ("iteration", "policy_version", "episodes", "mean_reward", "gene
 
 
 def _cmd(tiny_policy, run_dir):
-    return [sys.executable, "-m", "rl.cli", "train", "configs/quickstart.yaml", "--run-dir", str(run_dir),
+    return [sys.executable, "-m", "longhorizon.cli", "train", "configs/quickstart.yaml", "--run-dir", str(run_dir),
             "--iterations", "3", f"policy.path={tiny_policy}", "rollout.num_workers=1",
             "rollout.groups_per_iteration=2", "rollout.group_size=2", "rollout.max_turns=2", "algo.entropy_coef=0.01"]
 
@@ -43,7 +43,7 @@ def test_killed_run_resumes_and_reproduces_the_uninterrupted_run(tiny_policy, tm
     os.killpg(proc.pid, signal.SIGKILL)  # no clean-up of any kind, as after a crash
     proc.wait(timeout=60)
 
-    resumed = subprocess.run([sys.executable, "-m", "rl.cli", "train", "--resume", str(killed)],
+    resumed = subprocess.run([sys.executable, "-m", "longhorizon.cli", "train", "--resume", str(killed)],
                              capture_output=True, text=True, timeout=900, cwd=REPO)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from version-" in resumed.stderr
@@ -61,6 +61,6 @@ def test_killed_run_resumes_and_reproduces_the_uninterrupted_run(tiny_policy, tm
     assert len(eps_b) == len({t.episode_id for t in eps_b}) == 12  # every episode exactly once
     assert all(ids_a[t.episode_id] == t.token_ids for t in eps_b)
 
-    again = subprocess.run([sys.executable, "-m", "rl.cli", "train", "--resume", str(tmp_path / "nothing")],
+    again = subprocess.run([sys.executable, "-m", "longhorizon.cli", "train", "--resume", str(tmp_path / "nothing")],
                            capture_output=True, text=True, timeout=120, cwd=REPO)
     assert again.returncode == 2 and "nothing to resume" in again.stderr

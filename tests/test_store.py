@@ -11,7 +11,7 @@ import pytest
 
 from conftest import REPO
 from rl.store import TrajectoryStore
-from rl.trajectory import Trajectory, Turn
+from rollout.trajectory import Trajectory, Turn
 
 
 def _traj(i, n=50):
@@ -44,7 +44,7 @@ def test_corrupt_shard_is_named_and_the_others_stay_readable(tmp_path):
     assert eps == ["e0"] and str(bad) in store.corrupt
     with pytest.raises(ValueError, match="corrupt trajectory shard .*iter-000001"):
         list(store.rows(strict=True))
-    out = subprocess.run([sys.executable, "-m", "rl.cli", "inspect", str(tmp_path), "--json"],
+    out = subprocess.run([sys.executable, "-m", "longhorizon.cli", "inspect", str(tmp_path), "--json"],
                          capture_output=True, text=True, timeout=120, cwd=REPO)
     summary = json.loads(out.stdout)
     assert summary["episodes"] == 1 and str(bad) in summary["corrupt_shards"]
@@ -103,7 +103,7 @@ def test_inspect_episode_list_filters_and_token_page(tmp_path):
                                                "advantages": [0.0, 0.0] + [0.75] * 48}}, policy_version=0)
 
     def cli(*args):
-        r = subprocess.run([sys.executable, "-m", "rl.cli", "inspect", str(tmp_path), *args], cwd=REPO,
+        r = subprocess.run([sys.executable, "-m", "longhorizon.cli", "inspect", str(tmp_path), *args], cwd=REPO,
                            capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         return r.stdout
@@ -129,20 +129,20 @@ def test_export_as_a_datasets_directory(tmp_path):
 
     TrajectoryStore(tmp_path).write("iter-000000", [_traj(i) for i in range(3)])
     out = tmp_path / "ds"
-    r = subprocess.run([sys.executable, "-m", "rl.cli", "export", str(tmp_path), "--format", "datasets", "--out",
+    r = subprocess.run([sys.executable, "-m", "longhorizon.cli", "export", str(tmp_path), "--format", "datasets", "--out",
                         str(out)], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     ds = load_from_disk(str(out))
     assert ds["episode_id"] == ["e0", "e1", "e2"] and ds[1]["token_ids"] == list(range(50))
     TrajectoryStore(tmp_path).write("iter-000001", [_traj(7)])  # the run goes on: a new export sees it
-    r = subprocess.run([sys.executable, "-m", "rl.cli", "export", str(tmp_path), "--format", "datasets", "--out",
+    r = subprocess.run([sys.executable, "-m", "longhorizon.cli", "export", str(tmp_path), "--format", "datasets", "--out",
                         str(tmp_path / "ds2")], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert load_from_disk(str(tmp_path / "ds2"))["episode_id"] == ["e0", "e1", "e2", "e7"]
 
 
 def test_viewer_pages_a_long_episode(tmp_path):
     from conftest import chromium_dom
-    from rl.viewer import write_html
+    from longhorizon.viewer import write_html
 
     store = TrajectoryStore(tmp_path)
     store.write("iter-000000", [_traj(0), _traj(1, n=30_000)])
@@ -169,7 +169,7 @@ def test_routed_experts_round_trip_and_version_1_shards_still_read(tmp_path):
 
 
 def test_summary_reports_staleness_and_infra_errors(tmp_path):
-    from rl.inspect import summary
+    from longhorizon.inspect import summary
 
     store = TrajectoryStore(tmp_path)
     a, b, c = _traj(0), _traj(1), _traj(2)
@@ -183,7 +183,7 @@ def test_summary_reports_staleness_and_infra_errors(tmp_path):
 
 
 def test_a_million_token_episode_pages_from_its_own_row_group(tmp_path):
-    from rl.inspect import token_rows
+    from longhorizon.inspect import token_rows
 
     store = TrajectoryStore(tmp_path)
     store.write("iter-000000", [_traj(0), _traj(1, n=1_000_000), _traj(2)])

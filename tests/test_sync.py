@@ -10,7 +10,8 @@ import pytest
 import ray
 
 from rl.config import ConfigError, load_config
-from rl.sync import Manifest, bucketize, iter_weights, publish, start_sync
+from rl.sync import start_sync
+from rollout.weights import Manifest, bucketize, iter_weights, publish
 
 # the helpers below run in Ray workers, which cannot import this test module: ship them by value
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -1,5 +1,5 @@
-"""The project's vLLM model plugin (rollout/vllm_plugin.py) serving the `policy/` model, through the
-rollout worker's own engine class (rollout/vllm_engine.py), against the full forward, the learner's
+"""The project's vLLM model plugin (rollout/engines/vllm_plugin.py) serving the `policy/` model, through the
+rollout worker's own engine class (rollout/engines/vllm_engine.py), against the full forward, the learner's
 log-probs and the native engine.
 
 A debug-flavour model with every part on (KDA, gated MLA with RoPE so positions matter, LatentMoE
@@ -46,7 +46,7 @@ def full_logits(model, ids):
 
 
 def test_the_plugin_is_what_vllm_serves(engine):
-    from rollout.vllm_plugin import LonghorizonPolicyForCausalLM
+    from rollout.engines.vllm_plugin import LonghorizonPolicyForCausalLM
 
     served = engine.llm.collective_rpc(lambda worker: type(worker.model_runner.get_model()).__name__)
     assert served == [LonghorizonPolicyForCausalLM.__name__]

@@ -74,7 +74,7 @@ def test_shortened_demo_improves_held_out_success_over_the_warm_start(ray_cluste
     """The `make demo` pipeline on its second environment, shortened (30 RL iterations, 100 held-out
     episodes): warm start, RL, held-out evaluation before and after, `eval.json` in the issue's format
     and the wall-time curve; held-out success after RL is above the warm start's, intervals apart."""
-    from rl.demo import run_demo
+    from longhorizon.demo import run_demo
 
     res = run_demo(tmp_path / "demo", [str(REPO / "configs" / "demo" / "digits.yaml")],
                    ["iterations=30", "eval.every=15", "eval.episodes=100"])

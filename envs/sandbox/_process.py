@@ -15,7 +15,7 @@ import threading
 import time
 from typing import Callable
 
-from envs.sandbox import Limits, SandboxResult
+from envs.sandbox.base import Limits, SandboxResult
 
 _FLOOD_FACTOR = 16
 

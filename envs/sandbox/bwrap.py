@@ -32,7 +32,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from envs.sandbox import (Limits, SandboxBase, SandboxError, SandboxResult, Workspace, classify, host_view,
+from envs.sandbox.base import (Limits, SandboxBase, SandboxError, SandboxResult, Workspace, classify, host_view,
                           sandbox_env, sandbox_uid)
 from envs.sandbox._process import rlimit_setter, run_process
 

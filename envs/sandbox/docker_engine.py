@@ -35,7 +35,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from envs.sandbox import (HostView, Limits, SandboxBase, SandboxError, SandboxResult, Workspace, classify,
+from envs.sandbox.base import (HostView, Limits, SandboxBase, SandboxError, SandboxResult, Workspace, classify,
                           host_view, sandbox_env, sandbox_uid)
 
 IMAGE = "longhorizon/sandbox:0"

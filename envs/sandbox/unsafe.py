@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 
-from envs.sandbox import Limits, SandboxBase, SandboxResult, Workspace, classify
+from envs.sandbox.base import Limits, SandboxBase, SandboxResult, Workspace, classify
 from envs.sandbox._process import rlimit_setter, run_process
 
 

@@ -1,9 +1,9 @@
 """Rollout engines behind one protocol: `generate(prompts, *, max_tokens, temperature, top_p,
-stop_token_ids, seeds, min_tokens) -> [Generation]`, `score(token_ids)`, `load_weights(named
+stop_token_ids, seeds, min_tokens) -> [Generation]` (rollout/engines/base.py), `score(token_ids)`, `load_weights(named
 tensors, version)` and `version`.
 
-- `vllm`: rollout/vllm_engine.py, Hugging Face architectures through vLLM, and the `policy/` model
-  through the project's vLLM plugin (rollout/vllm_plugin.py).
+- `vllm`: rollout/engines/vllm_engine.py, Hugging Face architectures through vLLM, and the `policy/` model
+  through the project's vLLM plugin (rollout/engines/vllm_plugin.py).
 - `native`: rollout/engines/native.py, the project's `policy/` model in plain PyTorch, recording
   routed experts.
 """
@@ -24,7 +24,7 @@ def make_engine(kind: str, policy_path: str, *, seed: int, max_model_len: int, d
 
         return NativeEngine(policy_path, seed=seed, max_model_len=max_model_len, dtype=dtype, max_batch=max_batch)
     if kind == "vllm":
-        from rollout.vllm_engine import VLLMEngine
+        from rollout.engines.vllm_engine import VLLMEngine
 
         return VLLMEngine(policy_path, seed=seed, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, dtype=dtype,
                           enforce_eager=enforce_eager)

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from policy.kda import KDAState
 from policy.mla import MLACache
 from policy.model import PolicyCache
-from rollout.vllm_engine import Generation
+from rollout.engines.base import Generation
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The `envs` and `sandbox` subcommands of `longhorizon` (wired in by `rl.cli`).
+"""The `envs` and `sandbox` subcommands of `longhorizon` (wired in by `longhorizon.cli`).
 
     longhorizon envs list [--json]
     longhorizon envs show ID [--json]

@@ -8,14 +8,14 @@
     longhorizon export DIR [--out FILE] [--format jsonl|datasets]
     longhorizon plot DIR [--out DIR]
     longhorizon eval RUN_DIR|CHECKPOINT --env ID --episodes N [--k K] [--json]   (rl/evaluate.py)
-    longhorizon demo [--out runs/demo] [--config C ...] [key=value ...]          (rl/demo.py)
-    longhorizon submit CONFIG --address http://HEAD:8265 [--wait] [key=value ...]   (rl/jobs.py)
+    longhorizon demo [--out runs/demo] [--config C ...] [key=value ...]          (longhorizon/demo.py)
+    longhorizon submit CONFIG --address http://HEAD:8265 [--wait] [key=value ...]   (longhorizon/jobs.py)
     longhorizon jobs status|logs|stop ID --address http://HEAD:8265
     longhorizon policy info CONFIG [--json]
     longhorizon policy upcycle SRC --experts E [--top-k K] --out DIR [--json]   (rl/pretrained.py)
     longhorizon policy pretrained NAME [--experts E --top-k K]   # into the local cache; prints the path
-    longhorizon envs list|show|check|play ...          (envs/cli.py)
-    longhorizon sandbox run [--backend B] ... -- CMD   (envs/cli.py)
+    longhorizon envs list|show|check|play ...          (longhorizon/envs_cli.py)
+    longhorizon sandbox run [--backend B] ... -- CMD   (longhorizon/envs_cli.py)
 """
 
 from __future__ import annotations
@@ -86,12 +86,12 @@ def _train(args) -> int:
 
 
 def _inspect(args) -> int:
-    from rl import inspect as insp
+    from longhorizon import inspect as insp
 
     console = Console()
     try:
         if args.html:
-            from rl.viewer import write_html
+            from longhorizon.viewer import write_html
 
             print(f"wrote {write_html(args.run_dir, args.html)}")
         elif args.episodes:
@@ -122,7 +122,7 @@ def _inspect(args) -> int:
 
 
 def _replay(args) -> int:
-    from rl.replay import replay_episode, rescore, run_env_kwargs
+    from longhorizon.replay import replay_episode, rescore, run_env_kwargs
     from rl.store import TrajectoryStore
 
     try:
@@ -182,7 +182,7 @@ def _export(args) -> int:
 
 
 def _submit(args) -> int:
-    from rl import jobs
+    from longhorizon import jobs
     from rl.config import ConfigError
 
     try:
@@ -201,7 +201,7 @@ def _submit(args) -> int:
 
 
 def _jobs(args) -> int:
-    from rl import jobs
+    from longhorizon import jobs
 
     try:
         if args.action == "status":
@@ -277,7 +277,7 @@ def _eval(args) -> int:
 
 def _demo(args) -> int:
     from rl.config import ConfigError
-    from rl.demo import DEMO_CONFIGS, run_demo
+    from longhorizon.demo import DEMO_CONFIGS, run_demo
 
     console = Console(stderr=True)
     try:
@@ -295,7 +295,7 @@ def _demo(args) -> int:
 
 
 def _plot(args) -> int:
-    from rl.plot import plot_run
+    from longhorizon.plot import plot_run
 
     try:
         paths = plot_run(args.run_dir, args.out)
@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--top-k", type=int, default=1)
     pp.set_defaults(fn=_policy_pretrained)
 
-    from envs.cli import add_parsers as add_env_parsers
+    from longhorizon.envs_cli import add_parsers as add_env_parsers
 
     add_env_parsers(sub)
 

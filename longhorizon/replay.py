@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 import envs
-from rl.trajectory import Trajectory
+from rollout.trajectory import Trajectory
 
 
 @dataclass

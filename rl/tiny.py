@@ -1,5 +1,7 @@
-"""Tiny Hugging Face sparse-MoE checkpoints made locally: random weights, a locally trained
-byte-level BPE tokenizer and a chat template that renders tool calls.
+"""Tiny random starting policies made locally, for fast tests and the walking skeleton: Hugging
+Face Qwen3-MoE checkpoints (`make_tiny_qwen3_moe`) and the project's own `policy/` model
+(`make_tiny_policy`), both with a locally trained byte-level BPE tokenizer (its corpus includes
+calculator episodes) and a chat template that renders tool calls.
 
 Nothing is downloaded. The checkpoint is written with `save_pretrained`, so vLLM and the learner
 load it through exactly the code paths a real Qwen3-MoE checkpoint takes.
@@ -10,9 +12,12 @@ MLA models did not (see the machine notes). The project's own `policy/` model is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+from policy.args import ModelArgs
 
 CHAT_TEMPLATE = (Path(__file__).parent / "chat_template.jinja").read_text()
 
@@ -138,4 +143,32 @@ def make_tiny_qwen3_moe(out_dir: str | Path, dims: TinyMoEDims | None = None, se
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id).save_pretrained(out)
+    return out
+
+
+def make_tiny_policy(out_dir: str | Path, args: ModelArgs, seed: int = 0) -> Path:
+    """A random `policy/` checkpoint of flavour `args` with the tiny locally trained tokenizer and
+    chat template (above), ready for the rollout engines and the learner.
+
+    The vocabulary follows the tokenizer; with vision on, an `<|image|>` special token is added
+    and becomes `vision.image_token_id` (a fixed id would collide with the chat's own tokens)."""
+    from transformers import GenerationConfig
+
+    import torch
+
+    from policy.checkpoint import save_policy
+    from policy.model import Policy
+
+    args = dataclasses.replace(args, vision=dataclasses.replace(args.vision))
+    tokenizer = build_tokenizer(default_corpus())
+    if args.vision.enabled:
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<|image|>"]})
+        args.vision.image_token_id = tokenizer.convert_tokens_to_ids("<|image|>")
+    args.vocab_size = len(tokenizer)
+    args.validate("make_tiny_policy")
+    torch.manual_seed(seed)
+    out = save_policy(Policy(args), out_dir)
+    tokenizer.save_pretrained(out)
+    eos, pad = tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(PAD)
+    GenerationConfig(eos_token_id=eos, pad_token_id=pad).save_pretrained(out)
     return out

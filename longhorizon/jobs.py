@@ -4,7 +4,7 @@
     longhorizon jobs status|logs|stop JOB_ID --address http://HEAD:8265
 
 `submit` ships the project's packages and the (validated) config as the job's `working_dir`
-runtime environment and runs `PY -m rl.cli train job.yaml --run-dir DIR ray.address=auto` on the
+runtime environment and runs `PY -m longhorizon.cli train job.yaml --run-dir DIR ray.address=auto` on the
 head: the driver joins the cluster it runs on, and its actors are placed on the cluster's nodes.
 `PY` must be a Python on the cluster with the project's dependencies installed (the default,
 `python`, is whatever the head's PATH finds). The run directory is a path on the head (shared
@@ -59,7 +59,7 @@ def submit(config_path: str | Path, address: str, *, overrides: list[str] | None
     client = _client(address)
     staged = stage(cfg)
     try:
-        entrypoint = f"{python} -m rl.cli train job.yaml --run-dir {run_dir} ray.address=auto"
+        entrypoint = f"{python} -m longhorizon.cli train job.yaml --run-dir {run_dir} ray.address=auto"
         job_id = client.submit_job(entrypoint=entrypoint, runtime_env={"working_dir": str(staged)},
                                    submission_id=f"longhorizon-{name}-{time.strftime('%Y%m%d-%H%M%S')}",
                                    metadata={"longhorizon_config": name, "run_dir": run_dir})

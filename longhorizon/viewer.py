@@ -16,7 +16,7 @@ import html
 import json
 from pathlib import Path
 
-from rl.inspect import run_tokenizer, summary
+from longhorizon.inspect import run_tokenizer, summary
 from rl.store import TrajectoryStore
 
 

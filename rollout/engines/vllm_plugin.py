@@ -54,7 +54,7 @@ def register() -> None:
     except ValueError:  # registered already (the plugin loads once per process, but be safe)
         pass
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(ARCHITECTURE, "rollout.vllm_plugin:LonghorizonPolicyForCausalLM")
+        ModelRegistry.register_model(ARCHITECTURE, "rollout.engines.vllm_plugin:LonghorizonPolicyForCausalLM")
 
 
 class LonghorizonPolicyConfig(PretrainedConfig):
@@ -65,7 +65,7 @@ class LonghorizonPolicyConfig(PretrainedConfig):
 
     def __init__(self, **kwargs):
         from policy.args import ModelArgs
-        from rl.config import build_dataclass
+        from typed_yaml import build_dataclass
 
         fields = {f.name for f in dataclasses.fields(ModelArgs)}
         own = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
@@ -212,7 +212,7 @@ class VLLMMLA(nn.Module):
 
 class LonghorizonPolicyForCausalLM(nn.Module, IsHybrid, HasInnerState):
     loads_in_place = True
-    """The weight-sync extension (rollout/vllm_ext.py) calls `load_weights` directly: plain torch
+    """The weight-sync extension (rollout/engines/vllm_ext.py) calls `load_weights` directly: plain torch
     weights, nothing to repack after loading, and a tensor refused mid-sync leaves a working model."""
 
     def __init__(self, *, vllm_config, prefix: str = ""):

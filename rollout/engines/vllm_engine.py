@@ -5,7 +5,7 @@ because the engine already lives in its own Ray actor process; vLLM's multiproce
 a second process per worker and forbid passing tensors to `collective_rpc`.
 
 The project's `policy/` checkpoints are served through its vLLM model plugin
-(rollout/vllm_plugin.py, registered by an entry point); without prefix caching (see below).
+(rollout/engines/vllm_plugin.py, registered by an entry point); without prefix caching (see below).
 
 Not covered here: tensor/pipeline parallel engines and GPU collective weight transfer (the GPU
 path is issue 6's); multimodal prompts.
@@ -14,8 +14,9 @@ path is issue 6's); multimodal prompts.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Iterable
+
+from rollout.engines.base import Generation
 
 # vLLM reads these at import time. In-process engine (see module docstring); CPU threads bound to
 # the cores we have (nobind was 6x slower here); a KV-cache size so vLLM does not refuse to start
@@ -32,20 +33,6 @@ _VLLM_ENV = {
 def _cpu_bind() -> str:
     cpus = sorted(os.sched_getaffinity(0))
     return f"{cpus[0]}-{cpus[-1]}" if len(cpus) > 1 else str(cpus[0])
-
-
-@dataclass
-class Generation:
-    """One sampled completion: exactly the ids vLLM produced, with their log-probs."""
-
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str  # "stop" (stop/eos token) or "length"
-    routed_experts: list[list[list[int]]] | None = None
-    """Per generated token, per MoE layer, the expert ids it was routed to, from engines that record
-    them (vLLM's CPU build cannot: its routed-expert capture needs Triton)."""
-    prompt_routed_experts: list[list[list[int]]] | None = None
-    """The same for the prompt's tokens, where the engine ran them ([] for a reused cached prefix)."""
 
 
 class VLLMEngine:
@@ -85,8 +72,8 @@ class VLLMEngine:
             max_model_len=max_model_len,
             enforce_eager=enforce_eager,
             kv_cache_memory_bytes=int(kv_cache_gib * (1 << 30)),
-            worker_extension_cls="rollout.vllm_ext.WeightSyncExtension",
-            # The policy/ model (rollout/vllm_plugin.py) is a hybrid: vLLM caches a hybrid's prefixes
+            worker_extension_cls="rollout.engines.vllm_ext.WeightSyncExtension",
+            # The policy/ model (rollout/engines/vllm_plugin.py) is a hybrid: vLLM caches a hybrid's prefixes
             # only in its "align" mode, which needs chunked prefill (off, below), so its prompts are
             # prefilled whole every turn. Hugging Face transformers keep the prefix cache.
             enable_prefix_caching=not is_policy_checkpoint(model_path),

