@@ -21,7 +21,8 @@ from collections import defaultdict
 
 import envs
 from rollout.trajectory import Trajectory
-from rollout.agent_loop import EpisodeTask, play
+from rollout.agent_loop import play
+from rollout.trajectory import EpisodeTask
 
 HELD_OUT = 1 << 31
 

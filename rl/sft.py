@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 from rollout.trajectory import Trajectory
-from rollout.agent_loop import EpisodeTask, run_episodes
+from rollout.agent_loop import run_episodes
+from rollout.trajectory import EpisodeTask
 
 DEMO_SEED = 1 << 30
 

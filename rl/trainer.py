@@ -58,7 +58,7 @@ from rl.learner_group import LearnerGroup, result
 from rl.ray_utils import init_ray
 from rl.store import TrajectoryStore
 from rollout.trajectory import Trajectory
-from rollout.agent_loop import EpisodeTask
+from rollout.trajectory import EpisodeTask
 from envs.worker import EnvWorkerActor
 from rl.loggers import TensorBoardLog
 from rl.sync import PendingSync, start_sync

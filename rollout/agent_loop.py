@@ -26,22 +26,11 @@ from __future__ import annotations
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import envs
-from rollout.trajectory import Trajectory, Turn
+from rollout.trajectory import EpisodeTask, Trajectory, Turn
 from rollout.chat import ChatFormat
-
-
-@dataclass
-class EpisodeTask:
-    """What a rollout worker is asked to run."""
-
-    episode_id: str
-    group_id: int
-    seed: int
-    iteration: int
 
 
 class Engine(Protocol):

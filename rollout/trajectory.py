@@ -1,4 +1,5 @@
-"""The one record that travels end to end: rollout worker → store → learner → inspect.
+"""The one record that travels end to end: rollout worker → store → learner → inspect (and the
+task a rollout worker is handed to produce it).
 
 Token ids are exactly what the engine sampled plus the tokenised observations; the learner never
 re-tokenises decoded text (a byte-level BPE re-encoding of sampled text usually differs from the
@@ -8,6 +9,16 @@ sampled ids, and training on it would train on tokens the policy never produced)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass
+class EpisodeTask:
+    """What a rollout worker is asked to run."""
+
+    episode_id: str
+    group_id: int
+    seed: int
+    iteration: int
 
 
 @dataclass

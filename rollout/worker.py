@@ -21,7 +21,8 @@ from rollout.config import RolloutConfig
 from envs.worker import RemoteEnv
 from rollout.weights import Manifest, iter_weights
 from rollout.trajectory import Trajectory
-from rollout.agent_loop import EpisodeTask, continue_episodes
+from rollout.agent_loop import continue_episodes
+from rollout.trajectory import EpisodeTask
 from rollout.chat import ChatFormat
 from rollout.engines import make_engine
 from rollout.engines.base import Generation

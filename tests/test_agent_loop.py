@@ -5,7 +5,8 @@ import pytest
 
 import envs
 import envs.calculator
-from rollout.agent_loop import EpisodeTask, run_episodes
+from rollout.agent_loop import run_episodes
+from rollout.trajectory import EpisodeTask
 from rollout.chat import ChatFormat
 from rollout.expert import ExpertEngine
 

@@ -7,7 +7,8 @@ import pytest
 
 import envs
 from rl.config import ConfigError, RolloutConfig, load_config
-from rollout.agent_loop import EpisodeTask, continue_episodes, run_episodes
+from rollout.agent_loop import continue_episodes, run_episodes
+from rollout.trajectory import EpisodeTask
 from rollout.chat import ChatFormat
 from test_agent_loop import ExpertPolicy
 

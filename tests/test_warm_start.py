@@ -89,3 +89,5 @@ def test_shortened_demo_improves_held_out_success_over_the_warm_start(ray_cluste
     png = tmp_path / "demo" / "curve.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert (tmp_path / "demo" / "digits" / "warm-start" / "warm_start.json").exists()
+    table = (tmp_path / "demo" / "results.md").read_text()  # what the README's demo table is copied from
+    assert f"| `text/digits-v0` | {warm['success']:.3f} [" in table and "| 30 iterations, " in table

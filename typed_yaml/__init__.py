@@ -8,6 +8,11 @@ An unknown key (with the nearest known one suggested), a wrong type or a value o
 override, a checkpoint's config.json). Range checks stay with each dataclass (`require`).
 
 This module imports nothing of the project's: rewards/, policy/, envs/, rollout/ and rl/ all use it.
+
+Why not pydantic or OmegaConf: the configs stay plain stdlib dataclasses (picklable into Ray
+actors, `dataclasses.replace`-able, free of a base class), the coercion is this one page, and every
+error is already the one line the command line prints (pydantic's `ValidationError` is a
+multi-line report to reformat; OmegaConf's structured configs lose `Literal` checks).
 """
 
 from __future__ import annotations
