@@ -41,14 +41,15 @@ system-deps:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	else echo "note: not installed (needs root and apt-get):$$missing; the browser, docker and gVisor tests will skip"; fi
 
-# The quickstart that learns (issue 9): per demo config (configs/demo/*.yaml) a supervised warm start
-# on the scripted expert, GRPO through the whole loop, held-out evaluation before and during RL;
-# runs/demo/eval.json and runs/demo/curve.png, and each environment's run with its viewer page.
+# The quickstart that learns (issues 9, 19), under an hour on 2 cores: the real policy (SmolLM2
+# upcycled into a sparse MoE) on configs/demo/calculator.yaml and shell.yaml, each a short supervised
+# warm start on the scripted expert, GRPO through the whole loop, held-out evaluation before and after
+# RL; runs/demo/eval.json, results.md and curve.png, and each environment's run with its viewer page.
 demo: install
 	rm -rf $(DEMO)
 	$(VENV)/bin/longhorizon demo --out $(DEMO)
 	for run in $(DEMO)/*/; do $(VENV)/bin/longhorizon inspect $$run --html $$run/viewer.html; $(VENV)/bin/longhorizon plot $$run; done
-	@echo "results: $(DEMO)/eval.json, $(DEMO)/curve.png; per environment $(DEMO)/<name>/ (metrics.jsonl, trajectories/, checkpoints/, viewer.html, plots/)"
+	@echo "results: $(DEMO)/eval.json, $(DEMO)/results.md, $(DEMO)/curve.png; per environment $(DEMO)/<name>/ (metrics.jsonl, trajectories/, checkpoints/, viewer.html, plots/)"
 
 # The 3-iteration walking skeleton (minutes): the loop end to end on a random policy, no learning.
 quickstart: install

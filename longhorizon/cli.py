@@ -216,6 +216,19 @@ def _jobs(args) -> int:
     return 0
 
 
+def _initial_policy(cfg, run_dir: Path) -> Path:
+    """The policy a run started RL from: its warm start, the pretrained model it names (cached,
+    upcycled), its `policy.path`, or the tiny model it made."""
+    if (run_dir / "warm-start" / "config.json").exists():
+        return run_dir / "warm-start"
+    if cfg.policy.pretrained:
+        from rl.pretrained import policy
+
+        u = cfg.policy.upcycle
+        return Path(policy(cfg.policy.pretrained, u.experts, u.top_k, seed=u.seed))
+    return Path(cfg.policy.path or run_dir / "policy-init")
+
+
 def _eval(args) -> int:
     """Held-out evaluation of a run's latest checkpoint (or its initial policy), or of a checkpoint."""
     from rl.config import ConfigError, RolloutConfig, load_config
@@ -229,7 +242,7 @@ def _eval(args) -> int:
             if args.env in (None, cfg.env.id):
                 args.env, env_kwargs = cfg.env.id, dict(cfg.env.kwargs)
             ckpts = sorted((src / "checkpoints").glob("version-*/config.json"))
-            policy = ckpts[-1].parent if ckpts else Path(cfg.policy.path or src / "policy-init")
+            policy = ckpts[-1].parent if ckpts else _initial_policy(cfg, src)
         if not (policy / "config.json").exists():
             raise FileNotFoundError(f"{args.target}: neither a run directory nor a checkpoint (no config.json at {policy})")
         if args.env is None:
@@ -459,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("demo", help="warm start + RL + held-out evaluation on the demo configs: eval.json, curve.png")
     p.add_argument("--out", default="runs/demo", help="where the runs, eval.json and curve.png go")
-    p.add_argument("--config", action="append", help="a demo config (repeatable; default configs/demo/*.yaml)")
+    p.add_argument("--config", action="append", help="a demo config (repeatable; default configs/demo/calculator.yaml and shell.yaml, the real policy)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides for every config")
     p.set_defaults(fn=_demo)
 

@@ -102,3 +102,20 @@ def test_training_evaluates_on_held_out_seeds(e2e_run):
         assert row["eval/ci95_low"] <= row["eval/success"] <= row["eval/ci95_high"]
         assert 0.0 <= row["eval/pass@2"] <= 1.0 and row["eval/s"] > 0
     assert envs.env_class("tools/calculator-v0").succeeded([{"name": "solved"}], 1.0)
+
+
+def test_eval_of_a_run_without_checkpoints_serves_the_policy_rl_started_from(tmp_path):
+    """`longhorizon eval RUN_DIR` before any checkpoint: the warm-started model, else the pretrained
+    model the config names (its cached upcycled copy), else the path or the tiny model made."""
+    from longhorizon.cli import _initial_policy
+    from rl.config import RunConfig
+    from rl.pretrained import dense
+
+    cfg = RunConfig()
+    assert _initial_policy(cfg, tmp_path) == tmp_path / "policy-init"
+    cfg.policy.pretrained = "smollm2-135m-instruct"
+    cfg.policy.upcycle.experts = 0  # the dense model `make install` converted (no upcycling in a fast test)
+    assert _initial_policy(cfg, tmp_path) == dense("smollm2-135m-instruct")
+    (tmp_path / "warm-start").mkdir()
+    (tmp_path / "warm-start" / "config.json").write_text("{}")
+    assert _initial_policy(cfg, tmp_path) == tmp_path / "warm-start"
