@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-PACKAGES = ("rl", "envs", "rollout", "rewards", "policy", "configs")
+PACKAGES = ("typed_yaml", "rewards", "policy", "envs", "rollout", "rl", "longhorizon", "configs")
 REPO = Path(__file__).resolve().parents[1]
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 

@@ -32,6 +32,10 @@ import ray
 from rl.ray_utils import result
 from rollout.weights import Manifest
 
+# How a rollout worker's death shows in a call to it: its process died (crash, kill, node loss),
+# its result was lost with it, or Ray's memory monitor killed it (the actor restarts like a crash).
+WORKER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, ray.exceptions.OutOfMemoryError)
+
 
 class PendingSync:
     """The load calls of one published version, on every worker; `finish` waits for them."""
@@ -58,7 +62,7 @@ class PendingSync:
         for ref in ready:
             try:
                 loads.append((ref, ray.get(ref)))
-            except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError):
+            except WORKER_LOST:
                 self.lost.append(self.futures[ref])
             except ray.exceptions.RayError as exc:
                 raise RuntimeError(f"weight sync to version {self.version}: rollout worker {self.futures[ref]} "

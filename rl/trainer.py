@@ -61,11 +61,11 @@ from rollout.trajectory import Trajectory
 from rollout.trajectory import EpisodeTask
 from envs.worker import EnvWorkerActor
 from rl.loggers import TensorBoardLog
-from rl.sync import PendingSync, start_sync
+from rl.sync import WORKER_LOST, PendingSync, start_sync
 from rollout.worker import RolloutWorkerActor, StaleWorkerError
 
 # a worker's process or node died, or the result it produced was lost with its node
-_WORKER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
+_WORKER_LOST = WORKER_LOST
 
 
 class WorkerLost(RuntimeError):

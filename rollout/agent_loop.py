@@ -26,17 +26,12 @@ from __future__ import annotations
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Protocol
+from typing import Callable
 
 import envs
 from rollout.trajectory import EpisodeTask, Trajectory, Turn
 from rollout.chat import ChatFormat
-
-
-class Engine(Protocol):
-    version: int
-
-    def generate(self, prompts, *, max_tokens, temperature, top_p, stop_token_ids, seeds): ...
+from rollout.engines.base import Engine
 
 
 def _room_to_generate(context_len: int, max_episode_tokens: int) -> bool:

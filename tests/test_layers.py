@@ -91,3 +91,12 @@ def test_the_check_sees_an_upward_import(tmp_path):
     assert "rollout.trajectory" in graph["rollout.agent_loop"]
     assert "typed_yaml" in graph["policy.args"]
     assert any(d.startswith("rl.") for d in graph["longhorizon.cli"])
+
+
+def test_every_layer_ships_and_installs():
+    """A package added to the layers is also shipped with a submitted job and installed by pip."""
+    from longhorizon.jobs import PACKAGES
+
+    assert set(LAYERS) <= set(PACKAGES)
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert all(f'"{pkg}*"' in pyproject for pkg in LAYERS)

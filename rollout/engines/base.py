@@ -6,6 +6,7 @@ max_tokens, temperature, top_p, stop_token_ids, seeds, min_tokens) -> [Generatio
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 
 @dataclass
@@ -20,3 +21,11 @@ class Generation:
     them (vLLM's CPU build cannot: its routed-expert capture needs Triton)."""
     prompt_routed_experts: list[list[list[int]]] | None = None
     """The same for the prompt's tokens, where the engine ran them ([] for a reused cached prefix)."""
+
+
+class Engine(Protocol):
+    """What the agent loop needs of an engine (the rest of the protocol: see the module doc)."""
+
+    version: int
+
+    def generate(self, prompts, *, max_tokens, temperature, top_p, stop_token_ids, seeds): ...

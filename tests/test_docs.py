@@ -1,0 +1,27 @@
+"""The README's figures come from one source each: its demo table is docs/demo.md's, which
+`longhorizon demo` wrote in a full `make demo` run (runs/demo/results.md), copied verbatim."""
+
+from conftest import REPO
+
+
+def _table(text: str) -> list[str]:
+    """The markdown table that follows the marker line `<!-- demo-table -->`."""
+    lines = text.splitlines()
+    start = lines.index("<!-- demo-table -->") + 1
+    while not lines[start].startswith("|"):
+        start += 1
+    end = start
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    return lines[start:end]
+
+
+def test_the_readme_demo_table_is_the_recorded_runs():
+    readme = _table((REPO / "README.md").read_text())
+    recorded = (REPO / "docs" / "demo.md").read_text().splitlines()
+    assert len(readme) >= 3, "the README's demo table has no rows"
+    assert all(line in recorded for line in readme), "README demo table differs from docs/demo.md"
+    # the rows are the demo's environments, and the curve they come with is there
+    assert any("`tools/calculator-v0`" in line for line in readme)
+    assert any("`tools/shell-v0`" in line for line in readme)
+    assert (REPO / "docs" / "demo-curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
