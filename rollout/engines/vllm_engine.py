@@ -27,6 +27,8 @@ _VLLM_ENV = {
     "VLLM_LOGGING_LEVEL": "WARNING",
     "VLLM_USAGE_STATS_ENABLED": "0",
     "VLLM_NO_USAGE_STATS": "1",
+    # vLLM logs to stdout by default; a command's stdout is its result (`longhorizon eval --json`)
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",
 }
 
 
