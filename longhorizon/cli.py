@@ -222,10 +222,9 @@ def _initial_policy(cfg, run_dir: Path) -> Path:
     if (run_dir / "warm-start" / "config.json").exists():
         return run_dir / "warm-start"
     if cfg.policy.pretrained:
-        from rl.pretrained import policy
+        from rl.pretrained import for_config
 
-        u = cfg.policy.upcycle
-        return Path(policy(cfg.policy.pretrained, u.experts, u.top_k, seed=u.seed))
+        return for_config(cfg.policy)
     return Path(cfg.policy.path or run_dir / "policy-init")
 
 

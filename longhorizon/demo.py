@@ -7,8 +7,9 @@ iterations (rl/evaluate.py). Each run lives in `OUT/<config name>/`; then
 
     OUT/eval.json    per environment id: {"warm_start": {success, ci95, episodes}, "final": {...}}
     OUT/curve.png    train reward and held-out success (95% band) against wall time, per environment
-    OUT/results.md   the same as a table, with each run's RL iterations and wall times (what the
-                     README shows: docs/demo.md is a copy of a full run's, checked by a test)
+    OUT/results.md   the same as a table, with each run's RL iterations and wall times
+                     (`results_table`; the README's demo table is docs/demo.md's, made by it from
+                     recorded runs, checked by a test)
 
 `overrides` apply to every config (the slow test runs a shortened demo this way).
 """

@@ -20,9 +20,8 @@ import math
 from collections import defaultdict
 
 import envs
-from rollout.trajectory import Trajectory
 from rollout.agent_loop import play
-from rollout.trajectory import EpisodeTask
+from rollout.trajectory import EpisodeTask, Trajectory
 
 HELD_OUT = 1 << 31
 

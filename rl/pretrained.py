@@ -201,6 +201,11 @@ def upcycle(src: str | Path, out: str | Path, experts: int, top_k: int, *, seed:
     return Upcycled(out, total, total - per_expert * (experts - top_k))
 
 
+def for_config(p) -> Path:
+    """The policy a run's `policy` section names: `pretrained`, upcycled per `upcycle` (cached)."""
+    return policy(p.pretrained, p.upcycle.experts, p.upcycle.top_k, seed=p.upcycle.seed)
+
+
 def policy(name: str, experts: int, top_k: int, *, seed: int = 0) -> Path:
     """The packaged model `name`, upcycled to `experts` × top-`top_k` (cached; experts 0: dense)."""
     src = dense(name)

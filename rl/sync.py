@@ -7,7 +7,8 @@ their sizes, never the arrays. Each rollout worker then fetches the buckets one 
 its engine loads them (`iter_weights` feeds vLLM's reload as a lazy iterator), so a worker pins at
 most one bucket of published weights on top of its engine's own parameters; workers on the
 learner's node read the buckets zero-copy from shared memory, workers on other nodes pull them
-through Ray's object transfer. The wire format (`Manifest`, `publish`, `iter_weights`) is rollout/weights.py. The driver drops the manifest after the sync and the buckets are
+through Ray's object transfer. The wire format (`Manifest`, `publish`, `iter_weights`) is
+rollout/weights.py. The driver drops the manifest after the sync and the buckets are
 freed.
 
 GPU path (not exercised on CPU machines): the same manifest shape, but the buckets are flattened

@@ -57,17 +57,13 @@ from rl.config import RunConfig, dump_config
 from rl.learner_group import LearnerGroup, result
 from rl.ray_utils import init_ray
 from rl.store import TrajectoryStore
-from rollout.trajectory import Trajectory
-from rollout.trajectory import EpisodeTask
+from rollout.trajectory import EpisodeTask, Trajectory
 from envs.worker import EnvWorkerActor
 from rl.loggers import TensorBoardLog
 from rl.sync import WORKER_LOST, PendingSync, start_sync
 from rollout.worker import RolloutWorkerActor, StaleWorkerError
 
 # a worker's process or node died, or the result it produced was lost with its node
-_WORKER_LOST = WORKER_LOST
-
-
 class WorkerLost(RuntimeError):
     """A rollout worker died and did not come back (Ray out of restarts or of room to place it)."""
 
@@ -147,10 +143,9 @@ class Trainer:
     # --- set-up ---
     def policy_path(self) -> str:
         if self.cfg.policy.pretrained:  # converted and upcycled once, in the local cache (rl/pretrained.py)
-            from rl.pretrained import policy
+            from rl.pretrained import for_config
 
-            u = self.cfg.policy.upcycle
-            path = str(policy(self.cfg.policy.pretrained, u.experts, u.top_k, seed=u.seed))
+            path = str(for_config(self.cfg.policy))
             return self.warm_started(path) if self.source is None else path
         if self.cfg.policy.path:
             return self.warm_started(self.cfg.policy.path) if self.source is None else self.cfg.policy.path
@@ -306,7 +301,7 @@ class Trainer:
             i, share, min_version, ref = parts.pop(0)
             try:
                 done = ray.get(ref)
-            except (*_WORKER_LOST, StaleWorkerError) as exc:
+            except (*WORKER_LOST, StaleWorkerError) as exc:
                 # its share is lost, and so is every episode it held suspended: all are run again, except
                 # those of its other calls still in flight (they fail too and are rerun when collected)
                 elsewhere = {t.episode_id for j, s, _, _ in parts for t in s if j == i}
@@ -384,7 +379,7 @@ class Trainer:
         shares = [tasks[i :: len(self.workers)] for i in range(len(self.workers))]
         try:
             parts = ray.get([w.evaluate.remote(env_id, kwargs, s, temperature) for w, s in zip(self.workers, shares) if s])
-        except _WORKER_LOST as exc:  # the next rollout restores the worker; this evaluation is skipped
+        except WORKER_LOST as exc:  # the next rollout restores the worker; this evaluation is skipped
             self.console.log(f"[yellow]held-out evaluation skipped: a rollout worker died ({type(exc).__name__})[/]")
             return {}
         trajs = [t for part in parts for t in part]
