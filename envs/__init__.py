@@ -8,6 +8,9 @@ entry-point group (name = env id, value = "module:Class"); they are imported onl
 from __future__ import annotations
 
 import importlib
+import inspect
+
+import gymnasium as gym
 import re
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -28,9 +31,13 @@ _REGISTRY: dict[str, EnvSpec] = {}
 
 
 def register(env_id: str, entry_point: str, **kwargs) -> None:
+    """Register `env_id` here and in Gymnasium's registry (so `gymnasium.make(env_id)` works too)."""
     if not _ID.match(env_id):
         raise ValueError(f"env id {env_id!r} must look like 'namespace/name-v0'")
     _REGISTRY[env_id] = EnvSpec(env_id, entry_point, kwargs)
+    if env_id not in gym.registry:
+        # no step limit of Gymnasium's: an episode ends at the environment's own max_turns
+        gym.register(env_id, entry_point=entry_point, kwargs=kwargs, disable_env_checker=False)
 
 
 def _load_plugins() -> None:
@@ -58,6 +65,28 @@ def env_class(env_id: str) -> type:
     """The class registered for `env_id` (imported now)."""
     module, _, attr = spec(env_id).entry_point.partition(":")
     return getattr(importlib.import_module(module), attr)
+
+
+def config_problem(env_id: str, kwargs: dict | None = None) -> tuple[str, str] | None:
+    """Why `make(env_id, **kwargs)` would fail before it runs, or None: ("id", why) for an unknown id
+    or a plugin that does not import, ("kwargs", why) for keyword arguments the constructor does not
+    take. Config validation calls this
+    on the driver so a mistake stops the run before Ray or an engine starts (the constructor itself
+    is not run: a sandboxed environment may need its backend, which is the workers' business)."""
+    try:
+        cls = env_class(env_id)
+    except KeyError as exc:
+        return "id", str(exc.args[0])
+    except Exception as exc:  # a plugin whose module fails to import
+        return "id", f"environment {env_id!r} cannot be imported: {type(exc).__name__}: {exc}"
+    try:
+        inspect.signature(cls).bind(**{**spec(env_id).kwargs, **(kwargs or {})})
+    except TypeError as exc:
+        params = [p for p in inspect.signature(cls).parameters.values() if p.kind == p.KEYWORD_ONLY
+                  or p.kind == p.POSITIONAL_OR_KEYWORD]
+        return "kwargs", (f"environment {env_id!r} does not accept them ({exc}); it takes: "
+                          f"{', '.join(p.name for p in params) or 'none'}")
+    return None
 
 
 def make(env_id: str, **kwargs) -> ToolEnv:

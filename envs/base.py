@@ -43,6 +43,21 @@ class ToolSpec:
         }
 
 
+class AnyText(gym.spaces.Text):
+    """Any string up to `max_length` characters, empty included: a task text or a tool-call turn
+    (Gymnasium's `Text` admits only its charset, by default letters and digits, so `check_env` would
+    find every real observation outside the declared space). Samples stay letters and digits."""
+
+    def __init__(self, max_length: int = 1 << 20):
+        super().__init__(max_length, min_length=0)
+
+    def contains(self, x) -> bool:
+        return isinstance(x, str) and len(x) <= self.max_length
+
+    def __repr__(self) -> str:
+        return f"AnyText({self.max_length})"
+
+
 class ToolEnv(gym.Env):
     """Base class: subclasses define `tools`, `_reset_task(rng)` and the tool functions.
 
@@ -56,8 +71,8 @@ class ToolEnv(gym.Env):
     max_turns: int = 8
 
     def __init__(self):
-        self.observation_space = gym.spaces.Text(max_length=1 << 20)
-        self.action_space = gym.spaces.Text(max_length=1 << 20)
+        self.observation_space = AnyText()
+        self.action_space = AnyText()
         self._turn = 0
         self._done = False
         self._ledger = MilestoneLedger()
@@ -103,6 +118,10 @@ class ToolEnv(gym.Env):
     def step(self, action: str):
         if self._done:
             raise RuntimeError("step() called on a finished episode; call reset() first")
+        if isinstance(action, (bytes, bytearray)):  # what a model wrote, as bytes: undecodable bytes become U+FFFD
+            action = bytes(action).decode("utf-8", errors="replace")
+        if not isinstance(action, str):
+            raise TypeError(f"an action is the text of a model turn (str), got {type(action).__name__}")
         self._turn += 1
         self._events, self._sandbox_events, self._images = [], [], []
         infra_error = ""

@@ -46,7 +46,7 @@ def _load_obj(text: str):
 
 def format_tool_call(name: str, **arguments) -> str:
     """One tool call as a model writes it (scripted experts, demonstrations, tests)."""
-    return OPEN + "\n" + json.dumps({"name": name, "arguments": arguments}) + "\n" + CLOSE
+    return OPEN + "\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n" + CLOSE
 
 
 def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[ToolCallError]]:

@@ -59,7 +59,7 @@ def _train(args) -> int:
         return 2
     console = Console(stderr=True)
 
-    from rl.trainer import LearnerDied, Trainer, WorkerLost
+    from rl.trainer import CannotLearn, LearnerDied, Trainer, WorkerLost
 
     try:
         trainer = Trainer(cfg, run_dir, console, from_store=args.from_store)
@@ -72,7 +72,7 @@ def _train(args) -> int:
     except (FileExistsError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except (LearnerDied, WorkerLost) as exc:  # what was written is kept; the message says how to go on
+    except (LearnerDied, WorkerLost, CannotLearn) as exc:  # what was written is kept; the message says how to go on
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
@@ -248,9 +248,19 @@ def _eval(args) -> int:
             raise ValueError("--env is required for a checkpoint (a run directory defaults to its environment)")
         import envs
 
-        envs.spec(args.env)
+        if args.episodes < 1 or not 1 <= args.k <= args.episodes:
+            raise ValueError(f"--episodes must be >= 1 and --k between 1 and --episodes (got --episodes "
+                             f"{args.episodes} --k {args.k})")
         if args.env_kwargs:
-            env_kwargs = json.loads(args.env_kwargs)
+            try:
+                env_kwargs = json.loads(args.env_kwargs)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"--env-kwargs is not JSON: {exc}") from None
+            if not isinstance(env_kwargs, dict):
+                raise ValueError(f"--env-kwargs must be a JSON object, got {args.env_kwargs!r}")
+        problem = envs.config_problem(args.env, env_kwargs)
+        if problem:
+            raise ValueError(f"--env{'-kwargs' if problem[0] == 'kwargs' else ''}: {problem[1]}")
     except (ConfigError, FileNotFoundError, ValueError, KeyError) as exc:
         print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2

@@ -121,7 +121,7 @@ class LearnerConfig:
     world_size: int = 1
     """Learner ranks (Ray actors) training one model together in a torch.distributed group: FSDP2 shards parameters, gradients and optimizer state, MoE experts are split across ranks (policy/parallelize.py), each optimiser step's micro-batches are shared out by tokens. 1: a single plain learner."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """Process-group backend for world_size > 1: auto is nccl when the learner sees a GPU, else gloo."""
+    """Process-group backend for world_size > 1. The learner trains on CPU, so auto is gloo and nccl is refused when the config loads (a GPU learner is issue 26's)."""
     expert_parallel: bool = True
     """Split each MoE layer's routed experts across the ranks (all-to-all dispatch); off: experts are FSDP-sharded like the rest. The expert count must divide by world_size."""
 
@@ -214,6 +214,10 @@ class RunConfig:
     """Rollout → train → sync iterations."""
     checkpoint_every: int = 1
     """Save a Hugging Face checkpoint every N iterations (the last one always)."""
+    max_infra_error_share: float = 0.5
+    """An iteration in which more than this share of the episodes ended in infrastructure errors (or the learner had no usable episode) is a failed one."""
+    stop_after_failed: int = 2
+    """Stop the run with an error, quoting the first episode's failure, after this many failed iterations in a row (a run that cannot learn must not finish green); 0: never."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     """The policy model."""
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -242,6 +246,8 @@ class RunConfig:
         checks = [
             ("iterations", self.iterations >= 1, "must be >= 1"),
             ("checkpoint_every", self.checkpoint_every >= 1, "must be >= 1"),
+            ("max_infra_error_share", 0 <= self.max_infra_error_share < 1, "must be in [0, 1)"),
+            ("stop_after_failed", self.stop_after_failed >= 0, "must be >= 0 (0: never stop)"),
             ("rollout.num_workers", self.rollout.num_workers >= 1, "must be >= 1"),
             ("rollout.group_size", self.rollout.group_size >= 2, "must be >= 2 (GRPO compares within a group)"),
             ("rollout.groups_per_iteration", self.rollout.groups_per_iteration >= 1, "must be >= 1"),
@@ -249,6 +255,8 @@ class RunConfig:
             ("rollout.max_new_tokens", self.rollout.max_new_tokens >= 1, "must be >= 1"),
             ("rollout.max_batch", self.rollout.max_batch >= 1, "must be >= 1"),
             ("learner.world_size", self.learner.world_size >= 1, "must be >= 1"),
+            ("learner.backend", self.learner.backend != "nccl",
+             "nccl needs learners on GPUs, and the learner trains on CPU: use gloo (or auto)"),
             ("policy.flavour", not (self.policy.flavour and self.policy.path), "and policy.path exclude each other (a flavour makes a new random policy)"),
             ("policy.pretrained", not (self.policy.pretrained and (self.policy.path or self.policy.flavour)),
              "excludes policy.path and policy.flavour (it names the starting policy itself)"),
@@ -308,7 +316,25 @@ class RunConfig:
             for name in ("rollout_resources", "env_worker_resources", "learner_resources", "local_resources")
         ]
         require(checks, source)
+        require(self._env_checks(), source)
         return self
+
+    def _env_checks(self) -> list[tuple[str, bool, str]]:
+        """Every environment the run would make, known and given kwargs its constructor takes:
+        checked here, on the driver, not in a Ray actor after the learner has started."""
+        import envs
+
+        named = [("env.id", "env.kwargs", self.env.id, self.env.kwargs)]
+        if self.eval.env_id:
+            named.append(("eval.env_id", "eval.env_kwargs", self.eval.env_id, self.eval.env_kwargs))
+        named += [("warm_start.envs", "env.kwargs", e, self.env.kwargs if e == self.env.id else {})
+                  for e in self.warm_start.envs]
+        checks = []
+        for id_key, kwargs_key, env_id, kwargs in named:
+            problem = envs.config_problem(env_id, kwargs)
+            if problem:
+                checks.append((id_key if problem[0] == "id" else kwargs_key, False, f"is wrong: {problem[1]}"))
+        return checks
 
 
 def _stages_ok(stages: list, max_model_len: int) -> bool:

@@ -81,7 +81,7 @@ def usable_episodes(batch: list[Trajectory], min_version: int | None = None) -> 
         sizes[t.group_id] = sizes.get(t.group_id, 0) + 1
     kept = [t for t in ok if sizes[t.group_id] >= 2]
     groups = {t.group_id for t in batch}
-    return kept, {"infra_errors": sum(1 for t in batch if t.infra_error),
+    return kept, {"infra_errors_dropped": sum(1 for t in batch if t.infra_error),
                   "stale_episodes_dropped": len(too_old),
                   "groups_dropped": len(groups) - len({t.group_id for t in kept})}
 
@@ -137,13 +137,14 @@ class Learner:
             s.bind((host, 0))
             return f"{host}:{s.getsockname()[1]}"
 
-    def join(self, master: str, rank: int, world_size: int, *, expert_parallel: bool = True) -> None:
-        """Join the group's gloo process group at `master` as `rank` and shard the model over it;
+    def join(self, master: str, rank: int, world_size: int, *, expert_parallel: bool = True,
+             backend: str = "gloo") -> None:
+        """Join the group's process group (`backend`) at `master` as `rank` and shard the model over it;
         the optimizer is rebuilt over the shards. The frozen reference model (KL) stays whole on
         every rank: it only runs forwards on the rank's own micro-batches."""
         import torch.distributed as dist
 
-        dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=world_size)
+        dist.init_process_group(backend, init_method=f"tcp://{master}", rank=rank, world_size=world_size)
         self.rank, self.world = rank, world_size
         self.lm.parallelize(expert_parallel=expert_parallel)
         self._make_optimizer()

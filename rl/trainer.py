@@ -68,6 +68,11 @@ class WorkerLost(RuntimeError):
     """A rollout worker died and did not come back (Ray out of restarts or of room to place it)."""
 
 
+class CannotLearn(RuntimeError):
+    """Iteration after iteration the episodes failed for reasons outside the policy; metrics,
+    trajectories and checkpoints written so far are kept."""
+
+
 class LearnerDied(RuntimeError):
     """The learner actor died; the message says what survived and how to continue."""
 
@@ -139,6 +144,7 @@ class Trainer:
         self.episodes_rerun = 0
         self._syncs: list[tuple[int, PendingSync]] = []  # (last iteration submitted before it, sync)
         self._last_row_t = 0.0
+        self._failed_in_a_row = 0  # iterations whose episodes failed for reasons outside the policy
 
     # --- set-up ---
     def policy_path(self) -> str:
@@ -226,6 +232,7 @@ class Trainer:
             path, c.algo, seed=c.seed, dtype=c.policy.dtype, temperature=c.rollout.temperature,
             max_generated_tokens=c.rollout.max_turns * c.rollout.max_new_tokens,
             max_staleness=self.staleness_bound(), expert_parallel=c.learner.expert_parallel,
+            backend="gloo" if c.learner.backend == "auto" else c.learner.backend,  # CPU learner (config.py)
         )
         rollouts = self.source is None  # training from a store needs no engines and no environments
         self.env_workers = [
@@ -417,6 +424,20 @@ class Trainer:
                 self.restore_worker(i, pending.version)
         return out
 
+    def _check_can_learn(self, it: int, trajs: list[Trajectory], stats: dict) -> None:
+        """Count failed iterations in a row (config: max_infra_error_share, stop_after_failed); raise
+        `CannotLearn` quoting the first failure once there are too many. After the metrics row is
+        written, so what the run did is on disk."""
+        errors = [t for t in trajs if t.infra_error]
+        failed = bool(stats.get("skipped_update")) or len(errors) > self.cfg.max_infra_error_share * len(trajs)
+        self._failed_in_a_row = self._failed_in_a_row + 1 if failed else 0
+        if self.cfg.stop_after_failed and self._failed_in_a_row >= self.cfg.stop_after_failed:
+            why = (f"{len(errors)} of {len(trajs)} episodes of iteration {it} ended in infrastructure errors, "
+                   f"the first: {errors[0].infra_error}" if errors else
+                   f"the learner had no usable episode in iteration {it} ({len(trajs)} episodes)")
+            raise CannotLearn(f"the run cannot learn: {self._failed_in_a_row} failed iterations in a row; {why}. "
+                              f"What was written is kept in {self.run_dir}")
+
     def iteration(self, it: int) -> dict:
         t0 = time.perf_counter()
         asynchronous = self.cfg.schedule.mode == "async"
@@ -462,6 +483,7 @@ class Trainer:
                "gen_tokens_per_s": sum(t.num_generated for t in trajs) / max(iteration_s, 1e-9)}
         with open(self.run_dir / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps(row) + "\n")
+        self._check_can_learn(it, trajs, stats)
         if self.tensorboard is None:
             self.tensorboard = TensorBoardLog(self.run_dir)
         self.tensorboard.log(row)

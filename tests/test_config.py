@@ -108,3 +108,56 @@ def test_cli_reports_config_error_without_starting_anything(tmp_path):
     assert out.returncode == 2
     assert "rollout.temprature" in out.stderr and "bad.yaml" in out.stderr and "temperature" in out.stderr
     assert not (tmp_path / "r").exists()
+
+
+def _cli(*argv: str, cwd=REPO) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "longhorizon.cli", *argv], capture_output=True, text=True,
+                          timeout=120, cwd=cwd)
+
+
+def _one_clean_line(out: subprocess.CompletedProcess) -> str:
+    """Exit 2, nothing on stdout, one line on stderr, no traceback: the line."""
+    assert out.returncode == 2, out.stderr
+    assert out.stdout == ""
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("override, key, words", [
+    ("env.kwargs={bogus: 1}", "env.kwargs", ["bogus", "max_turns"]),  # the constructor's own parameters
+    ("env.id=nope/missing-v0", "env.id", ["nope/missing-v0", "tools/calculator-v0"]),  # and the known ids
+    ("warm_start.envs=[nope/x-v0]", "warm_start.envs", ["nope/x-v0"]),
+    ("eval.env_id=tools/nothing-v0", "eval.env_id", ["tools/nothing-v0"]),
+    ("env.kwargs={a: [", "env.kwargs={a: [", ["not valid YAML"]),
+    ("learner.backend=nccl", "learner.backend", ["gloo"]),
+])
+def test_cli_config_mistakes_stop_before_anything_starts(tmp_path, override, key, words):
+    line = _one_clean_line(_cli("train", "configs/quickstart.yaml", override, "--run-dir", str(tmp_path / "r")))
+    assert key in line and all(w in line for w in words), line
+    assert not (tmp_path / "r").exists()
+
+
+def test_cli_config_that_is_not_a_yaml_file(tmp_path):
+    (tmp_path / "binary.yaml").write_bytes(b"\x80\x81\xff\x00")
+    for path, words in [(tmp_path, "is a directory"), (tmp_path / "binary.yaml", "not text")]:
+        line = _one_clean_line(_cli("train", str(path), "--run-dir", str(tmp_path / "r")))
+        assert str(path) in line and words in line, line
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--k", "0"], "--k"),
+    (["--episodes", "0"], "--episodes"),
+    (["--env-kwargs", "{\"x\": 1}"], "does not accept"),
+    (["--env-kwargs", "[1"], "not JSON"),
+    (["--env", "tools/calc-v0"], "unknown environment"),
+])
+def test_cli_eval_argument_mistakes(tmp_path, args, words):
+    policy = tmp_path / "checkpoint"  # the arguments are checked before the checkpoint is read
+    policy.mkdir()
+    (policy / "config.json").write_text("{}")
+    argv = ["eval", str(policy), *(["--env", "tools/calculator-v0"] if "--env" not in args else []), *args]
+    line = _one_clean_line(_cli(*argv))
+    assert words in line, line

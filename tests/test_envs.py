@@ -93,3 +93,29 @@ def test_registry_errors_and_plugin_style_registration():
     env = envs.make("test/short-calculator-v1")
     assert env.max_turns == 1
     assert envs.make("test/short-calculator-v1", max_turns=5).max_turns == 5
+
+
+@pytest.mark.parametrize("env_id", [s.id for s in envs.list_specs() if s.entry_point.startswith("envs.")])
+def test_gymnasium_check_env_passes_and_gymnasium_make_knows_the_id(env_id):
+    """Gymnasium's own checker (spaces, seeding determinism, API) on every built-in environment,
+    made through Gymnasium's registry."""
+    import gymnasium
+    from gymnasium.utils.env_checker import check_env
+
+    env = gymnasium.make(env_id)
+    try:
+        assert isinstance(env.unwrapped, envs.env_class(env_id))
+        check_env(env.unwrapped, skip_render_check=True)
+        obs, info = env.reset(seed=3)
+        assert env.observation_space.contains(obs) and "tools" in info
+    finally:
+        env.unwrapped.close() if hasattr(env.unwrapped, "close") else None
+
+
+def test_actions_are_text_and_bytes_are_decoded():
+    env = CalculatorEnv()
+    env.reset(seed=0)
+    obs, _, _, _, info = env.step(b'<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>')
+    assert "unknown tool 'nope'" in obs and info["tool_errors"] == 1
+    with pytest.raises(TypeError, match="got int"):
+        env.step(7)

@@ -139,7 +139,7 @@ def test_learner_skips_an_update_with_nothing_usable(tiny_policy, tokenizer):
                         infra_error="sandbox died") for i in range(2)]
     before = [p.detach().clone() for p in learner.model.parameters()]
     stats = learner.train_step(batch)
-    assert stats["skipped_update"] == 1 and stats["infra_errors"] == 2 and stats["policy_version"] == 1
+    assert stats["skipped_update"] == 1 and stats["infra_errors_dropped"] == 2 and stats["policy_version"] == 1
     assert all(torch.equal(p, b) for p, b in zip(learner.model.parameters(), before))
 
 

@@ -99,6 +99,11 @@ def build_dataclass(cls, raw: dict, prefix: str, source: str):
     return cls(**kwargs)
 
 
+def _one_line(exc: Exception) -> str:
+    """yaml's multi-line parser message, as one line (the command line prints one)."""
+    return " ".join(str(exc).split())
+
+
 def apply_override(raw: dict, override: str) -> None:
     key, eq, text = override.partition("=")
     if not eq or not key:
@@ -109,7 +114,11 @@ def apply_override(raw: dict, override: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"command-line override {override!r}: {part!r} is not a section")
-    node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
+    try:
+        node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"command-line override {override!r}: the value is not valid YAML "
+                          f"({_one_line(exc)})") from None
 
 
 def load_dataclass(cls, path: str | Path):
@@ -119,8 +128,14 @@ def load_dataclass(cls, path: str | Path):
         raw = yaml.safe_load(Path(path).read_text()) or {}
     except FileNotFoundError:
         raise ConfigError(f"config file {source} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {source} is a directory, not a YAML file") from None
+    except PermissionError:
+        raise ConfigError(f"config file {source} cannot be read (permission denied)") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {source} is not text (not UTF-8): is it the right file?") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+        raise ConfigError(f"{source}: not valid YAML ({_one_line(exc)})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: top level must be a mapping")
     return build_dataclass(cls, raw, "", source)
