@@ -129,7 +129,9 @@ def _replay(args) -> int:
         store = TrajectoryStore(args.run_dir)
         if not store.shards():
             raise FileNotFoundError(f"{args.run_dir} holds no trajectory shards")
-        trajs = [t for t in store.trajectories() if args.all or t.episode_id == args.episode]
+        trajs = [t for t in store.trajectories(strict=not args.skip_corrupt)
+                 if args.all or t.episode_id == args.episode]
+        _report_skipped(store)
         if not trajs:
             raise KeyError(f"no episode {args.episode!r} in {args.run_dir}")
         if args.rescore:
@@ -152,6 +154,12 @@ def _replay(args) -> int:
     return 1 if bad else 0
 
 
+def _report_skipped(store) -> None:
+    if store.corrupt:  # --skip-corrupt: say what was left out
+        print(f"warning: skipped {len(store.corrupt)} corrupt trajectory shard(s): "
+              f"{', '.join(Path(s).name for s in store.corrupt)}", file=sys.stderr)
+
+
 def _export(args) -> int:
     from rl.store import TrajectoryStore
 
@@ -159,25 +167,43 @@ def _export(args) -> int:
     if not store.shards():
         print(f"error: {args.run_dir} holds no trajectory shards", file=sys.stderr)
         return 2
-    if args.format == "datasets":  # a `datasets` directory: datasets.load_from_disk(OUT)
-        from datasets import Dataset
+    strict = not args.skip_corrupt
+    bad = store.unreadable() if strict else {}
+    if bad:  # before anything is written
+        shard, why = next(iter(bad.items()))
+        print(f"error: corrupt trajectory shard {shard}: {' '.join(why.split())} ({len(bad)} in all; "
+              "--skip-corrupt leaves them out)", file=sys.stderr)
+        return 2
+    import warnings
 
-        import tempfile
+    from rl.store import CorruptShard
 
-        out = Path(args.out or Path(args.run_dir) / "trajectories-dataset")
-        # a private cache: datasets would otherwise reuse an earlier export of the same store, stale
-        with tempfile.TemporaryDirectory() as cache:
-            ds = Dataset.from_generator(store.rows, cache_dir=cache)
-            ds.save_to_disk(str(out))
-        print(f"wrote {len(ds)} episodes to {out} (datasets.load_from_disk)")
-        return 0
-    out = Path(args.out or Path(args.run_dir) / "trajectories.jsonl")
-    n = 0
-    with open(out, "w") as fh:
-        for row in store.rows():
-            fh.write(json.dumps(row) + "\n")
-            n += 1
-    print(f"wrote {n} episodes to {out}")
+    warnings.filterwarnings("ignore", message="skipping corrupt trajectory shard")  # reported below, once
+    try:
+        if args.format == "datasets":  # a `datasets` directory: datasets.load_from_disk(OUT)
+            from datasets import Dataset
+
+            import tempfile
+
+            out = Path(args.out or Path(args.run_dir) / "trajectories-dataset")
+            # a private cache: datasets would otherwise reuse an earlier export of the same store, stale
+            with tempfile.TemporaryDirectory() as cache:
+                ds = Dataset.from_generator(store.rows, gen_kwargs={"strict": strict}, cache_dir=cache)
+                ds.save_to_disk(str(out))
+            n = len(ds)
+        else:
+            out = Path(args.out or Path(args.run_dir) / "trajectories.jsonl")
+            tmp, n = out.with_name(f".{out.name}.tmp"), 0
+            with open(tmp, "w") as fh:  # renamed into place only when complete
+                for row in store.rows(strict=strict):
+                    fh.write(json.dumps(row) + "\n")
+                    n += 1
+            tmp.replace(out)
+    except CorruptShard as exc:  # a shard whose ids read but whose other columns do not
+        print(f"error: {exc} (--skip-corrupt leaves it out)", file=sys.stderr)
+        return 2
+    _report_skipped(store)
+    print(f"wrote {n} episodes to {out}" + (" (datasets.load_from_disk)" if args.format == "datasets" else ""))
     return 0
 
 
@@ -453,12 +479,14 @@ def main(argv: list[str] | None = None) -> int:
     which.add_argument("--episode", help="episode id")
     which.add_argument("--all", action="store_true", help="every episode of the run")
     p.add_argument("--rescore", metavar="MODULE:FUNCTION", help="recompute rewards with fn(trajectory) -> float instead")
+    p.add_argument("--skip-corrupt", action="store_true", help="leave out unreadable shards (default: stop, naming them)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=_replay)
 
     p = sub.add_parser("export", help="write the run's trajectories as JSON lines or a datasets directory")
     p.add_argument("run_dir")
     p.add_argument("--out", help="output file or directory (default RUN_DIR/trajectories.jsonl or -dataset)")
+    p.add_argument("--skip-corrupt", action="store_true", help="leave out unreadable shards (default: stop, naming them)")
     p.add_argument("--format", choices=["jsonl", "datasets"], default="jsonl",
                    help="JSON lines (default) or a Hugging Face `datasets` directory")
     p.set_defaults(fn=_export)

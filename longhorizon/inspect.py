@@ -54,7 +54,7 @@ def summary(run_dir: str | Path) -> dict:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # reported in the summary instead
-        rows = list(store.rows(SUMMARY_COLUMNS))
+        rows = list(store.rows(SUMMARY_COLUMNS, strict=False))  # corrupt shards are listed, not fatal
     for row in rows:
         per_iter[row["iteration"]].append(row)
         versions.update(row["policy_versions"])
@@ -143,7 +143,7 @@ def episode_list(run_dir: str | Path, *, env: str | None = None, min_reward: flo
                  max_generated: int | None = None, stop: str | None = None) -> list[dict]:
     """Episodes matching every given filter (a few columns only: no token ids are read)."""
     out = []
-    for row in TrajectoryStore(run_dir).rows(LIST_COLUMNS):
+    for row in TrajectoryStore(run_dir).rows(LIST_COLUMNS, strict=False):
         if ((env is None or row["env_id"] == env)
                 and (min_reward is None or row["reward"] >= min_reward)
                 and (max_reward is None or row["reward"] <= max_reward)

@@ -43,7 +43,7 @@ def write_html(run_dir: str | Path, out: str | Path, max_episodes: int = 500, ma
     tok = run_tokenizer(run_dir)
     store = TrajectoryStore(run_dir)
     # the newest `max_episodes`, read a few columns first so only those episodes are ever loaded whole
-    ids = [r["episode_id"] for r in store.rows(["episode_id"])]
+    ids = [r["episode_id"] for r in store.rows(["episode_id"], strict=False)]
     shown = set(ids[-max_episodes:])
     learner = {r["episode_id"]: r for r in store.learner_records() if r["episode_id"] in shown}
     payloads = [episode_payload(t, tok, max_tokens, learner.get(t.episode_id)) for t in store.episodes(ids[-max_episodes:])]

@@ -163,27 +163,46 @@ class TrajectoryStore:
     def shards(self) -> list[Path]:
         return sorted(self.dir.glob("*.parquet")) if self.dir.exists() else []
 
-    def rows(self, columns: list[str] | None = None, strict: bool = False, shards: list[Path] | None = None) -> Iterator[dict]:
+    def rows(self, columns: list[str] | None = None, strict: bool = True, shards: list[Path] | None = None) -> Iterator[dict]:
         """Every stored episode (of `shards`, default all) as a dict of columns, shard by shard (one
         shard in memory at a time).
 
-        A shard that cannot be read is skipped and named in `self.corrupt` (with a warning), so the
-        rest of the run stays readable; `strict=True` raises instead."""
+        A shard that cannot be read raises `CorruptShard` naming it (what reads the whole run —
+        export, replay, training from a store — must not pass over episodes silently);
+        `strict=False` skips it instead, names it in `self.corrupt` and warns, so inspection can
+        still show the rest."""
         for shard in self.shards() if shards is None else shards:
             try:
                 table = pq.read_table(shard, columns=columns)
             except (pa.ArrowInvalid, OSError) as exc:
                 if strict:
-                    raise ValueError(f"corrupt trajectory shard {shard}: {exc}") from exc
+                    raise CorruptShard(shard, exc) from exc
                 if str(shard) not in self.corrupt:
                     warnings.warn(f"skipping corrupt trajectory shard {shard}: {exc}", stacklevel=2)
                 self.corrupt[str(shard)] = str(exc)
                 continue
             yield from table.to_pylist()
 
-    def trajectories(self, shard: Path | None = None) -> Iterator[Trajectory]:
-        for row in self.rows(shards=None if shard is None else [shard]):
+    def trajectories(self, shard: Path | None = None, strict: bool = True) -> Iterator[Trajectory]:
+        for row in self.rows(shards=None if shard is None else [shard], strict=strict):
             yield row_to_trajectory(row)
+
+    def unreadable(self) -> dict[str, str]:
+        """Shards whose footer or episode ids cannot be read (shard -> why), checked without reading
+        the token columns: a quick look before a long pass over the run."""
+        bad = {}
+        for shard in self.shards():
+            try:
+                pq.read_table(shard, columns=["episode_id"])
+            except (pa.ArrowInvalid, OSError) as exc:
+                bad[str(shard)] = str(exc)
+        return bad
+
+
+class CorruptShard(ValueError):
+    def __init__(self, shard: Path, exc: BaseException):
+        super().__init__(f"corrupt trajectory shard {shard}: {' '.join(str(exc).split())}")
+        self.shard = str(shard)
 
 
 def row_to_trajectory(row: dict) -> Trajectory:

@@ -130,6 +130,11 @@ class Trainer:
             self.source = TrajectoryStore(from_store)
             if not self.source.shards():
                 raise FileNotFoundError(f"--from-store {from_store}: no trajectory shards there")
+            bad = self.source.unreadable()
+            if bad:  # found now, not after training on the shards before it
+                shard, why = next(iter(bad.items()))
+                raise FileNotFoundError(f"--from-store {from_store}: {len(bad)} corrupt trajectory shard(s), the "
+                                        f"first {shard}: {' '.join(why.split())}")
         self.version = 0
         self.start_iteration = 0
         self.workers: list = []

@@ -39,15 +39,29 @@ def test_corrupt_shard_is_named_and_the_others_stay_readable(tmp_path):
     store.write("iter-000001", [_traj(1)])
     bad = store.dir / "iter-000001.parquet"
     bad.write_bytes(bad.read_bytes()[:100])  # truncated, as by a full disk
-    with pytest.warns(UserWarning, match="iter-000001.parquet"):
-        eps = [t.episode_id for t in store.trajectories()]
-    assert eps == ["e0"] and str(bad) in store.corrupt
     with pytest.raises(ValueError, match="corrupt trajectory shard .*iter-000001"):
-        list(store.rows(strict=True))
-    out = subprocess.run([sys.executable, "-m", "longhorizon.cli", "inspect", str(tmp_path), "--json"],
-                         capture_output=True, text=True, timeout=120, cwd=REPO)
+        list(store.trajectories())  # a whole-run read stops, naming the shard
+    with pytest.warns(UserWarning, match="iter-000001.parquet"):
+        eps = [t.episode_id for t in store.trajectories(strict=False)]
+    assert eps == ["e0"] and str(bad) in store.corrupt
+    size = bad.stat().st_size
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "longhorizon.cli", *args], capture_output=True, text=True,
+                              timeout=120, cwd=REPO)
+
+    out = cli("inspect", str(tmp_path), "--json")  # inspection lists it and shows the rest
     summary = json.loads(out.stdout)
     assert summary["episodes"] == 1 and str(bad) in summary["corrupt_shards"]
+    for args in (["export", str(tmp_path)], ["replay", str(tmp_path), "--all"]):
+        out = cli(*args)
+        assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr, out.stderr
+        assert "corrupt trajectory shard" in out.stderr and "iter-000001.parquet" in out.stderr
+    assert not (tmp_path / "trajectories.jsonl").exists()
+    out = cli("export", str(tmp_path), "--skip-corrupt")  # explicitly: the rest, saying what was left out
+    assert out.returncode == 0 and "skipped 1 corrupt trajectory shard(s): iter-000001.parquet" in out.stderr
+    assert [json.loads(line)["episode_id"] for line in (tmp_path / "trajectories.jsonl").read_text().splitlines()] == ["e0"]
+    assert bad.stat().st_size == size  # nothing already written is touched
 
 
 def test_a_crash_mid_write_leaves_no_partial_shard(tmp_path):

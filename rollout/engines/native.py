@@ -38,6 +38,7 @@ with `device`).
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -164,8 +165,9 @@ class NativeEngine:
                  max_batch: int = 32, prefix_cache_entries: int = 64, threads: int | None = None):
         from policy.checkpoint import load_policy
 
-        if threads:
-            torch.set_num_threads(threads)
+        # every core this process may use (default): Ray starts an actor reserving under one CPU
+        # with OMP_NUM_THREADS=1, which would leave the engine on one thread
+        torch.set_num_threads(threads or len(os.sched_getaffinity(0)))
         self.model_path = model_path
         self.version = 0
         self.seed = seed
