@@ -145,12 +145,17 @@ def _replay(args) -> int:
         print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 2
     bad = [r for r in results if not r.ok]
+    skipped = [r for r in results if r.not_replayed]
     if args.json:
-        print(json.dumps({"replayed": len(results), "diverged": len(bad), "results": [r.to_dict() for r in results]}, indent=2))
+        print(json.dumps({"replayed": len(results) - len(skipped), "diverged": len(bad), "not_replayed": len(skipped),
+                          "results": [r.to_dict() for r in results]}, indent=2))
     else:
         for r in bad:
             print(f"{r.episode_id}: DIVERGED at {r.divergence}")
-        print(f"replayed {len(results)} episode(s): {len(results) - len(bad)} identical, {len(bad)} diverged")
+        for r in skipped:
+            print(f"{r.episode_id}: not replayed: {r.not_replayed}")
+        print(f"replayed {len(results) - len(skipped)} episode(s): {len(results) - len(bad) - len(skipped)} identical, "
+              f"{len(bad)} diverged" + (f"; {len(skipped)} never ran (infra errors), not replayed" if skipped else ""))
     return 1 if bad else 0
 
 

@@ -4,7 +4,8 @@ The environment is made from the episode's env id with the run's `env.kwargs` an
 recorded seed; the first observation must equal the recorded task, and each recorded turn's text
 is stepped in order. Every observation, milestone and the total reward must match the record;
 the first difference is reported (turn, what, recorded vs replayed). Episodes that ended in an
-infrastructure error are replayed up to the failing turn.
+infrastructure error are replayed up to the failing turn; one that failed before its first turn
+completed (at reset, or in its first step) has nothing to check and is reported as not replayed.
 
 `rescore(run_dir, "module:function")` recomputes rewards with another function
 `fn(trajectory) -> float` and reports old against new, without touching the store.
@@ -27,6 +28,8 @@ class ReplayResult:
     ok: bool
     turns_checked: int
     divergence: str = ""
+    not_replayed: str = ""
+    """Why nothing could be checked (an episode that never ran), else empty."""
 
     def to_dict(self) -> dict:
         return dict(vars(self))
@@ -38,6 +41,8 @@ def _short(x, n: int = 200) -> str:
 
 
 def replay_episode(traj: Trajectory, env_kwargs: dict | None = None, make_env: Callable | None = None) -> ReplayResult:
+    if traj.infra_error and len(traj.turns) <= 1:  # the failing turn has no record: nothing to step
+        return ReplayResult(traj.episode_id, True, 0, not_replayed=f"it never ran: {traj.infra_error}")
     env = make_env() if make_env is not None else envs.make(traj.env_id, **(env_kwargs or {}))
     try:
         return _replay(env, traj)

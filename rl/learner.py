@@ -183,10 +183,11 @@ class Learner:
         return out
 
     def _logprobs(self, lm, ids, attn, with_entropy: bool = False, routing_out: list | None = None,
-                  routing=None, replayed: list | None = None, hf_routers: list | None = None):
+                  routing=None, replayed: list | None = None, hf_routers: list | None = None, only=None):
         """(log-probs, entropies or None, values or None), all aligned to next-token targets.
         `routing_out` collects the policy's router scores, `hf_routers` a Hugging Face MoE's router
-        logits and choices (both for balancing), `replayed` the routing-replay counts."""
+        logits and choices (both for balancing), `replayed` the routing-replay counts; `only`: the
+        loss mask, to run the head on the generated tokens alone (0 elsewhere)."""
         h, router_info = lm.hidden_and_routing(ids, attn, routing, capture=hf_routers is not None)
         if replayed is not None and router_info is not None:
             replayed.append(router_info["replayed"])
@@ -197,7 +198,7 @@ class Learner:
             hf_routers.append((router_info["hf_routers"], valid))
         logp, ent = chunked_logprobs(h, lm.head, ids, temperature=self.temperature,
                                      chunk_tokens=self.cfg.logprob_chunk_tokens, with_entropy=with_entropy,
-                                     banned_ids=lm.banned_ids)
+                                     banned_ids=lm.banned_ids, only_BT=only)
         # the value of the state before token p comes from the hidden state at p-1, like its logits
         values = self.value_head(h[:, :-1]) if (self.value_head is not None and lm is self.lm) else None
         return logp, ent, values
@@ -356,9 +357,9 @@ class Learner:
 
     @staticmethod
     def _annotations(batch, plan, old, adv_of) -> dict:
-        """Per episode, token-aligned like `token_ids`: the learner's log-prob of each token before the
-        update (0.0 at position 0) and the advantage each generated token was trained with (0.0
-        elsewhere), for the store's learner records and the token views."""
+        """Per episode, token-aligned like `token_ids`: the learner's log-prob of each generated token
+        before the update and the advantage it was trained with (0.0 elsewhere: the head runs on
+        generated tokens only), for the store's learner records and the token views."""
         notes = {}
         for micro in (m for mb in plan for m in mb):
             adv = adv_of(micro)
@@ -401,13 +402,14 @@ class Learner:
                 if micro is None:
                     self._dummy()
                     continue
-                ids, attn, _, _ = self._tensors([batch[i] for i in micro])
+                ids, attn, mask, _ = self._tensors([batch[i] for i in micro])
                 key = tuple(micro)
                 # the recorded experts, built once and replayed in every forward of this micro-batch
                 replays[key] = self._routing([batch[i] for i in micro], ids.shape[1])
-                old[key], _, old_v[key] = self._logprobs(self.lm, ids, attn, routing=replays[key], replayed=replayed)
+                old[key], _, old_v[key] = self._logprobs(self.lm, ids, attn, routing=replays[key], replayed=replayed,
+                                                         only=mask)
                 if self.ref is not None:
-                    ref[key], _, _ = self._logprobs(self.ref, ids, attn)
+                    ref[key], _, _ = self._logprobs(self.ref, ids, attn, only=mask)
         if self.world > 1:  # every rank needs every micro-batch's numbers (advantages, KL, annotations)
             parts = all_gather_objects((old, old_v, ref, replayed))
             for part in parts:
@@ -440,7 +442,8 @@ class Learner:
                     hf_routers = [] if self.lm.kind == "hf" else None
                     logp, ent, values = self._logprobs(self.lm, ids, attn, with_entropy=bool(c.entropy_coef),
                                                        routing_out=routing, routing=replays[key],
-                                                       hf_routers=hf_routers, replayed=replayed if fused else None)
+                                                       hf_routers=hf_routers, replayed=replayed if fused else None,
+                                                       only=mask)
                     if fused:
                         old[key] = logp.detach()
                     loss, m = policy_loss(

@@ -34,15 +34,30 @@ def _chunk_logprobs(h_BCD, head_weight, head_bias, ids_BC, temperature: float, w
 
 
 def chunked_logprobs(hidden_BTD, head: torch.nn.Linear, ids_BT, *, temperature: float = 1.0,
-                     chunk_tokens: int = 1024, with_entropy: bool = False, banned_ids: list[int] | None = None):
+                     chunk_tokens: int = 1024, with_entropy: bool = False, banned_ids: list[int] | None = None,
+                     only_BT=None):
     """log p(ids[:, t+1] | ids[:, :t+1]) for t < T-1 (B × T-1, fp32), and the entropies if asked.
-    `banned_ids`: tokens the model never generates (`CausalLM.banned_ids`), at probability zero."""
+    `banned_ids`: tokens the model never generates (`CausalLM.banned_ids`), at probability zero.
+    `only_BT` (B × T-1, bool): compute only these targets (the loss mask: the policy's own tokens)
+    and return 0 elsewhere; the head then runs on the generated tokens alone, not on prompts and
+    tool observations, which are most of a tool-use episode."""
     h = hidden_BTD[:, :-1]
     banned = None
     if banned_ids:
         banned = torch.zeros(head.weight.shape[0], dtype=torch.bool, device=h.device)
         banned[banned_ids] = True
     targets = ids_BT[:, 1:]
+    if only_BT is not None:
+        sel_BT = only_BT.bool()
+        lp_1N, ent_1N = _logprobs_of(h[sel_BT][None], head, targets[sel_BT][None], temperature, chunk_tokens,
+                                     with_entropy, banned)
+        zeros_BT = torch.zeros(targets.shape, dtype=lp_1N.dtype, device=h.device)
+        return (zeros_BT.masked_scatter(sel_BT, lp_1N[0]),
+                zeros_BT.masked_scatter(sel_BT, ent_1N[0]) if with_entropy else None)
+    return _logprobs_of(h, head, targets, temperature, chunk_tokens, with_entropy, banned)
+
+
+def _logprobs_of(h, head, targets, temperature, chunk_tokens, with_entropy, banned):
     recompute = torch.is_grad_enabled() and (h.requires_grad or head.weight.requires_grad)
     lps, ents = [], []
     for h_c, t_c in zip(h.split(chunk_tokens, dim=1), targets.split(chunk_tokens, dim=1)):

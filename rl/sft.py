@@ -39,15 +39,20 @@ def demonstrations(chat, env_id: str, n: int, *, env_kwargs: dict | None = None,
 
 
 def warm_start(policy_path: str | Path, out_dir: str | Path, demos: list[Trajectory], *, epochs: float = 2.0,
-               lr: float = 2e-3, batch_size: int = 8, seed: int = 0, threads: int = 2, log=print) -> dict:
+               lr: float = 2e-3, batch_size: int = 8, seed: int = 0, threads: int = 2, log=None) -> dict:
     """Fine-tune `policy_path` on `demos` (expert trajectories) and save it to `out_dir`; returns
-    the loss curve and timing. Only the demonstrations' generated tokens are trained on."""
+    the loss curve and timing. Only the demonstrations' generated tokens are trained on. `log`:
+    where progress lines go (default: a rich console on stderr, also in a child process)."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from transformers.trainer_callback import PrinterCallback
     from trl import SFTConfig, SFTTrainer
 
+    if log is None:
+        from rich.console import Console
+
+        log = Console(stderr=True).log
     solved = [t for t in demos if t.reward > 0 and not t.infra_error]
     if not solved:
         raise ValueError("no demonstration earned a reward: the scripted experts did not solve their tasks")

@@ -87,6 +87,15 @@ def test_environment_failures_end_only_their_episode(tokenizer):
     assert by[23].token_ids == [] and by[23].turns == []
     assert by[24].infra_error == "sandbox killed by the OOM killer" and len(by[24].turns) == 1
 
+    # replay checks what ran before the failure, and says so of an episode that never ran
+    from longhorizon.replay import replay_episode
+
+    partial = replay_episode(by[22], make_env=envs.calculator.CalculatorEnv)
+    assert partial.ok and partial.turns_checked == 1 and not partial.not_replayed
+    for seed in (23, 24):
+        never = replay_episode(by[seed], make_env=envs.calculator.CalculatorEnv)
+        assert never.turns_checked == 0 and never.not_replayed.startswith("it never ran: ")
+
 
 def test_learner_keeps_infra_failures_out_of_group_statistics():
     from rl.learner import usable_episodes

@@ -31,6 +31,17 @@ def test_chunked_logprobs_equal_full_logits(chunk):
     g_got = torch.autograd.grad((got * 1.3).sum() + ent.sum(), (h, head.weight))
     assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(g_ref, g_got))
 
+    # the head on the generated positions only: the same numbers there, 0 elsewhere, the same
+    # gradients of any loss masked to them
+    only = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 1], [1, 0, 0, 0, 1, 1, 0, 0]], dtype=torch.float64)
+    ref = token_logprobs(head(h), ids, temperature=0.7)  # a fresh graph (the one above was used)
+    ref_ent = -(torch.log_softmax(head(h)[:, :-1] / 0.7, -1).exp() * torch.log_softmax(head(h)[:, :-1] / 0.7, -1)).sum(-1)
+    sel, sel_ent = chunked_logprobs(h, head, ids, temperature=0.7, chunk_tokens=chunk, with_entropy=True, only_BT=only)
+    assert torch.allclose(sel, ref * only, atol=1e-12) and torch.allclose(sel_ent, ref_ent * only, atol=1e-12)
+    g_ref = torch.autograd.grad(((ref * 1.3 + ref_ent) * only).sum(), (h, head.weight))
+    g_sel = torch.autograd.grad((sel * 1.3 + sel_ent).sum(), (h, head.weight))
+    assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(g_ref, g_sel))
+
 
 @pytest.fixture(scope="module")
 def policy_ckpt(tmp_path_factory):
