@@ -98,6 +98,9 @@ def check_env(env, *, seed: int = 0, expert: bool = True) -> dict:
         if info is not None and info.get("tool_errors", 0) < 1:
             problems.append('a malformed tool call must be counted in info["tool_errors"]')
 
+    if expert and not hasattr(env, "expert_turns"):
+        problems.append("no scripted expert: define expert_turns(), the turns that solve the task just reset "
+                        "(the warm start, this check and the tests play it); `envs check --no-expert` skips this")
     if expert and hasattr(env, "expert_turns"):
         env.reset(seed=seed)
         total, reached, terminated = 0.0, [], False

@@ -447,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config")
     p.add_argument("--address", required=True, help="the cluster's jobs endpoint, e.g. http://HEAD:8265")
     p.add_argument("--run-dir", help="run directory on the head (default ~/longhorizon-runs/NAME-TIME)")
-    p.add_argument("--python", default="python", help="the cluster's Python with the project installed")
+    p.add_argument("--python", default=None,
+                   help="the cluster's Python with the project installed (default: the one running Ray on the head)")
     p.add_argument("--wait", action="store_true", help="follow the job's log until it ends; exit 1 unless it succeeded")
     p.add_argument("--timeout", type=float, default=24 * 3600, help="with --wait: give up after this many seconds")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")

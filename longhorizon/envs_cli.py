@@ -67,12 +67,13 @@ def _check(args) -> int:
 
     env = _make(args.env_id, args.kwargs)
     try:
-        report = check_env(env, seed=args.seed)
+        report = check_env(env, seed=args.seed, expert=not args.no_expert)
     except EnvCheckError as exc:
         print(str(exc), file=sys.stderr)
         return 1
-    print(f"{args.env_id}: ok — tools {', '.join(report['tools'])}; expert reward {report['expert_reward']} "
-          f"with milestones {', '.join(report['expert_milestones']) or 'none'}")
+    expert = (f"expert reward {report['expert_reward']} with milestones "
+              f"{', '.join(report['expert_milestones']) or 'none'}" if not args.no_expert else "expert not checked")
+    print(f"{args.env_id}: ok — tools {', '.join(report['tools'])}; {expert}")
     return 0
 
 
@@ -177,6 +178,8 @@ def add_parsers(sub) -> None:
             e.add_argument("--json", action="store_true")
         else:
             e.add_argument("--seed", type=int, default=0)
+        if name == "check":
+            e.add_argument("--no-expert", action="store_true", help="an environment without a scripted expert")
         e.set_defaults(fn=_guarded(fn))
 
     p = sub.add_parser("sandbox", help="run a command in a sandbox")

@@ -6,8 +6,10 @@
 `submit` ships the project's packages and the (validated) config as the job's `working_dir`
 runtime environment and runs `PY -m longhorizon.cli train job.yaml --run-dir DIR ray.address=auto` on the
 head: the driver joins the cluster it runs on, and its actors are placed on the cluster's nodes.
-`PY` must be a Python on the cluster with the project's dependencies installed (the default,
-`python`, is whatever the head's PATH finds). The run directory is a path on the head (shared
+`PY` must be a Python on the cluster with the project's dependencies installed; by default it is
+the Python that runs Ray on the head (the job supervisor's own interpreter, read from
+`/proc/$PPID/cmdline` by the entrypoint's shell: a head started from a virtualenv runs the job in
+that virtualenv, whatever the head's PATH says). The run directory is a path on the head (shared
 storage in a real cluster); its default is `~/longhorizon-runs/NAME-TIME` there.
 
 Not covered: building a cluster image (install the project there), authentication of the jobs
@@ -16,6 +18,7 @@ endpoint (Ray's token auth or a network policy: the operator's).
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import sys
 import tempfile
@@ -25,6 +28,10 @@ from pathlib import Path
 PACKAGES = ("typed_yaml", "rewards", "policy", "envs", "rollout", "rl", "longhorizon", "configs")
 REPO = Path(__file__).resolve().parents[1]
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+# The entrypoint runs in a shell whose parent is Ray's job supervisor; its first argument is the
+# interpreter Ray started it with (a virtualenv's python stays itself: /proc/PID/exe would resolve
+# the symlink to the base interpreter and lose the virtualenv).
+HEAD_PYTHON = "\"$(tr '\\0' '\\n' < /proc/$PPID/cmdline | head -n 1)\""
 
 
 def _client(address: str):
@@ -49,7 +56,7 @@ def stage(cfg) -> Path:
 
 
 def submit(config_path: str | Path, address: str, *, overrides: list[str] | None = None, run_dir: str | None = None,
-           python: str = "python") -> tuple[str, str]:
+           python: str | None = None) -> tuple[str, str]:
     """Submit a training job; returns (job id, run directory on the head)."""
     from rl.config import load_config
 
@@ -59,7 +66,8 @@ def submit(config_path: str | Path, address: str, *, overrides: list[str] | None
     client = _client(address)
     staged = stage(cfg)
     try:
-        entrypoint = f"{python} -m longhorizon.cli train job.yaml --run-dir {run_dir} ray.address=auto"
+        py = shlex.quote(python) if python else HEAD_PYTHON
+        entrypoint = f"{py} -m longhorizon.cli train job.yaml --run-dir {run_dir} ray.address=auto"
         job_id = client.submit_job(entrypoint=entrypoint, runtime_env={"working_dir": str(staged)},
                                    submission_id=f"longhorizon-{name}-{time.strftime('%Y%m%d-%H%M%S')}",
                                    metadata={"longhorizon_config": name, "run_dir": run_dir})

@@ -155,6 +155,10 @@ def test_check_env_names_every_problem():
     assert 'parameters must be a JSON schema with "type": "object"' in text
     assert "tools without a function in tool_functions(): ['a']" in text
     assert "must be deterministic given a seed" in text
+    assert "no scripted expert: define expert_turns()" in text  # "ok" would be a lie for a warm start
+    with pytest.raises(EnvCheckError) as err:
+        check_env(Broken(), expert=False)  # `envs check --no-expert`: everything else is still checked
+    assert "no scripted expert" not in str(err.value) and "deterministic" in str(err.value)
 
 
 def test_infra_errors_are_reported_not_raised():

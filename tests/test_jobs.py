@@ -25,7 +25,11 @@ pytestmark = pytest.mark.slow
 def ray_head():
     temp = f"/tmp/lhray-{os.getpid()}"  # short: Ray's unix sockets live under it
     gcs, dash, agent, agent_grpc, metrics, rt_env, client = _free_ports(7)
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
+    # the head's PATH without the virtualenv, as when `ray start` is run by its full path: a job must
+    # still run in the virtualenv's Python (the one running Ray), not in whatever `python` PATH finds
+    venv_bin = str(Path(sys.executable).parent)
+    path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if p != venv_bin)
+    env = {**os.environ, "PATH": path, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
            "RAY_USAGE_STATS_ENABLED": "0"}
     ray_cli = str(Path(sys.executable).parent / "ray")
     subprocess.run([ray_cli, "start", "--head", f"--port={gcs}", "--node-ip-address=127.0.0.1",
@@ -76,8 +80,9 @@ def test_submit_a_training_job_and_follow_it(ray_head, tmp_path):
     from ray.util.state import list_actors
 
     run_dir = tmp_path / "job-run"
+    # no --python: the job runs in the Python that runs Ray on the head (the head's PATH lacks it)
     r = cli("submit", "configs/quickstart.yaml", "--address", ray_head, "--run-dir", str(run_dir),
-            "--python", sys.executable, "--wait", *SMALL, *PLACED)
+            "--wait", *SMALL, *PLACED)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     job_id = r.stdout.split()[1].rstrip(";")
     assert f"job {job_id}: SUCCEEDED" in r.stdout
