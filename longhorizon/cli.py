@@ -186,14 +186,20 @@ def _export(args) -> int:
     warnings.filterwarnings("ignore", message="skipping corrupt trajectory shard")  # reported below, once
     try:
         if args.format == "datasets":  # a `datasets` directory: datasets.load_from_disk(OUT)
-            from datasets import Dataset
+            from datasets import Dataset, Features
 
             import tempfile
+
+            from rl.store import SCHEMA
 
             out = Path(args.out or Path(args.run_dir) / "trajectories-dataset")
             # a private cache: datasets would otherwise reuse an earlier export of the same store, stale
             with tempfile.TemporaryDirectory() as cache:
-                ds = Dataset.from_generator(store.rows, gen_kwargs={"strict": strict}, cache_dir=cache)
+                # the store's own column types (int32 ids, int8 mask, float32 log-probs, nested expert
+                # ids): inferred from Python values they would widen to int64/float64, and an all-None
+                # column to null
+                ds = Dataset.from_generator(store.rows, gen_kwargs={"strict": strict}, cache_dir=cache,
+                                            features=Features.from_arrow_schema(SCHEMA))
                 ds.save_to_disk(str(out))
             n = len(ds)
         else:

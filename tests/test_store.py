@@ -148,6 +148,12 @@ def test_export_as_a_datasets_directory(tmp_path):
     assert r.returncode == 0, r.stderr
     ds = load_from_disk(str(out))
     assert ds["episode_id"] == ["e0", "e1", "e2"] and ds[1]["token_ids"] == list(range(50))
+    # the store's column types, not Python's widened ones
+    from rl.store import SCHEMA
+
+    assert ds.data.schema.field("token_ids").type == SCHEMA.field("token_ids").type  # list<int32>
+    assert ds.features["loss_mask"].feature.dtype == "int8" and ds.features["rollout_logprobs"].feature.dtype == "float32"
+    assert ds.data.schema.field("routed_experts").type == SCHEMA.field("routed_experts").type
     TrajectoryStore(tmp_path).write("iter-000001", [_traj(7)])  # the run goes on: a new export sees it
     r = subprocess.run([sys.executable, "-m", "longhorizon.cli", "export", str(tmp_path), "--format", "datasets", "--out",
                         str(tmp_path / "ds2")], cwd=REPO, capture_output=True, text=True, timeout=300)
