@@ -77,7 +77,7 @@ class AlgoConfig:
     baseline: Literal["loo", "mean"] = "loo"
     """Milestone credit's baseline: leave-one-out (unbiased) or the group mean including the episode (GRPO's; scales the gradient by 1 - 1/n)."""
     scale_rewards: Literal["group", "batch", "none"] = "group"
-    """Divide group-centred rewards by the group's std, the batch's std, or nothing."""
+    """Divide group-centred rewards by the group's std (GRPO's; biases the update's direction, as Dr. GRPO describes: tests/test_credit.py measures it), the batch's std, or nothing (the mean baseline: the exact gradient times 1 - 1/n)."""
     loss_aggregation: Literal["token_mean", "seq_mean", "seq_sum_norm"] = "token_mean"
     """token_mean: over all generated tokens of the batch (DAPO); seq_mean: mean of per-episode means (GRPO); seq_sum_norm: sum / (episodes · max generated tokens) (Dr.GRPO)."""
     ratio_level: Literal["token", "sequence"] = "token"
