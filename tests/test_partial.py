@@ -140,3 +140,29 @@ def test_partial_rollouts_through_the_loop_train_whole_groups_and_store_each_epi
     # the staged schedule: episodes started from iteration 2 on are limited to 420 tokens (prompts are ~340)
     assert all(len(t.token_ids) <= 420 and t.stop_reason == "max_tokens" for t in trajs if t.iteration >= 2)
     assert max(len(t.token_ids) for t in trajs if t.iteration < 2) > 420
+
+
+def test_a_suspended_episode_continues_through_vllm_as_an_uninterrupted_one(engine, tokenizer):
+    """The same continuation through the real vLLM engine (the session's, tiny random policy): each
+    call ends after one turn, the next one prefills the carried context and samples the next turn
+    with that turn's seed, so the episode comes out token for token as one run whole."""
+    chat = ChatFormat(tokenizer)
+    limits = dict(max_turns=3, max_new_tokens=12, max_episode_tokens=2048, temperature=1.0, run_seed=5)
+    whole = run_episodes(engine, chat, lambda: envs.make(CALC), CALC, _tasks(), **limits)
+    done, suspended = continue_episodes(engine, chat, lambda: envs.make(CALC), CALC, _tasks(), token_budget=1,
+                                        max_segments=10, **limits)
+    calls, ended = 1, list(done)
+    while suspended:
+        done, suspended = continue_episodes(engine, chat, lambda: envs.make(CALC), CALC, [], suspended=suspended,
+                                            token_budget=1, max_segments=10, **limits)
+        ended += done
+        calls += 1
+    assert calls >= 2  # at least one episode was suspended and continued
+    by_id = {t.episode_id: t for t in ended}
+    assert set(by_id) == {t.episode_id for t in whole}
+    for ref in whole:
+        t = by_id[ref.episode_id]
+        assert t.token_ids == ref.token_ids and t.loss_mask == ref.loss_mask
+        assert t.rollout_logprobs == pytest.approx(ref.rollout_logprobs, abs=1e-4)
+        assert [turn.seed for turn in t.turns] == [turn.seed for turn in ref.turns]
+        assert (t.reward, t.stop_reason) == (ref.reward, ref.stop_reason)
