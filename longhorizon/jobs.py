@@ -7,9 +7,9 @@
 runtime environment and runs `PY -m longhorizon.cli train job.yaml --run-dir DIR ray.address=auto` on the
 head: the driver joins the cluster it runs on, and its actors are placed on the cluster's nodes.
 `PY` must be a Python on the cluster with the project's dependencies installed; by default it is
-the Python that runs Ray on the head (the job supervisor's own interpreter, read from
-`/proc/$PPID/cmdline` by the entrypoint's shell: a head started from a virtualenv runs the job in
-that virtualenv, whatever the head's PATH says). The run directory is a path on the head (shared
+the Python that runs Ray on the head: the entrypoint's shell finds the environment Ray's job
+supervisor (its parent process) loaded Ray from, in `/proc/$PPID/maps`, so a head started from a
+virtualenv runs the job in that virtualenv whatever the head's PATH says (Linux heads). The run directory is a path on the head (shared
 storage in a real cluster); its default is `~/longhorizon-runs/NAME-TIME` there.
 
 Not covered: building a cluster image (install the project there), authentication of the jobs
@@ -28,10 +28,14 @@ from pathlib import Path
 PACKAGES = ("typed_yaml", "rewards", "policy", "envs", "rollout", "rl", "longhorizon", "configs")
 REPO = Path(__file__).resolve().parents[1]
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
-# The entrypoint runs in a shell whose parent is Ray's job supervisor; its first argument is the
-# interpreter Ray started it with (a virtualenv's python stays itself: /proc/PID/exe would resolve
-# the symlink to the base interpreter and lose the virtualenv).
-HEAD_PYTHON = "\"$(tr '\\0' '\\n' < /proc/$PPID/cmdline | head -n 1)\""
+# The entrypoint runs in a shell whose parent is Ray's job supervisor. Its command line is Ray's
+# process title ("ray::JobSupervisor"), and /proc/PID/exe resolves a virtualenv's python to the base
+# interpreter, which would lose the virtualenv; the shared objects it mapped name the environment
+# Ray was imported from: <prefix>/lib/pythonX.Y/site-packages/ray/_raylet.so -> <prefix>/bin/python.
+# The interpreter itself is the fallback (a system-wide install).
+FIND_HEAD_PYTHON = (
+    "PY=\"$(sed -n 's|^.* \\(/[^ ]*\\)/lib/python[0-9.]*/site-packages/ray/_raylet\\.so$|\\1/bin/python|p' "
+    "/proc/$PPID/maps | head -n 1)\"; [ -x \"$PY\" ] || PY=\"$(readlink /proc/$PPID/exe)\"; ")
 
 
 def _client(address: str):
@@ -66,8 +70,8 @@ def submit(config_path: str | Path, address: str, *, overrides: list[str] | None
     client = _client(address)
     staged = stage(cfg)
     try:
-        py = shlex.quote(python) if python else HEAD_PYTHON
-        entrypoint = f"{py} -m longhorizon.cli train job.yaml --run-dir {run_dir} ray.address=auto"
+        prefix, py = ("", shlex.quote(python)) if python else (FIND_HEAD_PYTHON, '"$PY"')
+        entrypoint = f"{prefix}{py} -m longhorizon.cli train job.yaml --run-dir {run_dir} ray.address=auto"
         job_id = client.submit_job(entrypoint=entrypoint, runtime_env={"working_dir": str(staged)},
                                    submission_id=f"longhorizon-{name}-{time.strftime('%Y%m%d-%H%M%S')}",
                                    metadata={"longhorizon_config": name, "run_dir": run_dir})
