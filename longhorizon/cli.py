@@ -57,6 +57,12 @@ def _train(args) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    # A local run reads policy.path here; on a cluster (ray.address, `submit`) it is a path on the
+    # nodes, which this machine may not have, so only a local run checks it before starting.
+    if cfg.policy.path and not cfg.ray.address and not (Path(cfg.policy.path) / "config.json").exists():
+        print(f"error: {config}: policy.path {cfg.policy.path} is not a checkpoint directory (no config.json there)",
+              file=sys.stderr)
+        return 2
     console = Console(stderr=True)
 
     from rl.trainer import CannotLearn, LearnerDied, Trainer, WorkerLost

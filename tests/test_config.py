@@ -132,6 +132,7 @@ def _one_clean_line(out: subprocess.CompletedProcess) -> str:
     ("eval.env_id=tools/nothing-v0", "eval.env_id", ["tools/nothing-v0"]),
     ("env.kwargs={a: [", "env.kwargs={a: [", ["not valid YAML"]),
     ("learner.backend=nccl", "learner.backend", ["gloo"]),
+    ("policy.path=/nonexistent/model", "policy.path", ["/nonexistent/model", "no config.json"]),
 ])
 def test_cli_config_mistakes_stop_before_anything_starts(tmp_path, override, key, words):
     line = _one_clean_line(_cli("train", "configs/quickstart.yaml", override, "--run-dir", str(tmp_path / "r")))
