@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
-
-import gymnasium as gym
 import re
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
+
+import gymnasium as gym
 
 from envs.base import ToolEnv, ToolFailure, ToolSpec
 
@@ -70,22 +70,21 @@ def env_class(env_id: str) -> type:
 def config_problem(env_id: str, kwargs: dict | None = None) -> tuple[str, str] | None:
     """Why `make(env_id, **kwargs)` would fail before it runs, or None: ("id", why) for an unknown id
     or a plugin that does not import, ("kwargs", why) for keyword arguments the constructor does not
-    take. Config validation calls this
-    on the driver so a mistake stops the run before Ray or an engine starts (the constructor itself
-    is not run: a sandboxed environment may need its backend, which is the workers' business)."""
+    take. Config validation calls this on the driver so a mistake stops the run before Ray or an
+    engine starts (the constructor itself is not run: a sandboxed environment may need its backend,
+    which is the workers' business)."""
     try:
         cls = env_class(env_id)
     except KeyError as exc:
         return "id", str(exc.args[0])
     except Exception as exc:  # a plugin whose module fails to import
         return "id", f"environment {env_id!r} cannot be imported: {type(exc).__name__}: {exc}"
+    signature = inspect.signature(cls)
     try:
-        inspect.signature(cls).bind(**{**spec(env_id).kwargs, **(kwargs or {})})
+        signature.bind(**{**spec(env_id).kwargs, **(kwargs or {})})
     except TypeError as exc:
-        params = [p for p in inspect.signature(cls).parameters.values() if p.kind == p.KEYWORD_ONLY
-                  or p.kind == p.POSITIONAL_OR_KEYWORD]
-        return "kwargs", (f"environment {env_id!r} does not accept them ({exc}); it takes: "
-                          f"{', '.join(p.name for p in params) or 'none'}")
+        named = [p.name for p in signature.parameters.values() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        return "kwargs", f"environment {env_id!r} does not accept them ({exc}); it takes: {', '.join(named) or 'none'}"
     return None
 
 

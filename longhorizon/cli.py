@@ -181,9 +181,7 @@ def _export(args) -> int:
     strict = not args.skip_corrupt
     bad = store.unreadable() if strict else {}
     if bad:  # before anything is written
-        shard, why = next(iter(bad.items()))
-        print(f"error: corrupt trajectory shard {shard}: {' '.join(why.split())} ({len(bad)} in all; "
-              "--skip-corrupt leaves them out)", file=sys.stderr)
+        print(f"error: {bad[0]} ({len(bad)} in all; --skip-corrupt leaves them out)", file=sys.stderr)
         return 2
     import warnings
 

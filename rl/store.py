@@ -187,15 +187,15 @@ class TrajectoryStore:
         for row in self.rows(shards=None if shard is None else [shard], strict=strict):
             yield row_to_trajectory(row)
 
-    def unreadable(self) -> dict[str, str]:
-        """Shards whose footer or episode ids cannot be read (shard -> why), checked without reading
-        the token columns: a quick look before a long pass over the run."""
-        bad = {}
+    def unreadable(self) -> list["CorruptShard"]:
+        """Shards whose footer or episode ids cannot be read, checked without reading the token
+        columns: a quick look before a long pass over the run."""
+        bad = []
         for shard in self.shards():
             try:
                 pq.read_table(shard, columns=["episode_id"])
             except (pa.ArrowInvalid, OSError) as exc:
-                bad[str(shard)] = str(exc)
+                bad.append(CorruptShard(shard, exc))
         return bad
 
 

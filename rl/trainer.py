@@ -132,9 +132,7 @@ class Trainer:
                 raise FileNotFoundError(f"--from-store {from_store}: no trajectory shards there")
             bad = self.source.unreadable()
             if bad:  # found now, not after training on the shards before it
-                shard, why = next(iter(bad.items()))
-                raise FileNotFoundError(f"--from-store {from_store}: {len(bad)} corrupt trajectory shard(s), the "
-                                        f"first {shard}: {' '.join(why.split())}")
+                raise FileNotFoundError(f"--from-store {from_store}: {bad[0]} ({len(bad)} in all)")
         self.version = 0
         self.start_iteration = 0
         self.workers: list = []

@@ -53,11 +53,12 @@ def test_corrupt_shard_is_named_and_the_others_stay_readable(tmp_path):
     out = cli("inspect", str(tmp_path), "--json")  # inspection lists it and shows the rest
     summary = json.loads(out.stdout)
     assert summary["episodes"] == 1 and str(bad) in summary["corrupt_shards"]
-    for args in (["export", str(tmp_path)], ["replay", str(tmp_path), "--all"]):
+    for args in (["export", str(tmp_path)], ["replay", str(tmp_path), "--all"],
+                 ["train", "configs/quickstart.yaml", "--from-store", str(tmp_path), "--run-dir", str(tmp_path / "r")]):
         out = cli(*args)
         assert out.returncode == 2 and out.stdout == "" and "Traceback" not in out.stderr, out.stderr
         assert "corrupt trajectory shard" in out.stderr and "iter-000001.parquet" in out.stderr
-    assert not (tmp_path / "trajectories.jsonl").exists()
+    assert not (tmp_path / "trajectories.jsonl").exists() and not (tmp_path / "r" / "metrics.jsonl").exists()
     out = cli("export", str(tmp_path), "--skip-corrupt")  # explicitly: the rest, saying what was left out
     assert out.returncode == 0 and "skipped 1 corrupt trajectory shard(s): iter-000001.parquet" in out.stderr
     assert [json.loads(line)["episode_id"] for line in (tmp_path / "trajectories.jsonl").read_text().splitlines()] == ["e0"]
