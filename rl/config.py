@@ -218,6 +218,8 @@ class RunConfig:
     """An iteration in which more than this share of the episodes ended in infrastructure errors (or the learner had no usable episode) is a failed one."""
     stop_after_failed: int = 2
     """Stop the run with an error, quoting the first episode's failure, after this many failed iterations in a row (a run that cannot learn must not finish green); 0: never."""
+    stop_after_flat: int = 3
+    """Stop the run with an error after this many iterations in a row with no learning signal: no group whose episodes earned different rewards (GRPO's advantages are all zero), or for PPO one reward for every episode. A policy that never reaches a milestone needs a warm start or an easier task; 0: never."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     """The policy model."""
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -248,6 +250,7 @@ class RunConfig:
             ("checkpoint_every", self.checkpoint_every >= 1, "must be >= 1"),
             ("max_infra_error_share", 0 <= self.max_infra_error_share < 1, "must be in [0, 1)"),
             ("stop_after_failed", self.stop_after_failed >= 0, "must be >= 0 (0: never stop)"),
+            ("stop_after_flat", self.stop_after_flat >= 0, "must be >= 0 (0: never stop)"),
             ("rollout.num_workers", self.rollout.num_workers >= 1, "must be >= 1"),
             ("rollout.group_size", self.rollout.group_size >= 2, "must be >= 2 (GRPO compares within a group)"),
             ("rollout.groups_per_iteration", self.rollout.groups_per_iteration >= 1, "must be >= 1"),

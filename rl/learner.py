@@ -81,9 +81,15 @@ def usable_episodes(batch: list[Trajectory], min_version: int | None = None) -> 
         sizes[t.group_id] = sizes.get(t.group_id, 0) + 1
     kept = [t for t in ok if sizes[t.group_id] >= 2]
     groups = {t.group_id for t in batch}
+    rewards: dict[int, set[float]] = {}
+    for t in kept:
+        rewards.setdefault(t.group_id, set()).add(t.reward)
     return kept, {"infra_errors_dropped": sum(1 for t in batch if t.infra_error),
                   "stale_episodes_dropped": len(too_old),
-                  "groups_dropped": len(groups) - len({t.group_id for t in kept})}
+                  "groups_dropped": len(groups) - len({t.group_id for t in kept}),
+                  # a group whose episodes all earned the same reward has zero GRPO advantage: no signal
+                  "groups_with_signal": sum(len(r) > 1 for r in rewards.values()),
+                  "reward_spread": max((t.reward for t in kept), default=0.0) - min((t.reward for t in kept), default=0.0)}
 
 
 class Learner:

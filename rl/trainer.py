@@ -147,7 +147,7 @@ class Trainer:
         self.episodes_rerun = 0
         self._syncs: list[tuple[int, PendingSync]] = []  # (last iteration submitted before it, sync)
         self._last_row_t = 0.0
-        self._failed_in_a_row = 0  # iterations whose episodes failed for reasons outside the policy
+        self._failed_in_a_row = self._flat_in_a_row = 0  # iterations whose episodes failed for reasons outside the policy
 
     # --- set-up ---
     def policy_path(self) -> str:
@@ -446,6 +446,21 @@ class Trainer:
                    f"the learner had no usable episode in iteration {it} ({len(trajs)} episodes)")
             raise CannotLearn(f"the run cannot learn: {self._failed_in_a_row} failed iterations in a row; {why}. "
                               f"What was written is kept in {self.run_dir}")
+        if failed:
+            return
+        ppo = self.cfg.algo.name == "ppo"
+        flat = stats.get("reward_spread", 1) == 0 if ppo else stats.get("groups_with_signal", 1) == 0
+        self._flat_in_a_row = self._flat_in_a_row + 1 if flat else 0
+        if self.cfg.stop_after_flat and self._flat_in_a_row >= self.cfg.stop_after_flat:
+            ok = [t for t in trajs if not t.infra_error]
+            rewards = sorted({round(t.reward, 6) for t in ok})
+            what = ("every episode earned the same reward" if ppo else "no group's episodes earned different rewards")
+            raise CannotLearn(
+                f"the run cannot learn: {self._flat_in_a_row} iterations in a row in which {what} "
+                f"(rewards of iteration {it}: {', '.join(map(str, rewards[:5]))}), so every advantage is zero; "
+                f"a policy that never reaches a milestone needs a warm start (warm_start.demos) or an easier task, one that "
+                f"always does a harder one "
+                f"(stop_after_flat=0 lets such a run go on). What was written is kept in {self.run_dir}")
 
     def iteration(self, it: int) -> dict:
         t0 = time.perf_counter()

@@ -109,7 +109,8 @@ def test_learner_keeps_infra_failures_out_of_group_statistics():
     batch = [ep(0, 0, 1.0), ep(1, 0, 0.0), ep(2, 0, 0.0, "sandbox died"), ep(3, 1, 1.0), ep(4, 1, 0.0, "timeout")]
     kept, stats = usable_episodes(batch)
     assert [t.episode_id for t in kept] == ["e0", "e1"]  # group 1 has one real episode left: dropped
-    assert stats == {"infra_errors_dropped": 2, "stale_episodes_dropped": 0, "groups_dropped": 1}
+    assert stats == {"infra_errors_dropped": 2, "stale_episodes_dropped": 0, "groups_dropped": 1,
+                     "groups_with_signal": 1, "reward_spread": 1.0}  # e0 and e1 earned different rewards
 
     # a staleness bound: an episode with a turn older than min_version leaves too (and its group with it)
     from rollout.trajectory import Turn
@@ -121,7 +122,8 @@ def test_learner_keeps_infra_failures_out_of_group_statistics():
     fresh, stale = ep(5, 2, 1.0), ep(6, 2, 0.0)
     fresh.turns, stale.turns = [turn(3)], [turn(1)]
     kept, stats = usable_episodes([fresh, stale], min_version=2)
-    assert kept == [] and stats == {"infra_errors_dropped": 0, "stale_episodes_dropped": 1, "groups_dropped": 1}
+    assert kept == [] and stats == {"infra_errors_dropped": 0, "stale_episodes_dropped": 1, "groups_dropped": 1,
+                                    "groups_with_signal": 0, "reward_spread": 0.0}
 
 
 class TamperedCalculator(envs.calculator.CalculatorEnv):

@@ -214,6 +214,23 @@ def test_cli_train_then_inspect(tmp_path):
     assert len(list((run_dir / "trajectories").glob("*.parquet"))) == 1  # nothing overwritten
 
 
+def test_a_run_without_learning_signal_stops_through_the_cli(tmp_path):
+    """The random policy earns nothing: with the guard on (the default outside the quickstart),
+    `train` stops after the first flat iteration with exit 1 and one line that says why; the
+    iteration it ran stays on disk."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "longhorizon.cli", "train", "configs/quickstart.yaml", "--run-dir", str(run_dir),
+           "--iterations", "3", "stop_after_flat=1", "rollout.num_workers=1", "rollout.groups_per_iteration=2",
+           "rollout.group_size=2", "rollout.max_turns=2"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and out.stdout == ""
+    assert "the run cannot learn: 1 iterations in a row in which no group's episodes earned different rewards" \
+        in out.stderr
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1  # iteration 0 ran and was written
+    assert len(list((run_dir / "trajectories").glob("iter-*.parquet"))) == 1
+
+
 def test_replay_export_and_rescore_from_the_cli(e2e_run, stored):
     _, _, run_dir = e2e_run
     run = lambda *a: subprocess.run([sys.executable, "-m", "longhorizon.cli", *a], capture_output=True, text=True,  # noqa: E731

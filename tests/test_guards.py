@@ -51,3 +51,53 @@ def test_the_guard_can_be_turned_off(tmp_path):
     for it in range(5):
         trainer._check_can_learn(it, _trajs(4, 4), {})
     assert trainer._failed_in_a_row == 5
+
+
+def _rewarded(rewards: list[float], group_size: int = 2) -> list:
+    from rollout.trajectory import Trajectory
+
+    return [Trajectory(episode_id=f"e{i}", iteration=0, group_id=i // group_size, env_id="tools/calculator-v0",
+                       seed=i, prompt_len=1, token_ids=[1, 2], loss_mask=[0, 1], rollout_logprobs=[0.0, -1.0],
+                       reward=r) for i, r in enumerate(rewards)]
+
+
+def test_iterations_without_a_learning_signal_stop_the_run(tmp_path):
+    """GRPO learns nothing when every group's episodes earned one reward (all advantages zero):
+    the learner's own usable-episode count says so, and after `stop_after_flat` such iterations in a
+    row the run stops. A single group with two rewards is a signal and starts the count again."""
+    from rl.learner import usable_episodes
+    from rl.trainer import CannotLearn
+
+    trainer = _trainer(tmp_path, "stop_after_flat=2")
+    flat = _rewarded([0.0, 0.0, 1.0, 1.0])  # two groups, each one reward: no signal, though rewards differ
+    live = _rewarded([0.0, 0.0, 0.0, 1.0])
+    assert usable_episodes(flat)[1]["groups_with_signal"] == 0 and usable_episodes(live)[1]["groups_with_signal"] == 1
+    trainer._check_can_learn(0, flat, usable_episodes(flat)[1])
+    trainer._check_can_learn(1, live, usable_episodes(live)[1])
+    trainer._check_can_learn(2, flat, usable_episodes(flat)[1])
+    with pytest.raises(CannotLearn, match=r"2 iterations in a row in which no group's episodes earned different "
+                                          r"rewards \(rewards of iteration 3: 0.0, 1.0\).*warm_start.demos"):
+        trainer._check_can_learn(3, flat, usable_episodes(flat)[1])
+
+
+def test_for_ppo_only_one_reward_across_the_batch_is_flat(tmp_path):
+    """PPO's baseline is a learned value, not the group mean: rewards that differ between groups
+    are a signal; one reward for every episode is not."""
+    from rl.learner import usable_episodes
+    from rl.trainer import CannotLearn
+
+    trainer = _trainer(tmp_path, "stop_after_flat=1", "algo.name=ppo")
+    between = _rewarded([0.0, 0.0, 1.0, 1.0])
+    trainer._check_can_learn(0, between, usable_episodes(between)[1])
+    same = _rewarded([0.5] * 4)
+    with pytest.raises(CannotLearn, match="every episode earned the same reward"):
+        trainer._check_can_learn(1, same, usable_episodes(same)[1])
+
+
+def test_the_quickstart_turns_the_flat_guard_off_and_says_why():
+    """The quickstart's random policy earns nothing by design; the default keeps the guard on."""
+    from rl.config import RunConfig, load_config
+
+    assert RunConfig().stop_after_flat == 3
+    assert load_config(REPO / "configs/quickstart.yaml").stop_after_flat == 0
+    assert "A random policy earns no reward" in (REPO / "configs/quickstart.yaml").read_text()
