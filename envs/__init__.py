@@ -85,7 +85,16 @@ def config_problem(env_id: str, kwargs: dict | None = None) -> tuple[str, str] |
     except TypeError as exc:
         named = [p.name for p in signature.parameters.values() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
         return "kwargs", f"environment {env_id!r} does not accept them ({exc}); it takes: {', '.join(named) or 'none'}"
-    return None
+    check = getattr(cls, "kwargs_problem", None)  # an environment's own checks of its arguments' values
+    problem = check({**spec(env_id).kwargs, **(kwargs or {})}) if check else None
+    return ("kwargs", f"environment {env_id!r}: {problem}") if problem else None
+
+
+def host_problem(env_id: str, kwargs: dict | None = None) -> str | None:
+    """Why this machine cannot run `env_id` with `kwargs` (its sandbox backend is missing), or None.
+    For an id and kwargs that `config_problem` has passed."""
+    check = getattr(env_class(env_id), "host_problem", None)
+    return check({**spec(env_id).kwargs, **(kwargs or {})}) if check else None
 
 
 def make(env_id: str, **kwargs) -> ToolEnv:
@@ -105,4 +114,4 @@ def check_env(env, **kwargs) -> dict:
     return _check(env, **kwargs)
 
 
-__all__ = ["register", "make", "env_class", "spec", "list_specs", "check_env", "EnvSpec", "ToolEnv", "ToolSpec", "ToolFailure"]
+__all__ = ["register", "make", "config_problem", "host_problem", "env_class", "spec", "list_specs", "check_env", "EnvSpec", "ToolEnv", "ToolSpec", "ToolFailure"]

@@ -18,12 +18,13 @@ template can render.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import gymnasium as gym
 
-from envs.sandbox import Limits, SandboxError, open_sandbox
+from envs.sandbox import Limits, SandboxError, open_sandbox, options_problem
 from rewards.milestones import MilestoneLedger, solved, step_reward
 from envs.tool_calls import ToolCall, ToolCallError, parse_tool_calls
 
@@ -188,6 +189,25 @@ class SandboxedEnv(ToolEnv):
         self.backend, self.sandbox_options = backend, sandbox_options
         self.limits = Limits.within(timeout_s)
         self.sandbox = None
+
+    @classmethod
+    def kwargs_problem(cls, kwargs: dict) -> str | None:
+        """Why these constructor arguments cannot work, or None (`envs.config_problem` asks, so a
+        mistyped sandbox option stops a run when its config loads, not in every episode's reset)."""
+        named = set(inspect.signature(cls).parameters) - {"sandbox_options"}
+        if "timeout_s" in kwargs and not (isinstance(kwargs["timeout_s"], (int, float)) and kwargs["timeout_s"] > 0):
+            return f"timeout_s must be a number of seconds > 0, not {kwargs['timeout_s']!r}"
+        if "max_turns" in kwargs and not (isinstance(kwargs["max_turns"], int) and kwargs["max_turns"] >= 1):
+            return f"max_turns must be an integer >= 1, not {kwargs['max_turns']!r}"
+        return options_problem(kwargs.get("backend", "bwrap"), {k: v for k, v in kwargs.items() if k not in named})
+
+    @classmethod
+    def host_problem(cls, kwargs: dict) -> str | None:
+        """Why this machine cannot run the sandbox these arguments ask for (no bwrap, no Docker
+        engine), or None. Only for runs whose environments run here (a local run)."""
+        from envs.sandbox import backend_status
+
+        return backend_status(kwargs.get("backend", "bwrap"), kwargs.get("docker_host"))
 
     def new_sandbox(self):
         self.close()

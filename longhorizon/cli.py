@@ -57,11 +57,10 @@ def _train(args) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    # A local run reads policy.path here; on a cluster (ray.address, `submit`) it is a path on the
-    # nodes, which this machine may not have, so only a local run checks it before starting.
-    if cfg.policy.path and not cfg.ray.address and not (Path(cfg.policy.path) / "config.json").exists():
-        print(f"error: {config}: policy.path {cfg.policy.path} is not a checkpoint directory (no config.json there)",
-              file=sys.stderr)
+    # paths and sandboxes of this machine (--from-store makes no environment); a cluster's nodes check their own
+    problem = cfg.local_problem(with_envs=not args.from_store)
+    if problem:
+        print(f"error: {config}: {problem}", file=sys.stderr)
         return 2
     console = Console(stderr=True)
 

@@ -322,21 +322,39 @@ class RunConfig:
         require(self._env_checks(), source)
         return self
 
+    def local_problem(self, with_envs: bool = True) -> str | None:
+        """What stops this config on this machine, for a local run (no `ray.address`): a policy.path
+        that holds no checkpoint, an environment whose sandbox backend is not here. On a cluster
+        these are the nodes' business (their paths, their backends), so `validate` leaves them."""
+        import envs
+
+        if self.ray.address:
+            return None
+        if self.policy.path and not (Path(self.policy.path) / "config.json").exists():
+            return f"policy.path {self.policy.path} is not a checkpoint directory (no config.json there)"
+        for key, env_id, kwargs in self._named_envs() if with_envs else ():
+            why = envs.host_problem(env_id, kwargs)
+            if why:
+                return f"{key} {env_id} cannot run on this machine: {why}"
+        return None
+
+    def _named_envs(self) -> list[tuple[str, str, dict]]:
+        named = [("env.id", self.env.id, self.env.kwargs)]
+        if self.eval.env_id:
+            named.append(("eval.env_id", self.eval.env_id, self.eval.env_kwargs))
+        return named + [("warm_start.envs", e, self.env.kwargs if e == self.env.id else {}) for e in self.warm_start.envs]
+
     def _env_checks(self) -> list[tuple[str, bool, str]]:
         """Every environment the run would make, known and given kwargs its constructor takes:
         checked here, on the driver, not in a Ray actor after the learner has started."""
         import envs
 
-        named = [("env.id", "env.kwargs", self.env.id, self.env.kwargs)]
-        if self.eval.env_id:
-            named.append(("eval.env_id", "eval.env_kwargs", self.eval.env_id, self.eval.env_kwargs))
-        named += [("warm_start.envs", "env.kwargs", e, self.env.kwargs if e == self.env.id else {})
-                  for e in self.warm_start.envs]
+        kwargs_keys = {"env.id": "env.kwargs", "eval.env_id": "eval.env_kwargs", "warm_start.envs": "env.kwargs"}
         checks = []
-        for id_key, kwargs_key, env_id, kwargs in named:
+        for id_key, env_id, kwargs in self._named_envs():
             problem = envs.config_problem(env_id, kwargs)
             if problem:
-                checks.append((id_key if problem[0] == "id" else kwargs_key, False, f"is wrong: {problem[1]}"))
+                checks.append((id_key if problem[0] == "id" else kwargs_keys[id_key], False, f"is wrong: {problem[1]}"))
         return checks
 
 

@@ -133,9 +133,18 @@ def _one_clean_line(out: subprocess.CompletedProcess) -> str:
     ("env.kwargs={a: [", "env.kwargs={a: [", ["not valid YAML"]),
     ("learner.backend=nccl", "learner.backend", ["gloo"]),
     ("policy.path=/nonexistent/model", "policy.path", ["/nonexistent/model", "no config.json"]),
+    # a sandboxed environment's options: the backend's name, its own options, the values it needs
+    (("env.id=tools/shell-v0", "env.kwargs={backend: bwrp}"), "env.kwargs", ["unknown sandbox backend 'bwrp'", "bwrap"]),
+    (("env.id=tools/shell-v0", "env.kwargs={runtime: runsc}"), "env.kwargs", ["bwrap sandbox does not take 'runtime'",
+                                                                             "extra_ro"]),
+    (("env.id=code/fix-tests-v0", "env.kwargs={timeout_s: -1}"), "env.kwargs", ["timeout_s", "> 0"]),
+    # a local run's environments run here: a backend this machine lacks stops it before anything starts
+    (("env.id=tools/shell-v0", "env.kwargs={backend: docker, docker_host: 'unix:///nonexistent/docker.sock'}"),
+     "env.id", ["cannot run on this machine", "no Docker engine reachable at unix:///nonexistent/docker.sock"]),
 ])
 def test_cli_config_mistakes_stop_before_anything_starts(tmp_path, override, key, words):
-    line = _one_clean_line(_cli("train", "configs/quickstart.yaml", override, "--run-dir", str(tmp_path / "r")))
+    overrides = [override] if isinstance(override, str) else list(override)
+    line = _one_clean_line(_cli("train", "configs/quickstart.yaml", *overrides, "--run-dir", str(tmp_path / "r")))
     assert key in line and all(w in line for w in words), line
     assert not (tmp_path / "r").exists()
 

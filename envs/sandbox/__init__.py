@@ -49,12 +49,38 @@ def open_sandbox(backend: str = "bwrap", *, workspace: str | os.PathLike | None 
     raise ValueError(f"unknown sandbox backend {backend!r}; choose one of {', '.join(BACKENDS)}")
 
 
-def backend_status(backend: str) -> str | None:
-    """None when `backend` can run here, else the reason it cannot."""
+def options_problem(backend: str, options: dict) -> str | None:
+    """Why `open_sandbox(backend, **options)` would refuse its arguments, or None; checked without
+    starting anything (no binary, no engine), so config validation can call it on the driver."""
+    import inspect
+
+    if backend not in BACKENDS:
+        return f"unknown sandbox backend {backend!r}; choose one of {', '.join(BACKENDS)}"
+    if backend == "bwrap":
+        from envs.sandbox.bwrap import BwrapSandbox as cls
+    elif backend == "docker":
+        from envs.sandbox.docker_engine import DockerSandbox as cls
+    else:
+        from envs.sandbox.unsafe import UnsafeSandbox as cls
+    signature = inspect.signature(cls)
+    try:
+        signature.bind(None, None, **options)
+    except TypeError:
+        named = [p.name for p in signature.parameters.values() if p.kind == p.KEYWORD_ONLY]
+        unknown = sorted(set(options) - set(named))
+        return (f"the {backend} sandbox does not take {', '.join(map(repr, unknown))}; "
+                f"its options: {', '.join(named) or 'none'}")
+    return None
+
+
+def backend_status(backend: str, docker_host: str | None = None) -> str | None:
+    """None when `backend` can run here (the Docker engine at `docker_host`), else the reason it cannot."""
     if backend == "bwrap":
         from envs.sandbox.bwrap import unavailable_reason
     elif backend == "docker":
         from envs.sandbox.docker_engine import unavailable_reason
+
+        return unavailable_reason(docker_host)
     elif backend == "none":
         return None
     else:
@@ -62,4 +88,4 @@ def backend_status(backend: str) -> str | None:
     return unavailable_reason()
 
 
-__all__ = ["BACKENDS", "HostView", "host_view", "Limits", "SandboxResult", "SandboxError", "open_sandbox", "backend_status", "classify"]
+__all__ = ["BACKENDS", "HostView", "host_view", "Limits", "SandboxResult", "SandboxError", "open_sandbox", "options_problem", "backend_status", "classify"]
