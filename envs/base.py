@@ -81,6 +81,16 @@ class ToolEnv(gym.Env):
         self._sandbox_events: list[str] = []
         self._images: list = []
 
+    @classmethod
+    def kwargs_problem(cls, kwargs: dict) -> str | None:
+        """Why these constructor arguments' values cannot work, or None. `envs.config_problem` asks
+        (after checking the names against the signature), so a run stops when its config loads,
+        not in every episode. Subclasses with arguments of their own extend it."""
+        turns = kwargs.get("max_turns", 1)
+        if not (isinstance(turns, int) and not isinstance(turns, bool) and turns >= 1):
+            return f"max_turns must be an integer >= 1, not {turns!r}"
+        return None
+
     # --- subclass hooks ---
     def _reset_task(self) -> str:
         raise NotImplementedError
@@ -194,12 +204,14 @@ class SandboxedEnv(ToolEnv):
     def kwargs_problem(cls, kwargs: dict) -> str | None:
         """Why these constructor arguments cannot work, or None (`envs.config_problem` asks, so a
         mistyped sandbox option stops a run when its config loads, not in every episode's reset)."""
+        problem = super().kwargs_problem(kwargs)
+        if problem:
+            return problem
         named = set(inspect.signature(cls).parameters) - {"sandbox_options"}
         if "timeout_s" in kwargs and not (isinstance(kwargs["timeout_s"], (int, float)) and kwargs["timeout_s"] > 0):
             return f"timeout_s must be a number of seconds > 0, not {kwargs['timeout_s']!r}"
-        if "max_turns" in kwargs and not (isinstance(kwargs["max_turns"], int) and kwargs["max_turns"] >= 1):
-            return f"max_turns must be an integer >= 1, not {kwargs['max_turns']!r}"
-        return options_problem(kwargs.get("backend", "bwrap"), {k: v for k, v in kwargs.items() if k not in named})
+        problem = options_problem(kwargs.get("backend", "bwrap"), {k: v for k, v in kwargs.items() if k not in named})
+        return f"{problem} (the environment's own: {', '.join(sorted(named))})" if problem else None
 
     @classmethod
     def host_problem(cls, kwargs: dict) -> str | None:

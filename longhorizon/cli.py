@@ -28,6 +28,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+from longhorizon.errors import message
+
 
 def _train(args) -> int:
     from rl.config import ConfigError, load_config
@@ -114,14 +116,16 @@ def _inspect(args) -> int:
                 print(json.dumps(page, indent=2))
             else:
                 insp.print_tokens(page, console)
+        elif args.json and args.episode:
+            print(json.dumps(insp.episode_json(args.run_dir, args.episode)))
         elif args.json:
             print(json.dumps(insp.summary(args.run_dir), indent=2))
         elif args.episode:
             insp.print_episode(args.run_dir, args.episode, console)
         else:
             insp.print_summary(args.run_dir, console)
-    except (FileNotFoundError, KeyError, ValueError) as exc:
-        print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+    except (OSError, KeyError, ValueError) as exc:
+        print(f"error: {message(exc)}", file=sys.stderr)
         return 2
     return 0
 
@@ -146,8 +150,8 @@ def _replay(args) -> int:
             return 0
         kwargs = run_env_kwargs(args.run_dir)
         results = [replay_episode(t, kwargs) for t in trajs]
-    except (FileNotFoundError, KeyError, ValueError, ImportError, AttributeError) as exc:
-        print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+    except (OSError, KeyError, ValueError, ImportError, AttributeError) as exc:
+        print(f"error: {message(exc)}", file=sys.stderr)
         return 2
     bad = [r for r in results if not r.ok]
     skipped = [r for r in results if r.not_replayed]
@@ -186,35 +190,48 @@ def _export(args) -> int:
 
     from rl.store import CorruptShard
 
+    default = "trajectories-dataset" if args.format == "datasets" else "trajectories.jsonl"
+    out = Path(args.out or Path(args.run_dir) / default)
+    if not out.parent.is_dir():
+        print(f"error: --out {out}: its directory {out.parent} does not exist", file=sys.stderr)
+        return 2
     warnings.filterwarnings("ignore", message="skipping corrupt trajectory shard")  # reported below, once
+    tmp = out.with_name(f".{out.name}.tmp")
     try:
         if args.format == "datasets":  # a `datasets` directory: datasets.load_from_disk(OUT)
             from datasets import Dataset, Features
+            from datasets.exceptions import DatasetGenerationError
 
             import tempfile
 
             from rl.store import SCHEMA
 
-            out = Path(args.out or Path(args.run_dir) / "trajectories-dataset")
             # a private cache: datasets would otherwise reuse an earlier export of the same store, stale
             with tempfile.TemporaryDirectory() as cache:
                 # the store's own column types (int32 ids, int8 mask, float32 log-probs, nested expert
                 # ids): inferred from Python values they would widen to int64/float64, and an all-None
                 # column to null
-                ds = Dataset.from_generator(store.rows, gen_kwargs={"strict": strict}, cache_dir=cache,
-                                            features=Features.from_arrow_schema(SCHEMA))
-                ds.save_to_disk(str(out))
+                try:
+                    ds = Dataset.from_generator(store.rows, gen_kwargs={"strict": strict}, cache_dir=cache,
+                                                features=Features.from_arrow_schema(SCHEMA))
+                except DatasetGenerationError as exc:  # datasets wraps what the generator raised
+                    raise exc.__cause__ if isinstance(exc.__cause__, CorruptShard) else exc
+                ds.save_to_disk(str(out))  # only once every row was read: a failure leaves OUT as it was
             n = len(ds)
         else:
-            out = Path(args.out or Path(args.run_dir) / "trajectories.jsonl")
-            tmp, n = out.with_name(f".{out.name}.tmp"), 0
+            n = 0
             with open(tmp, "w") as fh:  # renamed into place only when complete
                 for row in store.rows(strict=strict):
                     fh.write(json.dumps(row) + "\n")
                     n += 1
             tmp.replace(out)
     except CorruptShard as exc:  # a shard whose ids read but whose other columns do not
+        tmp.unlink(missing_ok=True)
         print(f"error: {exc} (--skip-corrupt leaves it out)", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        print(f"error: --out {out}: {message(exc)}", file=sys.stderr)
         return 2
     _report_skipped(store)
     print(f"wrote {n} episodes to {out}" + (" (datasets.load_from_disk)" if args.format == "datasets" else ""))
@@ -298,11 +315,16 @@ def _eval(args) -> int:
                 raise ValueError(f"--env-kwargs is not JSON: {exc}") from None
             if not isinstance(env_kwargs, dict):
                 raise ValueError(f"--env-kwargs must be a JSON object, got {args.env_kwargs!r}")
+        if args.temperature is not None and args.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0 (0: greedy), got {args.temperature:g}")
         problem = envs.config_problem(args.env, env_kwargs)
         if problem:
             raise ValueError(f"--env{'-kwargs' if problem[0] == 'kwargs' else ''}: {problem[1]}")
+        why = envs.host_problem(args.env, env_kwargs)
+        if why:
+            raise ValueError(f"--env {args.env} cannot run on this machine: {why}")
     except (ConfigError, FileNotFoundError, ValueError, KeyError) as exc:
-        print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        print(f"error: {message(exc)}", file=sys.stderr)
         return 2
     from transformers import AutoTokenizer
 
@@ -361,8 +383,8 @@ def _plot(args) -> int:
 
     try:
         paths = plot_run(args.run_dir, args.out)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+    except (OSError, ValueError) as exc:
+        print(f"error: {message(exc)}", file=sys.stderr)
         return 2
     for p in paths:
         print(f"wrote {p}")
@@ -436,8 +458,17 @@ def _policy_pretrained(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line (it prints the usage block first); subcommands' parsers
+    are of this class too."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="longhorizon", description="Agentic RL post-training of sparse-MoE LLMs.")
+    parser = _Parser(prog="longhorizon", description="Agentic RL post-training of sparse-MoE LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="run an RL job")
@@ -561,7 +592,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
     if extra:
         args.overrides = list(args.overrides) + extra
-    return args.fn(args)
+    try:
+        code = args.fn(args)
+        sys.stdout.flush()  # here, where a reader that left can be caught, not at interpreter exit
+        return code
+    except BrokenPipeError:  # `longhorizon ... --json | head`: the reader left; no traceback for that
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush cannot fail again
+        return 141  # what a shell reports for a command ended by SIGPIPE
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@ import shlex
 import sys
 
 import yaml
+from rich.text import Text
+
+from longhorizon.errors import message
 
 
 def _kwargs(pairs: list[str]) -> dict:
@@ -27,9 +30,18 @@ def _kwargs(pairs: list[str]) -> dict:
 
 
 def _make(env_id: str, pairs: list[str]):
+    """The environment, after the same checks a run's config gets (id, arguments, this machine's
+    sandbox backend), so a mistake is one line, not a constructor's TypeError or a reset's failure."""
     import envs
 
-    return envs.make(env_id, **_kwargs(pairs))
+    kwargs = _kwargs(pairs)
+    problem = envs.config_problem(env_id, kwargs)
+    if problem:
+        raise ValueError(problem[1])
+    why = envs.host_problem(env_id, kwargs)
+    if why:
+        raise ValueError(f"{env_id} cannot run on this machine: {why}")
+    return envs.make(env_id, **kwargs)
 
 
 def _list(args) -> int:
@@ -77,15 +89,16 @@ def _check(args) -> int:
     return 0
 
 
-def as_turn(line: str) -> str:
-    """What a person types, as a model turn: raw text with <tool_call> blocks is kept; `name key=value
-    ...` or `name {json}` becomes one tool call."""
+def as_turn(line: str, tools: set[str] | None = None) -> str:
+    """What a person types, as a model turn: `name key=value ...` or `name {json}`, where `name` is
+    one of the environment's `tools`, becomes one tool call; anything else (plain text, raw
+    <tool_call> blocks) is the turn as typed, as a model might write it."""
     from envs.tool_calls import format_tool_call
 
     line = line.strip()
-    if "<tool_call>" in line or not line:
-        return line
     name, _, rest = line.partition(" ")
+    if "<tool_call>" in line or not line or (tools is not None and name not in tools):
+        return line
     rest = rest.strip()
     if rest.startswith("{"):
         return format_tool_call(name, **json.loads(rest))
@@ -103,30 +116,36 @@ def _play(args) -> int:
     console.print("tools: " + ", ".join(t.name for t in env.tools))
     console.print("[cyan]task[/]:", end=" ")
     console.print(obs, markup=False, highlight=False)
-    total = 0.0
+    total, turns, reached, ended = 0.0, 0, [], "stopped"
+    tools = {t.name for t in env.tools}
     while True:
         try:
             line = input("> ")
         except EOFError:
+            console.print()  # end the prompt's line
             break
         if line.strip() in ("quit", "exit"):
             break
         try:
-            turn = as_turn(line)
+            turn = as_turn(line, tools)
         except (ValueError, json.JSONDecodeError) as exc:
-            console.print(f"[red]cannot read that turn[/]: {exc}")
+            console.print(Text.assemble(("cannot read that turn", "red"), f": {exc}"))
             continue
         obs, reward, terminated, truncated, info = env.step(turn)
-        total += reward
+        total, turns = total + reward, turns + 1
         console.print(obs, markup=False, highlight=False)
         for m in info.get("milestones", []):
-            console.print(f"[green]milestone[/] {m['name']} +{m['reward']:g}")
+            reached.append(m["name"])
+            console.print(Text(f"milestone {m['name']} +{m['reward']:g}", style="green"))
         if info.get("images"):
             img = info["images"][-1]
-            console.print(f"[dim](image {img.shape[1]}x{img.shape[0]})[/]")
+            console.print(Text(f"(image {img.shape[1]}x{img.shape[0]})", style="dim"))
         if terminated or truncated:
-            console.print(f"[bold]episode {'terminated' if terminated else 'truncated'}[/]; total reward {total:g}")
+            ended = "terminated" if terminated else "truncated"
             break
+    # the episode's summary however it ended (the environment, quit, or the end of input)
+    console.print(Text(f"episode {ended} after {turns} turn(s); total reward {total:g}; milestones "
+                       f"{', '.join(reached) or 'none'}", style="bold"))
     if hasattr(env, "close"):
         env.close()
     return 0
@@ -156,7 +175,7 @@ def _guarded(fn):
         try:
             return fn(args)
         except (KeyError, ValueError, TypeError) as exc:
-            print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+            print(f"error: {message(exc)}", file=sys.stderr)
             return 2
 
     return run

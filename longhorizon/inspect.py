@@ -22,8 +22,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
+from rich.text import Text
 
 from rl.store import TrajectoryStore
+from rollout.trajectory import STOP_REASONS
 
 SUMMARY_COLUMNS = ["episode_id", "iteration", "reward", "policy_versions", "num_turns",
                    "num_generated", "milestones", "stop_reason"]
@@ -37,9 +39,12 @@ def load_metrics(run_dir: Path) -> list[dict]:
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip():
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError:
                 raise ValueError(f"{path}:{n}: not a JSON line") from None
+            if not isinstance(row, dict) or not isinstance(row.get("iteration"), int):
+                raise ValueError(f"{path}:{n}: not a metrics row (no integer 'iteration')")
+            rows.append(row)
     return rows
 
 
@@ -108,30 +113,42 @@ def print_summary(run_dir: str | Path, console: Console) -> None:
         )
     console.print(table)
     for shard, why in s["corrupt_shards"].items():
-        console.print(f"[red]corrupt shard skipped[/]: {shard}: {why}")
+        console.print(Text.assemble(("corrupt shard skipped", "red"), f": {shard}: {why}"))
 
 
 def find_episode(run_dir: str | Path, episode_id: str):
     return TrajectoryStore(run_dir).episode(episode_id)
 
 
+def episode_json(run_dir: str | Path, episode_id: str) -> dict:
+    """One episode, every stored field, as plain JSON values (`inspect --episode ID --json`)."""
+    import dataclasses
+
+    return dataclasses.asdict(find_episode(run_dir, episode_id))
+
+
 def print_episode(run_dir: str | Path, episode_id: str, console: Console) -> None:
+    # Everything the model or the environment wrote is shown as plain Text, never parsed as rich
+    # markup: a generated "[/b]" would otherwise raise MarkupError (or restyle the page).
     t = find_episode(run_dir, episode_id)
-    console.print(f"[bold]{t.episode_id}[/] env {t.env_id} seed {t.seed}  reward {t.reward:.3f}  "
-                  f"stop {t.stop_reason}  tokens {len(t.token_ids)} ({t.num_generated} generated)")
+    console.print(Text.assemble((t.episode_id, "bold"), f" env {t.env_id} seed {t.seed}  reward {t.reward:.3f}  "
+                                f"stop {t.stop_reason}  tokens {len(t.token_ids)} ({t.num_generated} generated)"))
+    if t.infra_error:
+        console.print(Text.assemble(("infrastructure error: ", "red"), t.infra_error))
+    console.print(Panel(Text(t.task or "(not recorded)"), title="task", title_align="left", border_style="magenta"))
     by_turn = defaultdict(list)
     for m in t.milestones:
         by_turn[m["turn"]].append(f"{m['name']} +{m['reward']:g}")
     for i, turn in enumerate(t.turns):
         title = (f"turn {i} · v{turn.policy_version} · {turn.gen_end - turn.gen_start} tokens · "
                  f"{turn.tool_calls} tool result(s), {turn.tool_errors} error(s) · {turn.finish_reason}")
-        console.print(Panel(turn.text or "(empty)", title=title, title_align="left", border_style="cyan"))
+        console.print(Panel(Text(turn.text or "(empty)"), title=Text(title), title_align="left", border_style="cyan"))
         if turn.observation:
-            console.print(Panel(turn.observation, title="observation", title_align="left", border_style="dim"))
+            console.print(Panel(Text(turn.observation), title="observation", title_align="left", border_style="dim"))
         if by_turn.get(i):
-            console.print(f"  [green]milestones: {', '.join(by_turn[i])}[/]")
+            console.print(Text(f"  milestones: {', '.join(by_turn[i])}", style="green"))
         for event in turn.sandbox_events:
-            console.print(f"  [yellow]sandbox: {event}[/]", markup=True, highlight=False)
+            console.print(Text(f"  sandbox: {event}", style="yellow"))
 
 
 LIST_COLUMNS = ["episode_id", "iteration", "env_id", "reward", "policy_versions", "num_turns", "num_generated",
@@ -142,6 +159,9 @@ def episode_list(run_dir: str | Path, *, env: str | None = None, min_reward: flo
                  max_reward: float | None = None, version: int | None = None, min_generated: int | None = None,
                  max_generated: int | None = None, stop: str | None = None) -> list[dict]:
     """Episodes matching every given filter (a few columns only: no token ids are read)."""
+    if stop is not None and stop not in STOP_REASONS:
+        raise ValueError(f"--stop {stop!r} is not a stop reason; they are: "
+                         + "; ".join(f"{k} ({v})" for k, v in STOP_REASONS.items()))
     out = []
     for row in TrajectoryStore(run_dir).rows(LIST_COLUMNS, strict=False):
         if ((env is None or row["env_id"] == env)

@@ -49,6 +49,16 @@ class Turn:
     """Limits hit by the turn's sandboxed tool calls (e.g. `bwrap: memory limit reached`)."""
 
 
+STOP_REASONS = {
+    "terminated": "the environment ended the episode (solved, or a final answer given)",
+    "truncated": "the environment's own turn limit",
+    "max_turns": "the agent loop's rollout.max_turns",
+    "max_tokens": "no room left in rollout.max_episode_tokens",
+    "infra_error": "the environment or its worker failed (kept out of the group statistics)",
+}
+"""Why an episode ended: the values of `Trajectory.stop_reason`."""
+
+
 @dataclass
 class Trajectory:
     episode_id: str

@@ -163,6 +163,9 @@ def test_cli_config_that_is_not_a_yaml_file(tmp_path):
     (["--env-kwargs", "{\"x\": 1}"], "does not accept"),
     (["--env-kwargs", "[1"], "not JSON"),
     (["--env", "tools/calc-v0"], "unknown environment"),
+    (["--temperature", "-1"], "--temperature must be >= 0"),
+    (["--env", "tools/shell-v0", "--env-kwargs", "{\"backend\": \"docker\", \"docker_host\": \"unix:///no/sock\"}"],
+     "cannot run on this machine"),
 ])
 def test_cli_eval_argument_mistakes(tmp_path, args, words):
     policy = tmp_path / "checkpoint"  # the arguments are checked before the checkpoint is read

@@ -65,6 +65,43 @@ def test_corrupt_shard_is_named_and_the_others_stay_readable(tmp_path):
     assert bad.stat().st_size == size  # nothing already written is touched
 
 
+def test_a_shard_corrupt_inside_a_column_stops_export_in_both_formats(tmp_path):
+    """The quick look (`unreadable`) reads only footers and episode ids; a shard broken inside its
+    token column passes it and fails mid-export: both formats stop naming the shard, with no
+    traceback, and leave neither a partial file nor a changed earlier export."""
+    import pyarrow.parquet as pq
+
+    store = TrajectoryStore(tmp_path)
+    store.write("iter-000000", [_traj(0)])
+    store.write("iter-000001", [_traj(1, 2000)])
+    bad = store.dir / "iter-000001.parquet"
+    group = pq.ParquetFile(bad).metadata.row_group(0)
+    tokens = next(group.column(i) for i in range(group.num_columns)
+                  if group.column(i).path_in_schema.startswith("token_ids"))
+    data = bytearray(bad.read_bytes())
+    data[tokens.data_page_offset + 20: tokens.data_page_offset + 28] = b"\xff" * 8  # inside the page header
+    bad.write_bytes(bytes(data))
+    assert not store.unreadable()  # the quick look passes: the failure comes mid-pass
+    earlier = tmp_path / "earlier.jsonl"
+    earlier.write_text("an earlier export\n")
+    for fmt, out in (("jsonl", earlier), ("datasets", tmp_path / "ds")):
+        r = subprocess.run([sys.executable, "-m", "longhorizon.cli", "export", str(tmp_path), "--format", fmt,
+                            "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert "corrupt trajectory shard" in r.stderr.splitlines()[-1] and "iter-000001.parquet" in r.stderr
+    assert earlier.read_text() == "an earlier export\n" and not (tmp_path / "ds").exists()
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_export_to_a_missing_directory_is_refused_up_front(tmp_path):
+    store = TrajectoryStore(tmp_path)
+    store.write("iter-000000", [_traj(0)])
+    r = subprocess.run([sys.executable, "-m", "longhorizon.cli", "export", str(tmp_path), "--out",
+                        str(tmp_path / "no" / "such" / "x.jsonl")], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"error: --out {tmp_path / 'no/such/x.jsonl'}: its directory {tmp_path / 'no/such'} does not exist"]
+
+
 def test_a_crash_mid_write_leaves_no_partial_shard(tmp_path):
     """A writer killed while writing a large shard leaves only a hidden temporary file."""
     code = (
