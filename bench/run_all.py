@@ -61,6 +61,10 @@ BENCHES = [
           ["bench/native_decode.py"], ["--contexts", "1024", "4096", "--decode", "9"], 1800,
           dict(kind="line", x=["context"], y=["native decode tok/s", "vLLM plugin decode tok/s", "full recompute tok/s"],
                ylabel="tokens / s")),
+    Bench(8, "Learner step time and peak memory on long trajectories: bounded settings vs plain",
+          ["bench/learner_long_trajectory.py"], ["--lengths", "2048", "8192"], 3600,
+          dict(kind="line", x=["tokens per episode"], y=["bounded peak MiB", "plain peak MiB"], ylabel="peak MiB",
+               y2=["bounded s", "plain s"], y2label="seconds")),
 ]
 
 def tables(text: str) -> list[tuple[list[str], list[list[str]]]]:
