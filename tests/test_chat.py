@@ -43,3 +43,22 @@ def test_tool_tags_are_single_tokens_that_survive_decoding(tokenizer):
     ids = chat.encode("<tool_call>")
     assert len(ids) == 1
     assert chat.decode(ids + [chat.eot_id]) == "<tool_call>"
+
+
+def test_an_expert_tool_call_is_written_as_the_template_renders_it(tokenizer):
+    """Warm-start demonstrations are written with `format_tool_call`; the chat template renders the
+    same call from a structured message. Non-ASCII arguments must come out identical (json.dumps
+    would write "\\u2713" where the template writes "✓", so the demonstration would tokenise
+    differently from what the policy sees)."""
+    from envs.tool_calls import format_tool_call
+
+    tools, obs, _, _ = _conversation()
+    args = {"answer": "done ✓ — 5 °C, naïve"}
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": obs},
+         {"role": "assistant", "content": "", "tool_calls": [
+             {"type": "function", "function": {"name": "submit", "arguments": args}}]}],
+        tools=tools, tokenize=False)
+    written = format_tool_call("submit", **args)
+    assert "✓" in written and "\\u" not in written
+    assert written in text
