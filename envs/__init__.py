@@ -16,6 +16,7 @@ from importlib.metadata import entry_points
 import gymnasium as gym
 
 from envs.base import ToolEnv, ToolFailure, ToolSpec
+from rewards.milestones import Milestone
 
 _ID = re.compile(r"^[a-z0-9_\-]+/[A-Za-z0-9_\-]+-v\d+$")
 
@@ -114,4 +115,4 @@ def check_env(env, **kwargs) -> dict:
     return _check(env, **kwargs)
 
 
-__all__ = ["register", "make", "config_problem", "host_problem", "env_class", "spec", "list_specs", "check_env", "EnvSpec", "ToolEnv", "ToolSpec", "ToolFailure"]
+__all__ = ["register", "make", "config_problem", "host_problem", "Milestone", "env_class", "spec", "list_specs", "check_env", "EnvSpec", "ToolEnv", "ToolSpec", "ToolFailure"]

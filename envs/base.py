@@ -25,7 +25,7 @@ from typing import Any, Callable
 import gymnasium as gym
 
 from envs.sandbox import Limits, SandboxError, open_sandbox, options_problem
-from rewards.milestones import MilestoneLedger, solved, step_reward
+from rewards.milestones import Milestone, MilestoneLedger, solved, step_reward
 from envs.tool_calls import ToolCall, ToolCallError, parse_tool_calls
 
 
@@ -69,6 +69,8 @@ class ToolEnv(gym.Env):
 
     metadata = {"render_modes": []}
     tools: list[ToolSpec] = []
+    milestones: tuple[Milestone, ...] = ()
+    """The milestones `reach` may pay, declared for `envs show` and checked by `envs check`."""
     max_turns: int = 8
 
     def __init__(self):
@@ -80,6 +82,7 @@ class ToolEnv(gym.Env):
         self._events: list[dict] = []
         self._sandbox_events: list[str] = []
         self._images: list = []
+        self._failures: list[str] = []
 
     @classmethod
     def kwargs_problem(cls, kwargs: dict) -> str | None:
@@ -111,6 +114,7 @@ class ToolEnv(gym.Env):
         """Keep a sandboxed call's notable events (limits hit) for `info["sandbox_events"]`."""
         if result.resource:
             self._sandbox_events.append(f"{result.backend}: {result.resource} limit reached")
+            self._failures.append("sandbox_limit")
         self._sandbox_events += [f"{result.backend}: {e}" for e in result.events]
 
     # --- gym API ---
@@ -119,7 +123,7 @@ class ToolEnv(gym.Env):
         self._turn = 0
         self._done = False
         self._ledger = MilestoneLedger()
-        self._events, self._sandbox_events, self._images = [], [], []
+        self._events, self._sandbox_events, self._images, self._failures = [], [], [], []
         task = self._reset_task()
         info = {"tools": [t.to_openai() for t in self.tools]}
         if self._images:
@@ -134,42 +138,49 @@ class ToolEnv(gym.Env):
         if not isinstance(action, str):
             raise TypeError(f"an action is the text of a model turn (str), got {type(action).__name__}")
         self._turn += 1
-        self._events, self._sandbox_events, self._images = [], [], []
+        self._events, self._sandbox_events, self._images, self._failures = [], [], [], []
         infra_error = ""
         calls, errors = parse_tool_calls(action)
         messages: list[dict[str, Any]] = []
         n_errors = len(errors)
         for err in errors:
             messages.append({"role": "tool", "content": f"error: malformed tool call: {err.message}"})
+            self._failures.append("malformed_call")
         functions = self.tool_functions()
         for call in calls:
             fn = functions.get(call.name)
             if fn is None:
                 n_errors += 1
+                self._failures.append("unknown_tool")
                 result = f"error: unknown tool {call.name!r}; available: {', '.join(functions)}"
             else:
                 try:
                     result = fn(**call.arguments)
                 except ToolFailure as exc:
                     n_errors += 1
+                    self._failures.append("tool_error")
                     result = f"error: {exc}"
                 except (SandboxError, InfraError) as exc:  # the environment's failure, not the policy's
                     infra_error = f"{call.name}: {exc}"
                     result = f"error: the tool could not run ({exc})"
                 except Exception as exc:  # model-written arguments must never crash the worker
                     n_errors += 1
+                    self._failures.append("tool_error")
                     result = f"error: {call.name} failed: {type(exc).__name__}: {exc}"
             messages.append({"role": "tool", "content": str(result)})
             if self._done or infra_error:
                 break
         if not calls and not errors:
             messages.append({"role": "user", "content": "No tool call found. Call one of the tools."})
+            self._failures.append("no_tool_call")
         terminated = self._done
         truncated = not terminated and self._turn >= self.max_turns
         self._done = terminated or truncated
         reward = step_reward(self._events)
         observation = "\n".join(m["content"] for m in messages)
-        info = {"messages": messages, "milestones": list(self._events), "tool_errors": n_errors}
+        # what went wrong in this turn, one entry per problem (rollout.trajectory.TURN_FAILURES)
+        info = {"messages": messages, "milestones": list(self._events), "tool_errors": n_errors,
+                "failures": list(self._failures)}
         if infra_error:
             info["infra_error"] = infra_error
         if self._sandbox_events:

@@ -19,6 +19,7 @@ import time
 
 from envs.base import ToolEnv, ToolFailure, ToolSpec
 from envs.tool_calls import format_tool_call as call
+from rewards.milestones import Milestone
 
 _STORIES = [
     "A warehouse holds {a} crates with {b} bottles in each. {c} bottles are shipped out. "
@@ -94,6 +95,11 @@ class CalculatorEnv(ToolEnv):
             },
         ),
     ]
+
+    milestones = (
+        Milestone("product", 0.25, "a calculator result equals a * b, the first intermediate value"),
+        Milestone("solved", 1.0, "the submitted answer is right"),
+    )
 
     def __init__(self, max_turns: int = 4, step_latency_s: float = 0.0):
         super().__init__()

@@ -10,6 +10,7 @@ import json
 import math
 
 from envs.base import ToolEnv, ToolSpec
+from rewards.milestones import Milestone
 
 
 class EnvCheckError(AssertionError):
@@ -98,6 +99,13 @@ def check_env(env, *, seed: int = 0, expert: bool = True) -> dict:
         if info is not None and info.get("tool_errors", 0) < 1:
             problems.append('a malformed tool call must be counted in info["tool_errors"]')
 
+    declared = getattr(env, "milestones", ())
+    if not declared:
+        problems.append("the environment declares no milestones: set the class attribute `milestones` to the "
+                        "Milestone(name, reward, description) entries that `reach` pays (envs show lists them)")
+    elif not all(isinstance(m, Milestone) for m in declared):
+        problems.append("`milestones` must be a tuple of envs.Milestone(name, reward, description)")
+    report["milestones"] = [m.name for m in declared if isinstance(m, Milestone)]
     if expert and not hasattr(env, "expert_turns"):
         problems.append("no scripted expert: define expert_turns(), the turns that solve the task just reset "
                         "(the warm start, this check and the tests play it); `envs check --no-expert` skips this")
@@ -120,6 +128,11 @@ def check_env(env, *, seed: int = 0, expert: bool = True) -> dict:
             problems.append("the expert's episode did not terminate: its last turn should finish the task")
         if total <= 0:
             problems.append("the expert earned no reward: its turns should reach the milestones")
+        declared = getattr(env, "milestones", ())
+        undeclared = [m for m in reached if declared and not any(d.matches(m) for d in declared)]
+        if undeclared:
+            problems.append(f"the expert reached milestones the environment does not declare: {undeclared}; add them "
+                            f"to its `milestones` (declared: {', '.join(d.name for d in declared)})")
         report["expert_reward"], report["expert_milestones"] = total, reached
     if hasattr(env, "close"):
         env.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from envs.base import ToolEnv
 from envs.tool_calls import parse_tool_calls
+from rewards.milestones import Milestone
 
 PROMPTS = ["Reply with a number of at least {n} digits.", "Write {n} digits and nothing else.",
            "Give me a number with {n} digits or more."]
@@ -24,6 +25,8 @@ def digit_share(text: str) -> float:
 
 class DigitsEnv(ToolEnv):
     tools = []
+    milestones = (Milestone("digits", None, "paid when the reply ends: the share of its non-space characters that "
+                                            "are digits (0 to 1)"),)
     max_turns = 1
 
     @classmethod

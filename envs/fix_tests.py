@@ -19,6 +19,7 @@ import re
 
 from envs.base import SandboxedEnv, ToolFailure, ToolSpec
 from envs.tool_calls import format_tool_call as call
+from rewards.milestones import Milestone
 
 # name: (correct source, buggy source, test body)
 BANK = {
@@ -74,6 +75,10 @@ class FixTestsEnv(SandboxedEnv):
     @classmethod
     def succeeded(cls, milestones, reward) -> bool:  # every broken test passes: the pass:* rewards add up to 1
         return sum(m["reward"] for m in milestones if m["name"].startswith("pass:")) >= 1.0 - 1e-9
+
+    milestones = (
+        Milestone("pass:*", None, "a test that started out failing passes (1 / number of broken tests each)"),
+    )
 
     def __init__(self, max_turns: int = 10, backend: str = "bwrap", timeout_s: float = 30.0, **sandbox_options):
         super().__init__(max_turns, backend, timeout_s, **sandbox_options)

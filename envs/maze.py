@@ -17,6 +17,7 @@ import numpy as np
 
 from envs.base import ToolEnv, ToolFailure, ToolSpec
 from envs.tool_calls import format_tool_call as call
+from rewards.milestones import Milestone
 
 MOVES = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
 
@@ -31,6 +32,12 @@ class MazeEnv(ToolEnv):
     @classmethod
     def succeeded(cls, milestones, reward) -> bool:
         return any(m["name"] == "exit" for m in milestones)
+
+    milestones = (
+        Milestone("waypoint_*", 0.25, "stepped on the cell one (waypoint_1) or two (waypoint_2) thirds along the "
+                                      "shortest path"),
+        Milestone("exit", 0.5, "reached the exit (ends the episode)"),
+    )
 
     def __init__(self, size: int = 6, cell_px: int = 8, max_turns: int = 12):
         super().__init__()

@@ -16,6 +16,7 @@ import numpy as np
 
 from envs.base import ToolEnv, ToolFailure, ToolSpec
 from envs.tool_calls import format_tool_call as call
+from rewards.milestones import Milestone
 
 _SYLLABLES = ["ka", "lo", "mi", "ren", "tu", "sa", "vo", "ne", "qui", "dar", "pel", "zo", "an", "tri", "mu", "es"]
 _NAMES = ["Amber", "Basalt", "Cobalt", "Dune", "Ember", "Fjord", "Garnet", "Harbor", "Indigo", "Juniper", "Krypton",
@@ -39,6 +40,11 @@ class NeedleEnv(ToolEnv):
         ToolSpec("submit", "Submit the answer; ends the episode.",
                  {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}),
     ]
+
+    milestones = (
+        Milestone("found", 0.25, "read a page holding the asked vault's sentence"),
+        Milestone("solved", 1.0, "submitted the right code"),
+    )
 
     def __init__(self, corpus_tokens: int = 20_000, doc_words: int = 400, vaults: int = 6, max_turns: int = 8):
         super().__init__()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from envs.base import SandboxedEnv, ToolSpec
 from envs.tool_calls import format_tool_call as call
+from rewards.milestones import Milestone
 
 _WORDS = ["disk", "cache", "worker", "request", "token", "shard", "socket", "queue", "lease", "batch", "retry", "node"]
 _VERBS = ["started", "failed", "timed out", "recovered", "stalled", "flushed", "rejected", "completed"]
@@ -30,6 +31,12 @@ class ShellEnv(SandboxedEnv):
                  {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}),
         ToolSpec("submit", "Declare the task done; ends the episode.", {"type": "object", "properties": {}}),
     ]
+
+    milestones = (
+        Milestone("matches", 0.5, "report/matches.txt holds exactly the sorted matching lines"),
+        Milestone("count", 0.25, "report/count.txt holds their number"),
+        Milestone("solved", 0.25, "submitted with both files right"),
+    )
 
     def __init__(self, max_turns: int = 8, backend: str = "bwrap", timeout_s: float = 10.0, **sandbox_options):
         super().__init__(max_turns, backend, timeout_s, **sandbox_options)

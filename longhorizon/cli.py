@@ -95,9 +95,16 @@ def _train(args) -> int:
 def _inspect(args) -> int:
     from longhorizon import inspect as insp
 
-    console = Console()
+    # piped, rich would cut tables at 80 columns ("miles…"); a wide console keeps every cell whole
+    console = Console() if sys.stdout.isatty() else Console(width=400)
     try:
-        if args.html:
+        if args.group is not None:
+            view = insp.group_view(args.run_dir, args.group)
+            if args.json:
+                print(json.dumps(view, indent=2))
+            else:
+                insp.print_group(view, console)
+        elif args.html:
             from longhorizon.viewer import write_html
 
             print(f"wrote {write_html(args.run_dir, args.html)}")
@@ -105,7 +112,7 @@ def _inspect(args) -> int:
             rows = insp.episode_list(args.run_dir, env=args.env, min_reward=args.min_reward,
                                      max_reward=args.max_reward, version=args.version,
                                      min_generated=args.min_generated, max_generated=args.max_generated,
-                                     stop=args.stop)
+                                     stop=args.stop, failure=args.failure, min_tool_errors=args.min_tool_errors)
             if args.json:
                 print(json.dumps(rows, indent=2))
             else:
@@ -121,7 +128,7 @@ def _inspect(args) -> int:
         elif args.json:
             print(json.dumps(insp.summary(args.run_dir), indent=2))
         elif args.episode:
-            insp.print_episode(args.run_dir, args.episode, console)
+            insp.print_episode(args.run_dir, args.episode, Console())
         else:
             insp.print_summary(args.run_dir, console)
     except (OSError, KeyError, ValueError) as exc:
@@ -500,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", required=True, help="the cluster's jobs endpoint, e.g. http://HEAD:8265")
     p.set_defaults(fn=_jobs)
 
+    from rollout.trajectory import FAILURE_KINDS
+
     p = sub.add_parser("inspect", help="summarise a run, or show one episode")
     p.add_argument("run_dir")
     p.add_argument("--episode", help="episode id to show turn by turn")
@@ -512,7 +521,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--version", type=int, help="only episodes with a turn of this policy version")
     p.add_argument("--min-generated", type=int, help="at least this many generated tokens")
     p.add_argument("--max-generated", type=int)
-    p.add_argument("--stop", help="only this stop reason (terminated, max_turns, infra_error, ...)")
+    p.add_argument("--stop", help="only this stop reason (terminated, truncated, max_turns, max_tokens, infra_error)")
+    p.add_argument("--failure", help=f"only this failure kind ({', '.join(FAILURE_KINDS)})")
+    p.add_argument("--min-tool-errors", type=int, help="only episodes with at least this many tool errors")
+    p.add_argument("--group", type=int, help="one GRPO group side by side: rewards, advantages, failures, "
+                                             "tools per turn, where each departs from the best")
     p.add_argument("--limit", type=int, default=50, help="rows shown (default 50)")
     p.add_argument("--tokens", action="store_true", help="with --episode: a page of its tokens")
     p.add_argument("--start", type=int, default=0, help="first token of the page")

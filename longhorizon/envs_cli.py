@@ -60,7 +60,10 @@ def _show(args) -> int:
     env = _make(args.env_id, args.kwargs)
     doc = (sys.modules[type(env).__module__].__doc__ or "").strip()
     info = {"id": args.env_id, "class": f"{type(env).__module__}:{type(env).__name__}", "max_turns": env.max_turns,
-            "tools": [t.to_openai()["function"] for t in env.tools], "description": doc}
+            "tools": [t.to_openai()["function"] for t in env.tools],
+            "milestones": [{"name": m.name, "reward": m.reward, "description": m.description}
+                           for m in getattr(env, "milestones", ())],
+            "description": doc}
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -69,6 +72,10 @@ def _show(args) -> int:
         for t in info["tools"]:
             params = ", ".join(t["parameters"].get("properties", {}))
             print(f"  {t['name']}({params}): {t['description']}")
+        print("\nmilestones:" if info["milestones"] else "\nmilestones: none declared")
+        for m in info["milestones"]:
+            paid = "varies" if m["reward"] is None else f"{m['reward']:g}"
+            print(f"  {m['name']} ({paid}): {m['description']}")
     if hasattr(env, "close"):
         env.close()
     return 0

@@ -24,8 +24,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from rl.store import TrajectoryStore
-from rollout.trajectory import STOP_REASONS
+from rl.store import TrajectoryStore, stored_failure
+from rollout.trajectory import FAILURE_KINDS, STOP_REASONS, TURN_FAILURES, Turn
 
 SUMMARY_COLUMNS = ["episode_id", "iteration", "reward", "policy_versions", "num_turns",
                    "num_generated", "milestones", "stop_reason"]
@@ -131,8 +131,10 @@ def print_episode(run_dir: str | Path, episode_id: str, console: Console) -> Non
     # Everything the model or the environment wrote is shown as plain Text, never parsed as rich
     # markup: a generated "[/b]" would otherwise raise MarkupError (or restyle the page).
     t = find_episode(run_dir, episode_id)
-    console.print(Text.assemble((t.episode_id, "bold"), f" env {t.env_id} seed {t.seed}  reward {t.reward:.3f}  "
-                                f"stop {t.stop_reason}  tokens {len(t.token_ids)} ({t.num_generated} generated)"))
+    console.print(Text.assemble((t.episode_id, "bold"), f" env {t.env_id} seed {t.seed} group {t.group_id}  "
+                                f"reward {t.reward:.3f}  stop {t.stop_reason}  tokens {len(t.token_ids)} "
+                                f"({t.num_generated} generated)  ",
+                                (t.failure, "green" if t.failure == "success" else "red")))
     if t.infra_error:
         console.print(Text.assemble(("infrastructure error: ", "red"), t.infra_error))
     console.print(Panel(Text(t.task or "(not recorded)"), title="task", title_align="left", border_style="magenta"))
@@ -141,30 +143,104 @@ def print_episode(run_dir: str | Path, episode_id: str, console: Console) -> Non
         by_turn[m["turn"]].append(f"{m['name']} +{m['reward']:g}")
     for i, turn in enumerate(t.turns):
         title = (f"turn {i} · v{turn.policy_version} · {turn.gen_end - turn.gen_start} tokens · "
-                 f"{turn.tool_calls} tool result(s), {turn.tool_errors} error(s) · {turn.finish_reason}")
+                 f"{turn.tool_calls} tool result(s), {turn.tool_errors} error(s) · {turn.finish_reason}"
+                 + (f" · {', '.join(turn.failures)}" if turn.failures else ""))
         console.print(Panel(Text(turn.text or "(empty)"), title=Text(title), title_align="left", border_style="cyan"))
         if turn.observation:
-            console.print(Panel(Text(turn.observation), title="observation", title_align="left", border_style="dim"))
+            console.print(Panel(Text(turn.observation), title="observation", title_align="left",
+                                border_style="red" if turn.failures else "dim"))
         if by_turn.get(i):
             console.print(Text(f"  milestones: {', '.join(by_turn[i])}", style="green"))
         for event in turn.sandbox_events:
             console.print(Text(f"  sandbox: {event}", style="yellow"))
 
 
-LIST_COLUMNS = ["episode_id", "iteration", "env_id", "reward", "policy_versions", "num_turns", "num_generated",
-                "stop_reason", "infra_error"]
+def _calls(turn: Turn) -> str:
+    """A turn's tool calls as `name, name`, or what went wrong instead (`no_tool_call`, ...)."""
+    from envs.tool_calls import parse_tool_calls
+
+    names = [c.name for c in parse_tool_calls(turn.text)[0]]
+    return ", ".join(names) or ", ".join(dict.fromkeys(turn.failures)) or "-"
+
+
+def group_view(run_dir: str | Path, group_id: int) -> dict:
+    """One GRPO group side by side (`inspect --group ID`): its task, and each episode with its
+    reward, the advantage the learner gave it, how it ended, the tools it called turn by turn, and
+    the turn where its generated tokens first differ from the group's best episode (the highest
+    reward, the first such)."""
+    store = TrajectoryStore(run_dir)
+    ids = [r["episode_id"] for r in store.rows(["episode_id", "group_id"], strict=False) if r["group_id"] == group_id]
+    if not ids:
+        raise KeyError(f"no group {group_id} in {run_dir}")
+    eps = sorted(store.episodes(ids), key=lambda t: (-t.reward, t.episode_id))
+    best = eps[0]
+    rows = []
+    for t in eps:
+        record = store.learner_record(t.episode_id)
+        adv = [a for a, m in zip(record["advantages"], t.loss_mask) if m] if record else []
+        first = next((i for i, (a, b) in enumerate(zip(t.token_ids, best.token_ids)) if a != b), None)
+        if first is None and len(t.token_ids) != len(best.token_ids):
+            first = min(len(t.token_ids), len(best.token_ids))
+        turn = None if first is None else next((i for i, tu in enumerate(t.turns) if first < tu.obs_end),
+                                               len(t.turns) - 1)
+        rows.append({"episode_id": t.episode_id, "reward": t.reward, "failure": t.failure,
+                     "advantage": sum(adv) / len(adv) if adv else None, "stop_reason": t.stop_reason,
+                     "milestones": [m["name"] for m in t.milestones],
+                     "turns": [_calls(tu) for tu in t.turns],
+                     "diverges_at_turn": turn, "diverges_at_token": first})
+    return {"group_id": group_id, "iteration": best.iteration, "env_id": best.env_id, "seed": best.seed,
+            "task": best.task, "best": best.episode_id, "episodes": rows}
+
+
+def print_group(view: dict, console: Console) -> None:
+    console.print(Text(f"group {view['group_id']} · iteration {view['iteration']} · {view['env_id']} seed "
+                       f"{view['seed']} · best {view['best']}", style="bold"))
+    console.print(Panel(Text(view["task"] or "(not recorded)"), title="task", title_align="left",
+                        border_style="magenta", width=min(console.width, 120)))  # a wide (piped) console
+    width = max((len(e["turns"]) for e in view["episodes"]), default=0)
+    table = Table(title="episodes, best first; turns show the tools called (or what went wrong)")
+    for col in ("episode", "reward", "advantage", "failure", "milestones", "diverges"):
+        table.add_column(col, justify="right" if col in ("reward", "advantage") else "left", no_wrap=True)
+    for i in range(width):
+        table.add_column(f"turn {i}", no_wrap=True)
+    for e in view["episodes"]:
+        turn = e["diverges_at_turn"]
+        diverges = "(best)" if e["episode_id"] == view["best"] else "same tokens" if turn is None else f"turn {turn}"
+        cells = []
+        for i, calls in enumerate(e["turns"] + [""] * (width - len(e["turns"]))):
+            style = "bold" if turn is not None and i == turn else ""
+            cells.append(Text(calls, style=style + (" red" if calls in TURN_FAILURES else "")))
+        table.add_row(e["episode_id"], f"{e['reward']:.3f}",
+                      "-" if e["advantage"] is None else f"{e['advantage']:+.3f}",
+                      Text(e["failure"], style="green" if e["failure"] == "success" else "red"),
+                      ", ".join(e["milestones"]) or "-", diverges, *cells)
+    console.print(table)
+
+
+LIST_COLUMNS = ["episode_id", "iteration", "group_id", "env_id", "reward", "policy_versions", "num_turns",
+                "num_generated", "stop_reason", "infra_error", "failure", "turns", "milestones"]
 
 
 def episode_list(run_dir: str | Path, *, env: str | None = None, min_reward: float | None = None,
                  max_reward: float | None = None, version: int | None = None, min_generated: int | None = None,
-                 max_generated: int | None = None, stop: str | None = None) -> list[dict]:
-    """Episodes matching every given filter (a few columns only: no token ids are read)."""
+                 max_generated: int | None = None, stop: str | None = None, failure: str | None = None,
+                 min_tool_errors: int | None = None, group: int | None = None) -> list[dict]:
+    """Episodes matching every given filter (a few columns only: no token ids are read), each
+    with its failure kind and tool-error count."""
     if stop is not None and stop not in STOP_REASONS:
         raise ValueError(f"--stop {stop!r} is not a stop reason; they are: "
                          + "; ".join(f"{k} ({v})" for k, v in STOP_REASONS.items()))
+    if failure is not None and failure not in FAILURE_KINDS:
+        raise ValueError(f"--failure {failure!r} is not a failure kind; they are: {', '.join(FAILURE_KINDS)}")
     out = []
     for row in TrajectoryStore(run_dir).rows(LIST_COLUMNS, strict=False):
+        turns = [Turn(**t) for t in json.loads(row.pop("turns"))]
+        row["failure"] = stored_failure(row, turns, json.loads(row.pop("milestones")))
+        row["tool_errors"] = sum(t.tool_errors for t in turns)
         if ((env is None or row["env_id"] == env)
+                and (failure is None or row["failure"] == failure)
+                and (group is None or row["group_id"] == group)
+                and (min_tool_errors is None or row["tool_errors"] >= min_tool_errors)
                 and (min_reward is None or row["reward"] >= min_reward)
                 and (max_reward is None or row["reward"] <= max_reward)
                 and (version is None or version in row["policy_versions"])
@@ -177,12 +253,15 @@ def episode_list(run_dir: str | Path, *, env: str | None = None, min_reward: flo
 
 def print_episode_list(rows: list[dict], console: Console, limit: int = 50) -> None:
     table = Table(title=f"{len(rows)} episode(s)" + (f", first {limit} shown" if len(rows) > limit else ""))
-    for col in ("episode", "iter", "env", "reward", "versions", "turns", "generated", "stop"):
-        table.add_column(col, justify="right" if col in ("iter", "reward", "turns", "generated") else "left")
+    numeric = ("iter", "group", "reward", "turns", "generated", "tool err")
+    for col in ("episode", "iter", "group", "env", "reward", "versions", "turns", "generated", "tool err", "stop",
+                "failure"):
+        table.add_column(col, justify="right" if col in numeric else "left", no_wrap=True)
     for r in rows[:limit]:
-        table.add_row(r["episode_id"], str(r["iteration"]), r["env_id"], f"{r['reward']:.3f}",
+        table.add_row(r["episode_id"], str(r["iteration"]), str(r["group_id"]), r["env_id"], f"{r['reward']:.3f}",
                       ",".join(map(str, r["policy_versions"])), str(r["num_turns"]), str(r["num_generated"]),
-                      r["stop_reason"])
+                      str(r["tool_errors"]), r["stop_reason"],
+                      Text(r["failure"], style="green" if r["failure"] == "success" else "red"))
     console.print(table)
 
 

@@ -12,11 +12,15 @@ from pathlib import Path
 from longhorizon.inspect import load_metrics
 from rl.loggers import numeric_series
 
-# what a person looks at first, in this order; every other numeric field goes on the last page
+# what a person looks at first, in this order. `None`: every key with that prefix, drawn even when
+# there is none (an empty plot says "none reached" better than a missing file). What no panel takes
+# goes to `seconds.png` (keys ending in _s: one unit, one axis) or `other.png`, one small axes per
+# metric, so counts, bytes and rewards never share a scale.
 PANELS = [
     ("reward", ["mean_reward"], "mean episode reward"),
     ("heldout", ["eval/success", "eval/ci95_low", "eval/ci95_high"], "held-out success (95% interval)"),
-    ("milestones", None, "fraction of episodes reaching each milestone"),
+    ("milestones", "milestone_rate/", "fraction of episodes reaching each milestone"),
+    ("failures", "failure/", "share of episodes by how they ended"),
     ("loss", ["loss", "value_loss"], "learner loss"),
     ("logprob_gap", ["rollout_logprob_diff_mean", "rollout_logprob_diff_max"], "|learner − engine| log-prob"),
     ("sync", ["sync_s", "sync_publish_s", "sync_load_s_max"], "weight sync seconds"),
@@ -25,8 +29,27 @@ PANELS = [
 ]
 
 
+def pages(keys: list[str]) -> list[tuple[str, list[str], str]]:
+    """Which metrics go on which page: (file name, keys, title), in order. A PANELS page with a
+    prefix is listed even when no key has it; `seconds` holds the remaining keys ending in _s;
+    `other` every key left, each drawn on its own axes."""
+    used, out = {"policy_version", "iteration"}, []
+    for name, want, title in PANELS:
+        mine = sorted(k for k in keys if k.startswith(want)) if isinstance(want, str) else [k for k in want if k in keys]
+        used.update(mine)
+        if mine or isinstance(want, str):
+            out.append((name, mine, title))
+    rest = [k for k in sorted(keys) if k not in used]
+    seconds = [k for k in rest if k.endswith("_s")]
+    if seconds:
+        out.append(("seconds", seconds, "seconds per iteration"))
+    if len(seconds) < len(rest):
+        out.append(("other", [k for k in rest if k not in seconds], "other metrics, each on its own scale"))
+    return out
+
+
 def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Path]:
-    """Write one PNG per panel (and `other.png` for the remaining metrics); returns their paths."""
+    """Write one PNG per panel, `seconds.png` and `other.png` for the remaining metrics; returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -40,30 +63,55 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
     series = numeric_series(rows)
     out = Path(out_dir or run_dir / "plots")
     out.mkdir(parents=True, exist_ok=True)
-    used, written = {"policy_version"}, []
-    panels = list(PANELS) + [("other", sorted(k for k in series if not k.startswith("milestone_rate/")), "other metrics")]
-    for name, keys, title in panels:
-        if keys is None:
-            keys = sorted(k for k in series if k.startswith("milestone_rate/"))
-        if name == "other":
-            keys = [k for k in keys if k not in used]
-        keys = [k for k in keys if k in series]
-        if not keys:
-            continue
-        used.update(keys)
-        fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
-        for k in keys:
-            xs, ys = zip(*series[k])
-            ax.plot(xs, ys, marker="o", label=k.removeprefix("milestone_rate/"))
-        ax.set_title(f"{title} · {run_dir.name}", fontsize=10)
-        ax.set_xlabel("iteration")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
-        if len(keys) > 1 or name == "milestones":
-            ax.legend(fontsize=7, loc="best")
+    written = []
+    prefixes = {name: want for name, want, _ in PANELS if isinstance(want, str)}
+
+    def save(fig, name: str) -> None:
         fig.tight_layout()
         path = out / f"{name}.png"
         fig.savefig(path)
         plt.close(fig)
         written.append(path)
+
+    for name, keys, title in pages(list(series)):
+        if name == "other":  # small multiples: one scale per metric
+            cols = 4
+            nrows = (len(keys) + cols - 1) // cols
+            fig, grid = plt.subplots(nrows, cols, figsize=(3.2 * cols, 2.1 * nrows), dpi=100, squeeze=False)
+            for ax, k in zip(grid.flat, keys):
+                xs, ys = zip(*series[k])
+                ax.plot(xs, ys, marker=".", linewidth=1)
+                ax.set_title(k, fontsize=8)
+                ax.tick_params(labelsize=7)
+                ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+                ax.grid(alpha=0.3)
+            for ax in list(grid.flat)[len(keys):]:
+                ax.axis("off")
+            fig.suptitle(f"{title} · {run_dir.name}", fontsize=10)
+            save(fig, name)
+            continue
+        prefix = prefixes.get(name, "")
+        fig, ax = plt.subplots(figsize=(6.4, 3.4), dpi=100)
+        ax.set_title(f"{title} · {run_dir.name}", fontsize=10)
+        ax.set_xlabel("iteration")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        if name == "failures" and keys:  # shares that add up to one: stacked, the most common at the bottom
+            keys = sorted(keys, key=lambda k: -sum(y for _, y in series[k]))
+            xs = [x for x, _ in series[keys[0]]]
+            ax.stackplot(xs, *[[y for _, y in series[k]] for k in keys], labels=[k.removeprefix(prefix) for k in keys],
+                         alpha=0.85)
+            ax.set_ylim(0, 1)
+        else:
+            for k in keys:
+                xs, ys = zip(*series[k])
+                ax.plot(xs, ys, marker="o", label=k.removeprefix(prefix))
+        if not keys:
+            ax.text(0.5, 0.5, "none reached in this run" if name == "milestones" else "nothing recorded",
+                    ha="center", va="center", transform=ax.transAxes, color="gray")
+            ax.set_xlim(rows[0]["iteration"] - 0.5, rows[-1]["iteration"] + 0.5)
+        elif len(keys) > 1 or prefix:
+            ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+        ax.set_ylabel("share of episodes" if prefix else "seconds" if name in ("seconds", "sync") else "")
+        save(fig, name)
     return written

@@ -23,10 +23,29 @@ milestones (judges, learned reward models), which would score a trajectory the s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 SOLVED = "solved"
 Scheme = Literal["sum", "terminal", "discounted"]
+
+
+@dataclass(frozen=True)
+class Milestone:
+    """A milestone an environment declares in code (`ToolEnv.milestones`), for people and tools
+    (`envs show`, `envs check`, the viewer) to read without running an episode."""
+
+    name: str
+    """The name `reach` pays it under; `*` stands for a part that varies (`pass:*`, `waypoint_*`)."""
+    reward: float | None
+    """What it pays; None when that depends on the task (e.g. 1 / number of broken tests)."""
+    description: str
+    """When it is reached, in a sentence."""
+
+    def matches(self, name: str) -> bool:
+        from fnmatch import fnmatchcase
+
+        return fnmatchcase(name, self.name)
 
 
 class MilestoneLedger:

@@ -17,9 +17,9 @@ from typing import Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rollout.trajectory import Trajectory, Turn
+from rollout.trajectory import Trajectory, Turn, failure_kind
 
-SCHEMA_VERSION = 2  # 2: routed_experts (shards of version 1 read with it None)
+SCHEMA_VERSION = 3  # 2: routed_experts (shards of version 1 read with it None); 3: failure, turns' failures
 
 SCHEMA = pa.schema(
     [
@@ -44,6 +44,7 @@ SCHEMA = pa.schema(
         ("num_generated", pa.int32()),
         ("timings", pa.string()),
         ("routed_experts", pa.list_(pa.list_(pa.list_(pa.int16())))),
+        ("failure", pa.string()),
     ]
 )
 
@@ -83,6 +84,8 @@ class TrajectoryStore:
             for key in ("episode_id", "iteration", "group_id", "env_id", "seed", "task", "prompt_len",
                         "token_ids", "loss_mask", "rollout_logprobs", "reward", "stop_reason", "infra_error"):
                 rows[key].append(getattr(t, key))
+            # the agent loop sets it; a record made elsewhere (a test, a conversion) gets it derived here
+            rows["failure"].append(t.failure or stored_failure({**vars(t), "failure": ""}, t.turns, t.milestones))
             rows["policy_versions"].append(sorted({turn.policy_version for turn in t.turns}))
             rows["turns"].append(json.dumps([vars(turn) for turn in t.turns]))
             rows["milestones"].append(json.dumps(t.milestones))
@@ -173,7 +176,8 @@ class TrajectoryStore:
         still show the rest."""
         for shard in self.shards() if shards is None else shards:
             try:
-                table = pq.read_table(shard, columns=columns)
+                present = pq.read_schema(shard).names
+                table = pq.read_table(shard, columns=None if columns is None else [c for c in columns if c in present])
             except (pa.ArrowInvalid, OSError) as exc:
                 if strict:
                     raise CorruptShard(shard, exc) from exc
@@ -181,7 +185,9 @@ class TrajectoryStore:
                     warnings.warn(f"skipping corrupt trajectory shard {shard}: {exc}", stacklevel=2)
                 self.corrupt[str(shard)] = str(exc)
                 continue
-            yield from table.to_pylist()
+            missing = [c for c in (columns or SCHEMA.names) if c not in present]  # an older shard's
+            for row in table.to_pylist():
+                yield {**row, **dict.fromkeys(missing)} if missing else row
 
     def trajectories(self, shard: Path | None = None, strict: bool = True) -> Iterator[Trajectory]:
         for row in self.rows(shards=None if shard is None else [shard], strict=strict):
@@ -205,7 +211,22 @@ class CorruptShard(ValueError):
         self.shard = str(shard)
 
 
+def stored_failure(row: dict, turns: list[Turn], milestones: list[dict]) -> str:
+    """The episode's failure kind as stored, or, for a shard older than schema 3, what its record
+    still tells (its turns carry no per-turn failures)."""
+    if row.get("failure"):
+        return row["failure"]
+    from rollout.agent_loop import succeeded_in
+
+    infra = row.get("infra_error") or ""
+    return failure_kind(row["stop_reason"], turns, not infra and succeeded_in(row["env_id"], milestones, row["reward"]),
+                        infra)
+
+
 def row_to_trajectory(row: dict) -> Trajectory:
+    turns = [Turn(**t) for t in json.loads(row["turns"])]
+    milestones = json.loads(row["milestones"])
+    failure = stored_failure(row, turns, milestones)
     return Trajectory(
         episode_id=row["episode_id"],
         iteration=row["iteration"],
@@ -217,11 +238,12 @@ def row_to_trajectory(row: dict) -> Trajectory:
         token_ids=row["token_ids"],
         loss_mask=row["loss_mask"],
         rollout_logprobs=row["rollout_logprobs"],
-        turns=[Turn(**t) for t in json.loads(row["turns"])],
-        milestones=json.loads(row["milestones"]),
+        turns=turns,
+        milestones=milestones,
         reward=row["reward"],
         stop_reason=row["stop_reason"],
         infra_error=row.get("infra_error") or "",
         timings=json.loads(row["timings"]),
         routed_experts=row.get("routed_experts"),
+        failure=failure,
     )

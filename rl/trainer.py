@@ -57,7 +57,7 @@ from rl.config import RunConfig, dump_config
 from rl.learner_group import LearnerGroup, result
 from rl.ray_utils import init_ray
 from rl.store import TrajectoryStore
-from rollout.trajectory import EpisodeTask, Trajectory
+from rollout.trajectory import FAILURE_KINDS, EpisodeTask, Trajectory
 from envs.worker import EnvWorkerActor
 from rl.loggers import TensorBoardLog
 from rl.sync import WORKER_LOST, PendingSync, start_sync
@@ -112,6 +112,9 @@ def summarise(trajs: list[Trajectory]) -> dict:
         "stop_reasons": dict(Counter(t.stop_reason for t in trajs)),
     }
     out.update({f"milestone_rate/{k}": v / n for k, v in sorted(reached.items())})
+    # every kind, zeros included, so a curve exists from the first iteration on
+    kinds = Counter(t.failure for t in trajs)
+    out.update({f"failure/{k}": kinds.get(k, 0) / n for k in FAILURE_KINDS})
     return out
 
 

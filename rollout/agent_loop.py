@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import envs
-from rollout.trajectory import EpisodeTask, Trajectory, Turn
+from rollout.trajectory import EpisodeTask, Trajectory, Turn, failure_kind
 from rollout.chat import ChatFormat
 from rollout.engines.base import Engine
 
@@ -260,12 +260,27 @@ def _turn(engine, chat: ChatFormat, live: list[_Episode], pool, *, max_turns, ma
                 seed=turn_seed(run_seed, ep.task.episode_id, turn),
                 finish_reason=gen.finish_reason,
                 sandbox_events=list(info.get("sandbox_events", [])),
+                failures=list(info.get("failures", [])),
             )
         )
     return sum(len(g.token_ids) for g in gens)
 
 
+def succeeded_in(env_id: str, milestones: list[dict], reward: float) -> bool:
+    """The environment's own success test; reaching `solved` for an id that is not registered
+    (an environment made by a factory the caller passed)."""
+    try:
+        cls = envs.env_class(env_id)
+    except KeyError:
+        from rewards.milestones import solved
+
+        return solved(milestones)
+    return cls.succeeded(milestones, reward)
+
+
 def _record(ep: _Episode, env_id: str) -> Trajectory:
+    stop_reason = ep.stop_reason or "max_turns"
+    succeeded = not ep.infra_error and succeeded_in(env_id, ep.milestones, ep.reward)
     return Trajectory(
         episode_id=ep.task.episode_id,
         iteration=ep.task.iteration,
@@ -280,10 +295,11 @@ def _record(ep: _Episode, env_id: str) -> Trajectory:
         turns=ep.turns,
         milestones=ep.milestones,
         reward=ep.reward,
-        stop_reason=ep.stop_reason or "max_turns",
+        stop_reason=stop_reason,
         infra_error=ep.infra_error,
         timings={"generate_s": ep.gen_s, "env_s": ep.env_s},
         routed_experts=ep.routed if ep.any_routed else None,
+        failure=failure_kind(stop_reason, ep.turns, succeeded, ep.infra_error),
     )
 
 

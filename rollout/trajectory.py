@@ -47,6 +47,8 @@ class Turn:
     """`stop` (end-of-turn token) or `length` (hit `max_new_tokens`)."""
     sandbox_events: list[str] = field(default_factory=list)
     """Limits hit by the turn's sandboxed tool calls (e.g. `bwrap: memory limit reached`)."""
+    failures: list[str] = field(default_factory=list)
+    """What went wrong in the turn, one entry per problem (`TURN_FAILURES`; empty: nothing)."""
 
 
 STOP_REASONS = {
@@ -57,6 +59,47 @@ STOP_REASONS = {
     "infra_error": "the environment or its worker failed (kept out of the group statistics)",
 }
 """Why an episode ended: the values of `Trajectory.stop_reason`."""
+
+
+TURN_FAILURES = {
+    "no_tool_call": "the turn called no tool (plain text)",
+    "malformed_call": "a <tool_call> block that is not a JSON object with a name and arguments",
+    "unknown_tool": "a call to a tool the environment does not have",
+    "tool_error": "the tool refused its arguments or failed on them",
+    "sandbox_limit": "a sandboxed call hit a limit (time, memory, processes, output, ...)",
+}
+"""Per-turn failure kinds, as environments report them in `info["failures"]` (envs/base.py)."""
+
+FAILURE_KINDS = {
+    "success": "the environment's success test passed",
+    "infra_error": "the environment or its worker failed: not the policy's doing, not trained on",
+    "wrong_answer": "the episode ended itself (e.g. submitted) without success",
+    **TURN_FAILURES,
+    "out_of_turns": "ran out of turns, most of them without a failure",
+    "out_of_tokens": "ran out of episode tokens, most turns without a failure",
+}
+"""Why an episode ended as it did, one kind per episode (`failure_kind`)."""
+
+
+def failure_kind(stop_reason: str, turns: list["Turn"], succeeded: bool, infra_error: str = "") -> str:
+    """One kind per episode (`FAILURE_KINDS`). An episode that ran out of turns or tokens is put
+    down to the failure of most of its turns when at least half of them failed (ties: the later
+    failure), else to the limit itself."""
+    if infra_error or stop_reason == "infra_error":
+        return "infra_error"
+    if succeeded:
+        return "success"
+    if stop_reason == "terminated":
+        return "wrong_answer"
+    failed = [t for t in turns if t.failures]
+    if turns and 2 * len(failed) >= len(turns):
+        counts: dict[str, int] = {}
+        for t in failed:
+            for kind in dict.fromkeys(t.failures):  # one vote per turn and kind
+                counts[kind] = counts.get(kind, 0) + 1
+        last = {kind: i for i, t in enumerate(turns) for kind in t.failures}
+        return max(counts, key=lambda k: (counts[k], last[k]))
+    return "out_of_tokens" if stop_reason == "max_tokens" else "out_of_turns"
 
 
 @dataclass
@@ -96,6 +139,8 @@ class Trajectory:
     routed_experts: list[list[list[int]]] | None = None
     """Per token, per MoE layer, the expert ids the engine routed it to ([] where not recorded); None
     when the engine records none. For rollout routing replay in the learner."""
+    failure: str = ""
+    """Why the episode ended as it did (`FAILURE_KINDS`: `success`, `no_tool_call`, `wrong_answer`, ...)."""
 
     @property
     def num_generated(self) -> int:

@@ -156,9 +156,31 @@ def test_check_env_names_every_problem():
     assert "tools without a function in tool_functions(): ['a']" in text
     assert "must be deterministic given a seed" in text
     assert "no scripted expert: define expert_turns()" in text  # "ok" would be a lie for a warm start
+    assert "declares no milestones: set the class attribute `milestones`" in text
     with pytest.raises(EnvCheckError) as err:
         check_env(Broken(), expert=False)  # `envs check --no-expert`: everything else is still checked
     assert "no scripted expert" not in str(err.value) and "deterministic" in str(err.value)
+
+
+def test_milestones_are_declared_in_code_shown_and_checked():
+    """`envs show --json` lists what each built-in environment pays, from its class (no episode run);
+    an expert that reaches a milestone the class does not declare fails `check_env`."""
+    shown = json.loads(cli("envs", "show", "tools/calculator-v0", "--json").stdout)
+    assert shown["milestones"] == [
+        {"name": "product", "reward": 0.25, "description": "a calculator result equals a * b, the first intermediate value"},
+        {"name": "solved", "reward": 1.0, "description": "the submitted answer is right"}]
+    for spec in envs.list_specs():
+        assert envs.env_class(spec.id).milestones, f"{spec.id} declares no milestones"
+    text = cli("envs", "show", "code/fix-tests-v0").stdout
+    assert "milestones:\n  pass:* (varies): a test that started out failing passes" in text
+
+    from envs.calculator import CalculatorEnv
+
+    class Sneaky(CalculatorEnv):
+        milestones = (envs.Milestone("solved", 1.0, "right answer"),)  # `product` left out
+
+    with pytest.raises(EnvCheckError, match=r"reached milestones the environment does not declare: \['product'\]"):
+        check_env(Sneaky(), seed=1)
 
 
 def test_infra_errors_are_reported_not_raised():

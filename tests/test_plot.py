@@ -20,11 +20,36 @@ def _run(tmp_path):
 
 def test_plot_writes_one_png_per_panel(tmp_path):
     paths = plot_run(_run(tmp_path))
-    assert sorted(p.name for p in paths) == ["loss.png", "milestones.png", "other.png", "reward.png", "sync.png",
-                                             "throughput.png"]
+    # failures.png is drawn though these rows have no failure/* key: an empty plot says so
+    assert sorted(p.name for p in paths) == ["failures.png", "loss.png", "milestones.png", "other.png", "reward.png",
+                                             "sync.png", "throughput.png"]
     for p in paths:
         head = p.read_bytes()[:8]
         assert head == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+
+
+def test_metric_families_never_share_a_scale():
+    """Seconds with seconds; bytes, counts and rewards each on their own axes; milestone and
+    failure pages exist even when nothing was reached."""
+    from longhorizon.plot import pages
+
+    keys = ["mean_reward", "sync_bytes", "rollout_s", "iteration_s", "episodes", "infra_errors", "loss",
+            "failure/success", "failure/no_tool_call", "policy_version"]
+    laid = {name: ks for name, ks, _ in pages(keys)}
+    assert laid["reward"] == ["mean_reward"] and laid["loss"] == ["loss"]
+    assert laid["seconds"] == ["iteration_s", "rollout_s"]
+    assert laid["other"] == ["episodes", "infra_errors", "sync_bytes"]  # drawn as small multiples, one scale each
+    assert laid["failures"] == ["failure/no_tool_call", "failure/success"] and laid["milestones"] == []
+    placed = [k for ks in laid.values() for k in ks]
+    assert sorted(placed) == sorted(set(keys) - {"policy_version"})  # each once, none lost
+
+
+def test_failure_shares_are_drawn_stacked(tmp_path):
+    rows = [{"iteration": i, "mean_reward": 0.0, "failure/success": 0.25 * i, "failure/no_tool_call": 1 - 0.25 * i}
+            for i in range(3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    paths = {p.name: p for p in plot_run(tmp_path)}
+    assert paths["failures.png"].stat().st_size > paths["milestones.png"].stat().st_size  # drawn vs empty
 
 
 def test_plot_cli_names_a_run_without_metrics(tmp_path):

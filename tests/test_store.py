@@ -20,7 +20,7 @@ def _traj(i, n=50):
                       rollout_logprobs=[0.0, 0.0] + [-1.5] * (n - 2),
                       turns=[Turn(2, n, n, "text", "obs", 1, 0, 0, 7, "stop")],
                       milestones=[{"name": "solved", "reward": 1.0, "turn": 0, "token": n - 1}], reward=1.0,
-                      stop_reason="terminated", task="the task")
+                      stop_reason="terminated", task="the task", failure="success")
 
 
 def test_round_trip_and_no_overwrite(tmp_path):

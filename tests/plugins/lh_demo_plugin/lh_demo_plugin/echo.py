@@ -1,6 +1,6 @@
 """`demo/echo-v0`: say the secret word back through the `say` tool (milestone `echoed`, 1.0)."""
 
-from envs import ToolEnv, ToolSpec
+from envs import Milestone, ToolEnv, ToolSpec
 from envs.tool_calls import format_tool_call
 
 WORDS = ["apple", "river", "stone", "cloud"]
@@ -9,6 +9,8 @@ WORDS = ["apple", "river", "stone", "cloud"]
 class EchoEnv(ToolEnv):
     tools = [ToolSpec("say", "Say a word; ends the episode.",
                       {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]})]
+
+    milestones = (Milestone("echoed", 1.0, "said the word the task asked for"),)
 
     def __init__(self, max_turns: int = 2):
         super().__init__()
