@@ -60,11 +60,14 @@ class AnyText(gym.spaces.Text):
 
 
 class ToolEnv(gym.Env):
-    """Base class: subclasses define `tools`, `_reset_task(rng)` and the tool functions.
+    """Base class: subclasses set `tools` and `milestones`, and define `_reset_task()` (the task
+    text of a new episode, drawn from `self.np_random`), `tool_functions()` and `expert_turns()`.
 
     A tool function receives the parsed arguments as keywords and returns the text result. It may
     raise `ToolFailure` for a clear error observation; any other exception is also turned into an
-    error observation (and counted), never raised out of `step`.
+    error observation (and counted, and recorded as the turn's `tool_error`), never raised out of
+    `step`. It pays a milestone with `self.reach(name, reward)` and ends the episode with
+    `self.finish()`.
     """
 
     metadata = {"render_modes": []}
@@ -96,15 +99,17 @@ class ToolEnv(gym.Env):
 
     # --- subclass hooks ---
     def _reset_task(self) -> str:
+        """The new episode's task text (the first observation), drawn from `self.np_random`, which
+        `reset(seed=...)` has just seeded: the same seed must give the same task."""
         raise NotImplementedError
 
     def tool_functions(self) -> dict[str, Callable[..., str]]:
         raise NotImplementedError
 
     # --- milestones ---
-    def reach(self, name: str, reward: float, events: list[dict]) -> None:
-        """Record milestone `name` (paid once per episode: rewards/milestones.py)."""
-        self._ledger.reach(name, reward, events)
+    def reach(self, name: str, reward: float, events: list[dict] | None = None) -> None:
+        """Record milestone `name` for this step (paid once per episode: rewards/milestones.py)."""
+        self._ledger.reach(name, reward, self._events if events is None else events)
 
     def show_image(self, image) -> None:
         """Attach an image (H×W×3 uint8 array) to the current observation."""

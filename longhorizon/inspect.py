@@ -24,7 +24,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from rl.store import TrajectoryStore, stored_failure
+from rl.store import TrajectoryStore, legacy_failures, stored_failure
 from rollout.trajectory import FAILURE_KINDS, STOP_REASONS, TURN_FAILURES, Turn
 
 SUMMARY_COLUMNS = ["episode_id", "iteration", "reward", "policy_versions", "num_turns",
@@ -156,40 +156,56 @@ def print_episode(run_dir: str | Path, episode_id: str, console: Console) -> Non
 
 
 def _calls(turn: Turn) -> str:
-    """A turn's tool calls as `name, name`, or what went wrong instead (`no_tool_call`, ...)."""
+    """A turn's tool calls as `name, name`, what went wrong with them in brackets (`bash
+    [tool_error]`), or what went wrong instead of a call (`no_tool_call`)."""
     from envs.tool_calls import parse_tool_calls
 
-    names = [c.name for c in parse_tool_calls(turn.text)[0]]
-    return ", ".join(names) or ", ".join(dict.fromkeys(turn.failures)) or "-"
+    names = ", ".join(c.name for c in parse_tool_calls(turn.text)[0])
+    failed = ", ".join(dict.fromkeys(turn.failures))
+    return f"{names} [{failed}]" if names and failed else names or failed or "-"
 
 
-def group_view(run_dir: str | Path, group_id: int) -> dict:
-    """One GRPO group side by side (`inspect --group ID`): its task, and each episode with its
-    reward, the advantage the learner gave it, how it ended, the tools it called turn by turn, and
-    the turn where its generated tokens first differ from the group's best episode (the highest
-    reward, the first such)."""
-    store = TrajectoryStore(run_dir)
-    ids = [r["episode_id"] for r in store.rows(["episode_id", "group_id"], strict=False) if r["group_id"] == group_id]
-    if not ids:
-        raise KeyError(f"no group {group_id} in {run_dir}")
-    eps = sorted(store.episodes(ids), key=lambda t: (-t.reward, t.episode_id))
-    best = eps[0]
-    rows = []
+def mean_advantage(t, record: dict | None) -> float | None:
+    """The advantage the learner gave an episode: the mean over its generated tokens (GRPO gives
+    every token the same one), or None when it was not trained on."""
+    adv = [a for a, m in zip(record["advantages"], t.loss_mask) if m] if record else []
+    return sum(adv) / len(adv) if adv else None
+
+
+def compare_group(eps: list, advantages: dict) -> tuple[str, list[dict]]:
+    """A group's episodes against its best (highest reward, then first id): (best id, one row per
+    episode, best first) with reward, advantage, failure, tools per turn, and the turn and token
+    where its tokens first differ from the best's (None: the same tokens)."""
+    eps = sorted(eps, key=lambda t: (-t.reward, t.episode_id))
+    best, rows = eps[0], []
     for t in eps:
-        record = store.learner_record(t.episode_id)
-        adv = [a for a, m in zip(record["advantages"], t.loss_mask) if m] if record else []
         first = next((i for i, (a, b) in enumerate(zip(t.token_ids, best.token_ids)) if a != b), None)
         if first is None and len(t.token_ids) != len(best.token_ids):
             first = min(len(t.token_ids), len(best.token_ids))
         turn = None if first is None else next((i for i, tu in enumerate(t.turns) if first < tu.obs_end),
                                                len(t.turns) - 1)
         rows.append({"episode_id": t.episode_id, "reward": t.reward, "failure": t.failure,
-                     "advantage": sum(adv) / len(adv) if adv else None, "stop_reason": t.stop_reason,
+                     "advantage": advantages.get(t.episode_id), "stop_reason": t.stop_reason,
                      "milestones": [m["name"] for m in t.milestones],
                      "turns": [_calls(tu) for tu in t.turns],
                      "diverges_at_turn": turn, "diverges_at_token": first})
+    return best.episode_id, rows
+
+
+def group_view(run_dir: str | Path, group_id: int) -> dict:
+    """One GRPO group side by side (`inspect --group ID`): its task, and each episode with its
+    reward, the advantage the learner gave it, how it ended, the tools it called turn by turn, and
+    the turn where its generated tokens first differ from the group's best episode."""
+    store = TrajectoryStore(run_dir)
+    ids = [r["episode_id"] for r in store.rows(["episode_id", "group_id"], strict=False) if r["group_id"] == group_id]
+    if not ids:
+        raise KeyError(f"no group {group_id} in {run_dir}")
+    eps = list(store.episodes(ids))
+    best_id, rows = compare_group(eps, {t.episode_id: mean_advantage(t, store.learner_record(t.episode_id))
+                                        for t in eps})
+    best = next(t for t in eps if t.episode_id == best_id)
     return {"group_id": group_id, "iteration": best.iteration, "env_id": best.env_id, "seed": best.seed,
-            "task": best.task, "best": best.episode_id, "episodes": rows}
+            "task": best.task, "best": best_id, "episodes": rows}
 
 
 def print_group(view: dict, console: Console) -> None:
@@ -209,7 +225,7 @@ def print_group(view: dict, console: Console) -> None:
         cells = []
         for i, calls in enumerate(e["turns"] + [""] * (width - len(e["turns"]))):
             style = "bold" if turn is not None and i == turn else ""
-            cells.append(Text(calls, style=style + (" red" if calls in TURN_FAILURES else "")))
+            cells.append(Text(calls, style=style + (" red" if calls in TURN_FAILURES or "[" in calls else "")))
         table.add_row(e["episode_id"], f"{e['reward']:.3f}",
                       "-" if e["advantage"] is None else f"{e['advantage']:+.3f}",
                       Text(e["failure"], style="green" if e["failure"] == "success" else "red"),
@@ -235,6 +251,8 @@ def episode_list(run_dir: str | Path, *, env: str | None = None, min_reward: flo
     out = []
     for row in TrajectoryStore(run_dir).rows(LIST_COLUMNS, strict=False):
         turns = [Turn(**t) for t in json.loads(row.pop("turns"))]
+        for t in turns if not row.get("failure") else ():  # written before schema 3
+            t.failures = legacy_failures(t)
         row["failure"] = stored_failure(row, turns, json.loads(row.pop("milestones")))
         row["tool_errors"] = sum(t.tool_errors for t in turns)
         if ((env is None or row["env_id"] == env)

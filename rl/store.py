@@ -211,6 +211,22 @@ class CorruptShard(ValueError):
         self.shard = str(shard)
 
 
+def legacy_failures(turn: Turn) -> list[str]:
+    """A schema-2 turn's failures, read back from the observation texts envs/base.py writes for
+    them (those shards predate `Turn.failures`)."""
+    out = []
+    for line in turn.observation.splitlines():
+        if line.startswith("No tool call found"):
+            out.append("no_tool_call")
+        elif line.startswith("error: malformed tool call"):
+            out.append("malformed_call")
+        elif line.startswith("error: unknown tool"):
+            out.append("unknown_tool")
+        elif line.startswith("error: ") and not line.startswith("error: the tool could not run"):
+            out.append("tool_error")
+    return out + ["sandbox_limit" for e in turn.sandbox_events if e.endswith("limit reached")]
+
+
 def stored_failure(row: dict, turns: list[Turn], milestones: list[dict]) -> str:
     """The episode's failure kind as stored, or, for a shard older than schema 3, what its record
     still tells (its turns carry no per-turn failures)."""
@@ -224,7 +240,11 @@ def stored_failure(row: dict, turns: list[Turn], milestones: list[dict]) -> str:
 
 
 def row_to_trajectory(row: dict) -> Trajectory:
-    turns = [Turn(**t) for t in json.loads(row["turns"])]
+    raw = json.loads(row["turns"])
+    turns = [Turn(**t) for t in raw]
+    for t, r in zip(turns, raw):
+        if "failures" not in r:  # written before schema 3
+            t.failures = legacy_failures(t)
     milestones = json.loads(row["milestones"])
     failure = stored_failure(row, turns, milestones)
     return Trajectory(

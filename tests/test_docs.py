@@ -43,3 +43,13 @@ def test_the_readme_benchmark_figures_are_quoted_from_bench_results():
     assert len(numbers) >= 40, numbers
     missing = [n for n in numbers if not re.search(rf"(?<![\d.,]){re.escape(n)}(?!\d|,\d|\.\d)", results)]
     assert not missing, f"README benchmark figures not in bench/results.md: {missing}"
+
+
+def test_the_readme_plugin_example_is_the_tested_plugin():
+    """"Your own environment" shows the demo plugin's file verbatim (the one a test installs, makes
+    by id and checks), so the example cannot drift from code that runs."""
+    text = (REPO / "README.md").read_text()
+    start = text.index("```python\n", text.index("**Your own environment**")) + len("```python\n")
+    shown = text[start: text.index("```\n", start)]
+    source = (REPO / "tests/plugins/lh_demo_plugin/lh_demo_plugin/echo.py").read_text()
+    assert source.split('"""', 2)[2].lstrip("\n") == shown

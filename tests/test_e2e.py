@@ -264,7 +264,7 @@ def test_html_viewer_renders_in_headless_chromium(e2e_run, stored):
     rows = re.findall(r'<tr class="episode-row(?: sel)?" data-id="(i\d+-g\d+-e\d+)"', dom)
     assert sorted(rows) == sorted(t.episode_id for t in stored)  # the episode list, rendered by the page's script
     assert f'<h1 id="episode-title">{stored[0].episode_id}</h1>' in dom  # and the first episode
-    assert "milestone timeline" in dom and 'id="tokens"' in dom
+    assert 'id="timeline"' in dom and 'id="tokens"' in dom and 'id="group-title"' in dom
     assert 'id="colour-by"' in dom and "· advantage " in dom  # token tips carry the learner's record
     artifacts = REPO / "runs" / "test-artifacts"
     artifacts.mkdir(parents=True, exist_ok=True)

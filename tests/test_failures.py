@@ -111,3 +111,23 @@ def test_a_shard_from_before_the_taxonomy_reads_with_its_kind(tmp_path, tokenize
     from longhorizon.inspect import episode_list
 
     assert [(r["episode_id"], r["failure"]) for r in episode_list(tmp_path)] == [("e0", "success")]
+
+
+def test_a_shard_from_before_the_taxonomy_reads_its_turn_failures_from_observations(tmp_path, tokenizer):
+    """Schema-2 turns carry no failures; the observations envs/base.py wrote for them tell."""
+    chat = ChatFormat(tokenizer)
+    turns = ["just text", call("python", code="1"), call("calculator", expression="2*")]
+    [t] = run_episodes(ExpertEngine(chat, [SEED], turns=turns), chat,
+                       lambda: envs.make("tools/calculator-v0", max_turns=3), "tools/calculator-v0",
+                       [EpisodeTask("e0", 0, SEED, 0)], max_turns=3, max_new_tokens=64, max_episode_tokens=4096)
+    store = TrajectoryStore(tmp_path)
+    path = store.write("iter-000000", [t])
+    table = pq.read_table(path)
+    legacy = [{k: v for k, v in turn.items() if k != "failures"} for turn in json.loads(table["turns"][0].as_py())]
+    old = table.drop_columns(["failure"]).set_column(table.schema.get_field_index("turns"), "turns",
+                                                      [[json.dumps(legacy)]])
+    path.unlink()
+    pq.write_table(old, path)
+    back = next(store.trajectories())
+    assert [turn.failures for turn in back.turns] == [["no_tool_call"], ["unknown_tool"], ["tool_error"]]
+    assert back.failure == t.failure == "tool_error"  # a tie of one each: the latest

@@ -82,3 +82,32 @@ def test_failure_and_tool_error_filters(group_run):
     assert r.returncode == 2 and "'lazy' is not a failure kind" in r.stderr and "no_tool_call" in r.stderr
     piped = cli("inspect", str(run_dir), "--episodes").stdout  # not a terminal: no cell is cut short
     assert "tools/calculator-v0" in piped and "wrong_answer" in piped and "…" not in piped
+
+
+def test_the_viewer_explains_a_failed_episode_by_its_group(group_run, tmp_path):
+    """In headless Chromium, the page opened on the failed episode shows its failure kind, its group
+    best first with advantages, it next to the best from the turn where they part, failed turns red
+    on the timeline and their error observations styled as errors; the failure filter works."""
+    from conftest import chromium_flags
+
+    run_dir, _ = group_run
+    page = tmp_path / "viewer.html"
+    assert cli("inspect", str(run_dir), "--html", str(page)).returncode == 0
+
+    def dom(query: str) -> str:
+        return subprocess.run(chromium_flags() + ["--dump-dom", page.as_uri() + query], capture_output=True,
+                              text=True, timeout=120).stdout
+
+    wrong = dom("?episode=e-wrong")
+    assert '<h1 id="episode-title">e-wrong</h1>' in wrong and 'class="fail"' in wrong and ">wrong_answer<" in wrong
+    assert 'id="group-title">group 3: 3 episode(s), best first' in wrong
+    assert "e-expert (best)" in wrong and "+1.200" in wrong and "-0.900" in wrong
+    assert "outlined: from turn 1, where the two first differ" in wrong
+    assert wrong.count('class="turn departs"') == 1 + 2  # its turn 1; the best's turns 1 and 2
+    chat = dom("?episode=e-chat")
+    # its two chatty turns: red on the timeline, their observations as errors (next to the best and below)
+    assert chat.count('class="turn-box failed"') == 2 and chat.count('class="turn obs err"') == 2 * 2
+    assert "<text" in dom("") and "iteration</text>" in dom("")  # the reward chart has its axes
+    only = dom("?failure=no_tool_call")
+    assert 'data-id="e-chat"' in only and 'class="episode-row' in only and 'data-id="e-expert"' not in only.split(
+        'id="eplist"')[1].split("</table>")[0]
