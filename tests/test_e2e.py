@@ -156,6 +156,13 @@ def test_store_metrics_and_checkpoints(e2e_run, stored):
         assert all(key in x for x in lines), key
     # learner vs engine on every generated token, before the update: initial weights, then synced ones
     assert all(x["rollout_logprob_diff_max"] < TOL for x in lines)
+    # every episode's failure kind, as shares of its iteration (all kinds, zeros included)
+    from rollout.trajectory import FAILURE_KINDS
+
+    for x in lines:
+        kinds = [t.failure for t in stored if t.iteration == x["iteration"]]
+        assert {k: x[f"failure/{k}"] for k in FAILURE_KINDS} == {k: kinds.count(k) / 16 for k in FAILURE_KINDS}
+    assert all(t.failure in FAILURE_KINDS for t in stored)
     assert (run_dir / "config.yaml").exists()
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert ckpts == ["version-000001", "version-000002"]
