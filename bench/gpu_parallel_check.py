@@ -35,7 +35,9 @@ def nll(logits_BTV, ids_BT):
 def step(model, forward, ids_BT, total: int, parallel: bool) -> tuple[float, float]:
     from policy.parallelize import clip_grad_norm_, fill_expert_grads
 
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    # a sharded model mixes DTensors (FSDP) and plain tensors (expert blocks): the per-tensor update,
+    # since torch 2.11's multi-tensor (foreach) kernels refuse such a mix
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=False if parallel else None)
     loss = nll(forward(model, ids_BT), ids_BT) / total
     loss.backward()
     if parallel:

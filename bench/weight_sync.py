@@ -43,7 +43,7 @@ def main() -> None:
 
     from rl.tiny import TinyMoEDims, make_tiny_qwen3_moe
     from rl.config import AlgoConfig, EnvConfig, RayConfig, RolloutConfig
-    from rl.learner import LearnerActor
+    from rl.learner_group import LearnerActor
     from rl.ray_utils import init_ray
     from rl.sync import start_sync
     from rollout.worker import RolloutWorkerActor

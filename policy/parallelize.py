@@ -272,7 +272,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, group: dist.ProcessGroup 
     """Clip the global gradient norm (FSDP shards and expert blocks are disjoint across ranks, so
     the squared norm is the sum of every rank's local squares); returns the norm before clipping."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    sq = torch.zeros((), dtype=torch.float64)
+    sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)  # where NCCL reaches it
     for g in grads:
         sq += _local(g).double().pow(2).sum()
     dist.all_reduce(sq, group=group)

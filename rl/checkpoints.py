@@ -79,7 +79,8 @@ def save_learner(learner, path: str, extra: dict | None = None) -> str:
 def load_learner(learner, path: str) -> dict:
     """Restore weights, optimiser state, version and RNG; a group reads `sharded/` whatever number
     of ranks wrote it. Returns the rest of `trainer_state.pt` (version, the driver's extra)."""
-    state = torch.load(Path(path) / "trainer_state.pt", weights_only=False)
+    # to the CPU first: optimizer.load_state_dict moves each state to its parameter's device
+    state = torch.load(Path(path) / "trainer_state.pt", weights_only=False, map_location="cpu")
     saved_by = state.get("sharded_world_size")
     if learner.world > 1:
         if not saved_by:

@@ -120,8 +120,12 @@ class AlgoConfig:
 class LearnerConfig:
     world_size: int = 1
     """Learner ranks (Ray actors) training one model together in a torch.distributed group: FSDP2 shards parameters, gradients and optimizer state, MoE experts are split across ranks (policy/parallelize.py), each optimiser step's micro-batches are shared out by tokens. 1: a single plain learner."""
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
+    """Where each learner rank trains: cpu, cuda (Ray gives each rank one GPU), or auto (cuda where the rank's process sees a GPU); rl/device.py."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """fp32, or bf16 mixed precision: the forward and backward under bf16 autocast, the weights, gradients and AdamW state kept in fp32."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """Process-group backend for world_size > 1. The learner trains on CPU, so auto is gloo and nccl is refused when the config loads (a GPU learner is issue 26's)."""
+    """Process-group backend for world_size > 1: auto is nccl when the learner trains on GPUs, else gloo; nccl needs learner.device cuda."""
     expert_parallel: bool = True
     """Split each MoE layer's routed experts across the ranks (all-to-all dispatch); off: experts are FSDP-sharded like the rest. The expert count must divide by world_size."""
 
@@ -258,8 +262,8 @@ class RunConfig:
             ("rollout.max_new_tokens", self.rollout.max_new_tokens >= 1, "must be >= 1"),
             ("rollout.max_batch", self.rollout.max_batch >= 1, "must be >= 1"),
             ("learner.world_size", self.learner.world_size >= 1, "must be >= 1"),
-            ("learner.backend", self.learner.backend != "nccl",
-             "nccl needs learners on GPUs, and the learner trains on CPU: use gloo (or auto)"),
+            ("learner.backend", self.learner.backend != "nccl" or self.learner.device == "cuda",
+             "nccl needs the learner on GPUs: set learner.device=cuda, or use gloo (or auto)"),
             ("policy.flavour", not (self.policy.flavour and self.policy.path), "and policy.path exclude each other (a flavour makes a new random policy)"),
             ("policy.pretrained", not (self.policy.pretrained and (self.policy.path or self.policy.flavour)),
              "excludes policy.path and policy.flavour (it names the starting policy itself)"),
@@ -332,6 +336,12 @@ class RunConfig:
             return None
         if self.policy.path and not (Path(self.policy.path) / "config.json").exists():
             return f"policy.path {self.policy.path} is not a checkpoint directory (no config.json there)"
+        if self.learner.device == "cuda":
+            import torch
+
+            if torch.cuda.device_count() < self.learner.world_size:
+                return (f"learner.device cuda needs {self.learner.world_size} GPU(s) for learner.world_size "
+                        f"{self.learner.world_size}; this machine has {torch.cuda.device_count()}")
         for key, env_id, kwargs in self._named_envs() if with_envs else ():
             why = envs.host_problem(env_id, kwargs)
             if why:

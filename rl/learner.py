@@ -1,6 +1,7 @@
 """Learner: the policy in torch, its optimiser, and one GRPO update per batch of trajectories.
 
-A plain class; `LearnerActor` is its Ray shell. Trains Hugging Face causal LMs (the tiny
+A plain class (it imports no Ray: it also runs in a process of its own, e.g. on a GPU machine
+without Ray); `rl.learner_group.LearnerActor` is its Ray shell. Trains Hugging Face causal LMs (the tiny
 Qwen3-MoE of the quickstart) and the project's own `policy/` checkpoints through one adapter
 (`rl.logprobs.CausalLM`). Memory per step is bounded for long trajectories: episodes are packed
 into micro-batches by a token budget, the output projection runs a chunk of positions at a time,
@@ -36,8 +37,9 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import ray
 import torch
+
+from rl import device as devices
 
 from rl.config import AlgoConfig
 from rl.credit import token_advantages
@@ -49,7 +51,7 @@ from rl.shares import (
     all_gather_objects,
     all_gather_rows,
     all_reduce_sum,
-    deal_by_tokens,
+    minibatch_shares,
     padded_slots,
 )
 from rollout.trajectory import Trajectory
@@ -95,9 +97,12 @@ def usable_episodes(batch: list[Trajectory], min_version: int | None = None) -> 
 class Learner:
     def __init__(self, policy_path: str, algo: AlgoConfig, *, seed: int = 0, dtype: str = "float32",
                  temperature: float = 1.0, max_generated_tokens: int | None = None,
-                 max_staleness: int | None = None):
+                 max_staleness: int | None = None, device: str = "cpu", precision: str = "fp32"):
         torch.set_num_threads(algo.threads)
         torch.manual_seed(seed)
+        self.device = devices.resolve(device)
+        self.precision = precision
+        devices.autocast(self.device, precision)  # an unknown precision fails here, not mid-step
         self.cfg = algo
         self.temperature = temperature
         self.dtype = getattr(torch, dtype)
@@ -110,12 +115,12 @@ class Learner:
         self.ref = None
         if algo.kl_beta:  # frozen copy of the starting policy
             self.ref = load_causal_lm(policy_path, self.dtype)
-            self.ref.module.eval().requires_grad_(False)
+            self.ref.module.to(self.device).eval().requires_grad_(False)
         self.version = 0
 
     def _load(self, path: str) -> None:
         self.lm = load_causal_lm(path, self.dtype)
-        self.model = self.lm.module
+        self.model = self.lm.module.to(self.device)
         self.model.train()
         if self.cfg.activation_checkpointing:
             if self.lm.kind == "policy":
@@ -123,7 +128,7 @@ class Learner:
             else:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.cfg.name == "ppo":  # value head on the shared trunk
-            self.value_head = ValueHead(self.lm.head.in_features).to(self.dtype)
+            self.value_head = ValueHead(self.lm.head.in_features).to(self.device, self.dtype)
         self._make_optimizer()
 
     def _make_optimizer(self) -> None:
@@ -131,12 +136,17 @@ class Learner:
         params = list(self.model.parameters())
         if self.value_head is not None:
             params += list(self.value_head.parameters())
-        self.opt = torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay)
+        # sharded (after `join`): DTensors and plain expert blocks mixed, which torch 2.11's multi-tensor
+        # (foreach) AdamW refuses (seen on the GPU check), so the per-tensor update there
+        self.opt = torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
+                                     foreach=False if getattr(self, "world", 1) > 1 else None)
 
     # --- learner group (rl/learner_group.py) ---
     def address(self) -> str:
         """host:port on this rank's node for the group's rendezvous (rank 0 is asked)."""
         import socket
+
+        import ray
 
         host = ray.util.get_node_ip_address()
         with socket.socket() as s:
@@ -150,6 +160,7 @@ class Learner:
         every rank: it only runs forwards on the rank's own micro-batches."""
         import torch.distributed as dist
 
+        backend = devices.backend(backend, self.device)  # auto: nccl on GPUs, gloo on CPU
         dist.init_process_group(backend, init_method=f"tcp://{master}", rank=rank, world_size=world_size)
         self.rank, self.world = rank, world_size
         self.lm.parallelize(expert_parallel=expert_parallel)
@@ -167,7 +178,7 @@ class Learner:
         attn = torch.tensor(_pad([[1] * len(t.token_ids) for t in mb], 0))  # right padding
         mask = torch.tensor(_pad([t.loss_mask for t in mb], 0))[:, 1:].float()
         rollout = torch.tensor(_pad([t.rollout_logprobs for t in mb], 0.0))[:, 1:].float()
-        return ids, attn, mask, rollout
+        return ids.to(self.device), attn.to(self.device), mask.to(self.device), rollout.to(self.device)
 
     def _routing(self, mb: list[Trajectory], width: int) -> torch.Tensor | None:
         """The recorded expert ids of a micro-batch as L × B × T × k (-1 where a token has none), for
@@ -186,7 +197,7 @@ class Learner:
                                      f"{[len(ids) for ids in per_layer]} experts; the policy has {n_layers} × {k}")
             if pos:  # one copy per episode: positions × layers × k → layers × positions × k
                 out[:, b, pos] = torch.tensor([t.routed_experts[p] for p in pos]).transpose(0, 1)
-        return out
+        return out.to(self.device)
 
     def _logprobs(self, lm, ids, attn, with_entropy: bool = False, routing_out: list | None = None,
                   routing=None, replayed: list | None = None, hf_routers: list | None = None, only=None):
@@ -194,20 +205,23 @@ class Learner:
         `routing_out` collects the policy's router scores, `hf_routers` a Hugging Face MoE's router
         logits and choices (both for balancing), `replayed` the routing-replay counts; `only`: the
         loss mask, to run the head on the generated tokens alone (0 elsewhere)."""
-        h, router_info = lm.hidden_and_routing(ids, attn, routing, capture=hf_routers is not None)
+        with devices.autocast(self.device, self.precision):  # bf16: forward (and its backward) in bf16
+            h, router_info = lm.hidden_and_routing(ids, attn, routing, capture=hf_routers is not None)
         if replayed is not None and router_info is not None:
             replayed.append(router_info["replayed"])
         valid = attn.reshape(-1).bool()  # padding takes no part in balancing
         if routing_out is not None and router_info is not None and router_info["scores"]:
-            routing_out.append([s[valid] for s in router_info["scores"]])
+            # balancing runs on the CPU (a few floats per token and expert; rl/learner.py balance_routers)
+            routing_out.append([s[valid].detach().float().cpu() for s in router_info["scores"]])
         if hf_routers is not None and router_info is not None and router_info["hf_routers"]:
             hf_routers.append((router_info["hf_routers"], valid))
-        logp, ent = chunked_logprobs(h, lm.head, ids, temperature=self.temperature,
-                                     chunk_tokens=self.cfg.logprob_chunk_tokens, with_entropy=with_entropy,
-                                     banned_ids=lm.banned_ids, only_BT=only)
-        # the value of the state before token p comes from the hidden state at p-1, like its logits
-        values = self.value_head(h[:, :-1]) if (self.value_head is not None and lm is self.lm) else None
-        return logp, ent, values
+        with devices.autocast(self.device, self.precision):  # the head's matmul in bf16; log-softmax in fp32
+            logp, ent = chunked_logprobs(h, lm.head, ids, temperature=self.temperature,
+                                         chunk_tokens=self.cfg.logprob_chunk_tokens, with_entropy=with_entropy,
+                                         banned_ids=lm.banned_ids, only_BT=only)
+            # the value of the state before token p comes from the hidden state at p-1, like its logits
+            values = self.value_head(h[:, :-1]) if (self.value_head is not None and lm is self.lm) else None
+        return logp.float(), None if ent is None else ent.float(), None if values is None else values.float()
 
     @torch.no_grad()
     def balance_routers(self, scores_per_micro: list[list[torch.Tensor]]) -> dict:
@@ -228,21 +242,22 @@ class Learner:
         out = {"router_load_max_over_mean": []}
         for layer, router in enumerate(self.model.routers()):
             a = router.a
+            bias = router.bias.detach().float().cpu()  # the scores were brought to the CPU (_logprobs)
             scores = torch.cat([micro[layer] for micro in scores_per_micro] or [torch.zeros(0, a.n_routed_experts)])
-            idx = (scores + router.bias).topk(a.top_k, dim=-1).indices
+            idx = (scores + bias).topk(a.top_k, dim=-1).indices
             # every rank's tokens count: loads and histograms are summed, exact quantiles see all scores
             load = all_reduce_sum(torch.bincount(idx.flatten(), minlength=a.n_routed_experts))
             out["router_load_max_over_mean"].append(load_imbalance(load))
             if a.balance == "quantile":
-                router.bias.copy_(quantile_bias(all_gather_rows(scores), router.bias, a.top_k))
+                router.bias.copy_(quantile_bias(all_gather_rows(scores), bias, a.top_k))
             elif a.balance == "quantile_hist":
                 hist = QuantileHistogram(a.n_routed_experts, a.top_k, a.hist_bins, a.hist_range)
                 for micro in scores_per_micro:  # per-micro-batch counts add up (as across ranks)
-                    hist.add(micro[layer], router.bias)
+                    hist.add(micro[layer], bias)
                 all_reduce_sum(hist.counts_EB)
                 router.bias.copy_(hist.bias())
             elif a.balance == "sign":
-                router.bias.copy_(sign_update(load, router.bias, a.balance_rate))
+                router.bias.copy_(sign_update(load, bias, a.balance_rate))
         return {"router_load_max_over_mean": max(out["router_load_max_over_mean"])} if out["router_load_max_over_mean"] else {}
 
     def fuses_old_logprobs(self, n_minibatches: int) -> bool:
@@ -276,28 +291,9 @@ class Learner:
         return [[m for share in mb for m in share] for mb in self.shares(batch)]
 
     def shares(self, batch: list[Trajectory]) -> list[list[list[list[int]]]]:
-        """Per minibatch, per rank, that rank's micro-batches: the minibatch's episodes dealt to the
-        ranks by tokens, each share packed on its own (one share, the whole minibatch, alone)."""
-        c = self.cfg
-        lengths = [len(t.token_ids) for t in batch]
-        out = []
-        for s in range(0, len(batch), c.minibatch_episodes):
-            idx = list(range(s, min(s + c.minibatch_episodes, len(batch))))
-            out.append([self._pack(share, lengths) for share in deal_by_tokens(idx, lengths, self.world)])
-        return out
-
-    def _pack(self, idx: list[int], lengths: list[int]) -> list[list[int]]:
-        micro, longest, packed = [], 0, []
-        for i in sorted(idx, key=lambda i: (lengths[i], i)):
-            n = lengths[i]
-            if micro and max(longest, n) * (len(micro) + 1) > self.cfg.microbatch_tokens:
-                packed.append(micro)
-                micro, longest = [], 0
-            micro.append(i)
-            longest = max(longest, n)
-        if micro:
-            packed.append(micro)
-        return packed
+        """Per minibatch, per rank, that rank's micro-batches (rl/shares.py `minibatch_shares`)."""
+        return minibatch_shares([len(t.token_ids) for t in batch], self.cfg.minibatch_episodes,
+                                self.cfg.microbatch_tokens, self.world)
 
     def _advantages(self, batch, plan, old_v):
         """(advantages for a micro-batch's index list, PPO returns {episode: {position: R}}, mean |A|)."""
@@ -359,7 +355,9 @@ class Learner:
         if not rows:
             return values.sum() * 0.0
         r, c_ = torch.tensor(rows), torch.tensor(cols)
-        return value_loss(values[r, c_], old_values[r, c_], torch.tensor(targets), self.cfg.value_clip) / max(n_points, 1)
+        r, c_ = r.to(values.device), c_.to(values.device)
+        return value_loss(values[r, c_], old_values[r, c_], torch.tensor(targets, device=values.device),
+                          self.cfg.value_clip) / max(n_points, 1)
 
     @staticmethod
     def _annotations(batch, plan, old, adv_of) -> dict:
@@ -453,7 +451,7 @@ class Learner:
                     if fused:
                         old[key] = logp.detach()
                     loss, m = policy_loss(
-                        logp, old[key], adv_of(micro), mask,
+                        logp, old[key], adv_of(micro).to(self.device), mask,
                         clip_low=c.clip_low, clip_high=c.clip_high, aggregation=c.loss_aggregation,
                         ratio_level=c.ratio_level, max_tokens=self.max_generated_tokens, dual_clip=c.dual_clip,
                         is_weight_BT=truncated_is_weights(old[key], rollout, c.tis_cap) if c.tis_cap else None,
@@ -467,7 +465,7 @@ class Learner:
                         loss = loss + c.vf_coef * vl
                     if hf_routers:  # the micro-batch's share of the minibatch's load-balancing loss
                         aux, loads = balance_terms(*hf_routers[0])
-                        hf_loads.append(loads)
+                        hf_loads.append([load.cpu() for load in loads])
                         m["router_aux_loss"] = float(aux.detach())
                         if c.router_aux_coef:
                             loss = loss + c.router_aux_coef * aux * (int(attn.sum()) / mb_tokens)
@@ -516,7 +514,7 @@ class Learner:
             diffs.append((lp - rollout).abs()[gen])
             d_rollout = (rollout - lp)[gen]  # k3 estimate of KL(learner ‖ engine) per token
             kls.append(torch.exp(d_rollout) - d_rollout - 1)
-            versions = torch.tensor(_pad([token_versions(batch[i]) for i in micro], -1))[:, 1:]
+            versions = torch.tensor(_pad([token_versions(batch[i]) for i in micro], -1))[:, 1:].to(self.device)
             lags.append((self.version - versions)[gen])
         d, lag = torch.cat(diffs), torch.cat(lags)
         out = {"rollout_logprob_diff_mean": float(d.mean()), "rollout_logprob_diff_max": float(d.max()),
@@ -530,7 +528,7 @@ class Learner:
     def _dummy(self, backward: bool = False) -> None:
         """A two-token forward (and backward of zero loss) for a rank with fewer micro-batches than
         another: the collectives inside must run on every rank. Its gradients are zeros."""
-        ids = torch.zeros(1, 2, dtype=torch.long)
+        ids = torch.zeros(1, 2, dtype=torch.long, device=self.device)
         logp, _, values = self._logprobs(self.lm, ids, torch.ones_like(ids))
         if backward:
             loss = logp.sum() * 0.0
@@ -558,7 +556,7 @@ class Learner:
     @torch.no_grad()
     def logprobs(self, token_ids: list[int]) -> list[float]:
         """The learner's log p(token_ids[i] | token_ids[:i]) for i >= 1 (temperature 1)."""
-        ids = torch.tensor([token_ids])
+        ids = torch.tensor([token_ids], device=self.device)
         h = self.lm.hidden(ids)
         return chunked_logprobs(h, self.lm.head, ids, chunk_tokens=self.cfg.logprob_chunk_tokens,
                                 banned_ids=self.lm.banned_ids)[0][0].tolist()
@@ -621,5 +619,3 @@ class Learner:
 
         return load_learner(self, path)
 
-
-LearnerActor = ray.remote(Learner)

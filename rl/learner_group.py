@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import ray
 
-from rl.learner import LearnerActor
+from rl.learner import Learner
+
+LearnerActor = ray.remote(Learner)
 from rl.ray_utils import result
 
 

@@ -238,13 +238,18 @@ class Trainer:
         self.console.log(f"starting {c.rollout.num_workers} rollout worker(s), {c.env.workers} env worker(s) "
                          f"and {c.learner.world_size} learner rank(s)")
         r = c.ray
+        # a GPU per rank for a cuda learner; auto: when the cluster has one for every rank (Ray hides
+        # GPUs from an actor that asked for none, so the rank then trains on CPU)
+        gpus = 1 if c.learner.device == "cuda" or (
+            c.learner.device == "auto" and ray.cluster_resources().get("GPU", 0) >= c.learner.world_size) else 0
         # the learner holds the run's state: never restarted by Ray (max_restarts=0), resumed from a checkpoint
         self.learner = LearnerGroup(
-            c.learner.world_size, dict(num_cpus=r.learner_cpus, resources=dict(r.learner_resources), max_restarts=0),
+            c.learner.world_size, dict(num_cpus=r.learner_cpus, num_gpus=gpus, resources=dict(r.learner_resources),
+                                       max_restarts=0),
             path, c.algo, seed=c.seed, dtype=c.policy.dtype, temperature=c.rollout.temperature,
             max_generated_tokens=c.rollout.max_turns * c.rollout.max_new_tokens,
             max_staleness=self.staleness_bound(), expert_parallel=c.learner.expert_parallel,
-            backend="gloo" if c.learner.backend == "auto" else c.learner.backend,  # CPU learner (config.py)
+            backend=c.learner.backend, device="cuda" if gpus else "cpu", precision=c.learner.precision,
         )
         rollouts = self.source is None  # training from a store needs no engines and no environments
         self.env_workers = [

@@ -53,3 +53,18 @@ def test_the_readme_plugin_example_is_the_tested_plugin():
     shown = text[start: text.index("```\n", start)]
     source = (REPO / "tests/plugins/lh_demo_plugin/lh_demo_plugin/echo.py").read_text()
     assert source.split('"""', 2)[2].lstrip("\n") == shown
+
+
+def test_make_bench_keeps_the_gpu_checks_run_by_hand(tmp_path):
+    """bench/run_all.py rewrites results.md; the GPU section (written on a lent GPU machine, which
+    `make bench` never has) must survive it."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "results.md"
+    out.write_text("# old\n\n## 1. old row\n\nstale\n\n## GPU checks (run by hand on a lent GPU machine)\n\nH200 numbers\n")
+    r = subprocess.run([sys.executable, "bench/run_all.py", "--only", "999", "--out", str(out)], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    text = out.read_text()
+    assert "stale" not in text and text.endswith("## GPU checks (run by hand on a lent GPU machine)\n\nH200 numbers\n")
