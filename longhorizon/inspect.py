@@ -142,9 +142,10 @@ def print_episode(run_dir: str | Path, episode_id: str, console: Console) -> Non
     for m in t.milestones:
         by_turn[m["turn"]].append(f"{m['name']} +{m['reward']:g}")
     for i, turn in enumerate(t.turns):
-        title = (f"turn {i} · v{turn.policy_version} · {turn.gen_end - turn.gen_start} tokens · "
-                 f"{turn.tool_calls} tool result(s), {turn.tool_errors} error(s) · {turn.finish_reason}"
-                 + (f" · {', '.join(turn.failures)}" if turn.failures else ""))
+        # what went wrong first: a narrow (piped) console cuts a long title at its end
+        title = (f"turn {i}" + (f" · {', '.join(turn.failures)}" if turn.failures else "")
+                 + f" · v{turn.policy_version} · {turn.gen_end - turn.gen_start} tokens · "
+                 f"{turn.tool_calls} tool result(s), {turn.tool_errors} error(s) · {turn.finish_reason}")
         console.print(Panel(Text(turn.text or "(empty)"), title=Text(title), title_align="left", border_style="cyan"))
         if turn.observation:
             console.print(Panel(Text(turn.observation), title="observation", title_align="left",

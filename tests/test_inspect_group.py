@@ -71,6 +71,9 @@ def test_the_group_side_by_side(group_run):
     text = cli("inspect", str(run_dir), "--group", "3").stdout
     assert "e-expert" in text and "(best)" in text and "turn 1" in text and "+1.200" in text
     assert "no group 7" in cli("inspect", str(run_dir), "--group", "7").stderr
+    # a turn without a tool call says so in the terminal too (it counts no tool error)
+    episode = cli("inspect", str(run_dir), "--episode", "e-chat").stdout
+    assert episode.count("turn 0 · no_tool_call ·") == 1 and episode.count("turn 1 · no_tool_call ·") == 1
 
 
 def test_failure_and_tool_error_filters(group_run):
