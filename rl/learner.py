@@ -46,10 +46,9 @@ from rl.credit import token_advantages
 from rl.grpo import group_advantages, policy_loss, truncated_is_weights
 from rl.logprobs import chunked_logprobs, load_causal_lm
 from rl.ppo import ValueHead, episode_targets, value_loss
-from rl.routing import balance_terms
+from rl.routing import balance_policy_routers, balance_terms, hf_load_metrics
 from rl.shares import (
     all_gather_objects,
-    all_gather_rows,
     all_reduce_sum,
     minibatch_shares,
     padded_slots,
@@ -211,7 +210,7 @@ class Learner:
             replayed.append(router_info["replayed"])
         valid = attn.reshape(-1).bool()  # padding takes no part in balancing
         if routing_out is not None and router_info is not None and router_info["scores"]:
-            # balancing runs on the CPU (a few floats per token and expert; rl/learner.py balance_routers)
+            # balancing runs on the CPU (a few floats per token and expert; rl/routing.py balance_policy_routers)
             routing_out.append([s[valid].detach().float().cpu() for s in router_info["scores"]])
         if hf_routers is not None and router_info is not None and router_info["hf_routers"]:
             hf_routers.append((router_info["hf_routers"], valid))
@@ -223,43 +222,6 @@ class Learner:
             values = self.value_head(h[:, :-1]) if (self.value_head is not None and lm is self.lm) else None
         return logp.float(), None if ent is None else ent.float(), None if values is None else values.float()
 
-    @torch.no_grad()
-    def balance_routers(self, scores_per_micro: list[list[torch.Tensor]]) -> dict:
-        """Quantile-balancing (or sign) update of every MoE router's selection bias from the router
-        scores of this optimiser step's tokens, for the project's policy; returns load metrics.
-
-        The update uses the scores the step's forward produced, with the bias it had; it takes
-        effect from the next forward (rollouts see it after the next weight sync)."""
-        if self.lm.kind != "policy" or not (scores_per_micro or self.world > 1):
-            return {}  # (in a group, a rank with only dummies still takes part in the collectives)
-        from policy.balance import (
-            QuantileHistogram,
-            load_imbalance,
-            quantile_bias,
-            sign_update,
-        )
-
-        out = {"router_load_max_over_mean": []}
-        for layer, router in enumerate(self.model.routers()):
-            a = router.a
-            bias = router.bias.detach().float().cpu()  # the scores were brought to the CPU (_logprobs)
-            scores = torch.cat([micro[layer] for micro in scores_per_micro] or [torch.zeros(0, a.n_routed_experts)])
-            idx = (scores + bias).topk(a.top_k, dim=-1).indices
-            # every rank's tokens count: loads and histograms are summed, exact quantiles see all scores
-            load = all_reduce_sum(torch.bincount(idx.flatten(), minlength=a.n_routed_experts))
-            out["router_load_max_over_mean"].append(load_imbalance(load))
-            if a.balance == "quantile":
-                router.bias.copy_(quantile_bias(all_gather_rows(scores), bias, a.top_k))
-            elif a.balance == "quantile_hist":
-                hist = QuantileHistogram(a.n_routed_experts, a.top_k, a.hist_bins, a.hist_range)
-                for micro in scores_per_micro:  # per-micro-batch counts add up (as across ranks)
-                    hist.add(micro[layer], bias)
-                all_reduce_sum(hist.counts_EB)
-                router.bias.copy_(hist.bias())
-            elif a.balance == "sign":
-                router.bias.copy_(sign_update(load, bias, a.balance_rate))
-        return {"router_load_max_over_mean": max(out["router_load_max_over_mean"])} if out["router_load_max_over_mean"] else {}
-
     def fuses_old_logprobs(self, n_minibatches: int) -> bool:
         """Whether the pre-update log-probs come from the training forward itself: GRPO with a single
         optimiser step per batch (one epoch, one minibatch), nothing else needing them before it (no
@@ -267,22 +229,6 @@ class Learner:
         c = self.cfg
         return (c.fuse_old_logprobs and c.name == "grpo" and c.epochs == 1 and n_minibatches == 1
                 and not c.kl_beta and self.world == 1)
-
-    def hf_load_metrics(self, loads_per_micro: list[list[torch.Tensor]]) -> dict:
-        """The worst MoE layer's max/mean expert load over this optimiser step's tokens, for a
-        Hugging Face MoE (in a group the loads are summed over ranks, so every rank takes part)."""
-        if self.lm.kind != "hf" or not self.lm.hf_replay.supported:
-            return {}
-        from policy.balance import load_imbalance
-
-        n_layers, n_experts = len(self.lm.hf_replay.gates), self.lm.hf_replay.num_experts
-        load = torch.zeros(n_layers, n_experts, dtype=torch.long)
-        for per_layer in loads_per_micro:
-            load += torch.stack(per_layer)
-        load = all_reduce_sum(load)
-        if not int(load.sum()):
-            return {}
-        return {"router_load_max_over_mean": max(load_imbalance(row) for row in load)}
 
     def plan(self, batch: list[Trajectory]) -> list[list[list[int]]]:
         """Minibatches of `minibatch_episodes` episodes (one optimiser step each), each packed into
@@ -474,9 +420,9 @@ class Learner:
                     for k, v in m.items():
                         stats.setdefault(k, []).append(v)
                 grad_norm = self._clip_and_step()
-                for k, v in self.balance_routers(routing).items():
+                for k, v in balance_policy_routers(self.lm, routing, self.world).items():
                     stats.setdefault(k, []).append(v)
-                for k, v in self.hf_load_metrics(hf_loads).items():
+                for k, v in hf_load_metrics(self.lm, hf_loads).items():
                     stats.setdefault(k, []).append(v)
                 stats.setdefault("loss", []).append(float(all_reduce_sum(torch.tensor(total, dtype=torch.float64))))
                 stats.setdefault("grad_norm", []).append(grad_norm)

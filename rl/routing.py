@@ -106,3 +106,56 @@ def balance_terms(captured: list[tuple[torch.Tensor, torch.Tensor]], valid_N: to
         aux = aux + n_experts * (share * torch.softmax(logits.float(), -1).mean(0)).sum()
         loads.append(load)
     return aux / max(len(captured), 1), loads
+
+
+@torch.no_grad()
+def balance_policy_routers(lm, scores_per_micro: list[list[torch.Tensor]], world: int = 1) -> dict:
+    """Quantile-balancing (or sign) update of every MoE router's selection bias of the project's
+    policy (`lm`, an rl.logprobs.CausalLM) from the router scores of one optimiser step's tokens
+    (on the CPU, per micro-batch, per layer); returns the load metric.
+
+    The update uses the scores the step's forward produced, with the bias it had; it takes effect
+    from the next forward (rollouts see it after the next weight sync). In a learner group every
+    rank's tokens count: loads and histograms are summed, exact quantiles see all scores."""
+    if lm.kind != "policy" or not (scores_per_micro or world > 1):
+        return {}  # (in a group, a rank with only dummies still takes part in the collectives)
+    from policy.balance import QuantileHistogram, load_imbalance, quantile_bias, sign_update
+    from rl.shares import all_gather_rows, all_reduce_sum
+
+    loads = []
+    for layer, router in enumerate(lm.module.routers()):
+        a = router.a
+        bias = router.bias.detach().float().cpu()  # where the scores are
+        scores = torch.cat([micro[layer] for micro in scores_per_micro] or [torch.zeros(0, a.n_routed_experts)])
+        idx = (scores + bias).topk(a.top_k, dim=-1).indices
+        load = all_reduce_sum(torch.bincount(idx.flatten(), minlength=a.n_routed_experts))
+        loads.append(load_imbalance(load))
+        if a.balance == "quantile":
+            router.bias.copy_(quantile_bias(all_gather_rows(scores), bias, a.top_k))
+        elif a.balance == "quantile_hist":
+            hist = QuantileHistogram(a.n_routed_experts, a.top_k, a.hist_bins, a.hist_range)
+            for micro in scores_per_micro:  # per-micro-batch counts add up (as across ranks)
+                hist.add(micro[layer], bias)
+            all_reduce_sum(hist.counts_EB)
+            router.bias.copy_(hist.bias())
+        elif a.balance == "sign":
+            router.bias.copy_(sign_update(load, bias, a.balance_rate))
+    return {"router_load_max_over_mean": max(loads)} if loads else {}
+
+
+def hf_load_metrics(lm, loads_per_micro: list[list[torch.Tensor]]) -> dict:
+    """The worst MoE layer's max/mean expert load over one optimiser step's tokens, for a Hugging
+    Face MoE (`balance_terms`' loads, on the CPU; in a group summed over ranks, so every rank takes part)."""
+    if lm.kind != "hf" or not lm.hf_replay.supported:
+        return {}
+    from policy.balance import load_imbalance
+    from rl.shares import all_reduce_sum
+
+    n_layers, n_experts = len(lm.hf_replay.gates), lm.hf_replay.num_experts
+    load = torch.zeros(n_layers, n_experts, dtype=torch.long)
+    for per_layer in loads_per_micro:
+        load += torch.stack(per_layer)
+    load = all_reduce_sum(load)
+    if not int(load.sum()):
+        return {}
+    return {"router_load_max_over_mean": max(load_imbalance(row) for row in load)}
