@@ -184,7 +184,7 @@ def compare_group(eps: list, advantages: dict) -> tuple[str, list[dict]]:
         if first is None and len(t.token_ids) != len(best.token_ids):
             first = min(len(t.token_ids), len(best.token_ids))
         turn = None if first is None else next((i for i, tu in enumerate(t.turns) if first < tu.obs_end),
-                                               len(t.turns) - 1)
+                                               max(len(t.turns) - 1, 0))
         rows.append({"episode_id": t.episode_id, "reward": t.reward, "failure": t.failure,
                      "advantage": advantages.get(t.episode_id), "stop_reason": t.stop_reason,
                      "milestones": [m["name"] for m in t.milestones],
