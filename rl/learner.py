@@ -40,7 +40,6 @@ import numpy as np
 import torch
 
 from rl import device as devices
-
 from rl.config import AlgoConfig
 from rl.credit import token_advantages
 from rl.grpo import group_advantages, policy_loss, truncated_is_weights
