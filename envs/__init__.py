@@ -81,13 +81,14 @@ def config_problem(env_id: str, kwargs: dict | None = None) -> tuple[str, str] |
     except Exception as exc:  # a plugin whose module fails to import
         return "id", f"environment {env_id!r} cannot be imported: {type(exc).__name__}: {exc}"
     signature = inspect.signature(cls)
+    merged = {**spec(env_id).kwargs, **(kwargs or {})}
     try:
-        signature.bind(**{**spec(env_id).kwargs, **(kwargs or {})})
+        signature.bind(**merged)
     except TypeError as exc:
         named = [p.name for p in signature.parameters.values() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
         return "kwargs", f"environment {env_id!r} does not accept them ({exc}); it takes: {', '.join(named) or 'none'}"
     check = getattr(cls, "kwargs_problem", None)  # an environment's own checks of its arguments' values
-    problem = check({**spec(env_id).kwargs, **(kwargs or {})}) if check else None
+    problem = check(merged) if check else None
     return ("kwargs", f"environment {env_id!r}: {problem}") if problem else None
 
 

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import gymnasium as gym
 
-from envs.sandbox import Limits, SandboxError, open_sandbox, options_problem
+from envs.sandbox import Limits, SandboxError, backend_status, open_sandbox, options_problem
 from rewards.milestones import Milestone, MilestoneLedger, solved, step_reward
 from envs.tool_calls import ToolCall, ToolCallError, parse_tool_calls
 
@@ -147,7 +147,6 @@ class ToolEnv(gym.Env):
         infra_error = ""
         calls, errors = parse_tool_calls(action)
         messages: list[dict[str, Any]] = []
-        n_errors = len(errors)
         for err in errors:
             messages.append({"role": "tool", "content": f"error: malformed tool call: {err.message}"})
             self._failures.append("malformed_call")
@@ -155,21 +154,18 @@ class ToolEnv(gym.Env):
         for call in calls:
             fn = functions.get(call.name)
             if fn is None:
-                n_errors += 1
                 self._failures.append("unknown_tool")
                 result = f"error: unknown tool {call.name!r}; available: {', '.join(functions)}"
             else:
                 try:
                     result = fn(**call.arguments)
                 except ToolFailure as exc:
-                    n_errors += 1
                     self._failures.append("tool_error")
                     result = f"error: {exc}"
                 except (SandboxError, InfraError) as exc:  # the environment's failure, not the policy's
                     infra_error = f"{call.name}: {exc}"
                     result = f"error: the tool could not run ({exc})"
                 except Exception as exc:  # model-written arguments must never crash the worker
-                    n_errors += 1
                     self._failures.append("tool_error")
                     result = f"error: {call.name} failed: {type(exc).__name__}: {exc}"
             messages.append({"role": "tool", "content": str(result)})
@@ -183,7 +179,9 @@ class ToolEnv(gym.Env):
         self._done = terminated or truncated
         reward = step_reward(self._events)
         observation = "\n".join(m["content"] for m in messages)
-        # what went wrong in this turn, one entry per problem (rollout.trajectory.TURN_FAILURES)
+        # what went wrong in this turn, one entry per problem (rollout.trajectory.TURN_FAILURES); the
+        # tool errors are the calls that went wrong (not a turn without one, not a limit a call hit)
+        n_errors = sum(f in ("malformed_call", "unknown_tool", "tool_error") for f in self._failures)
         info = {"messages": messages, "milestones": list(self._events), "tool_errors": n_errors,
                 "failures": list(self._failures)}
         if infra_error:
@@ -233,8 +231,6 @@ class SandboxedEnv(ToolEnv):
     def host_problem(cls, kwargs: dict) -> str | None:
         """Why this machine cannot run the sandbox these arguments ask for (no bwrap, no Docker
         engine), or None. Only for runs whose environments run here (a local run)."""
-        from envs.sandbox import backend_status
-
         return backend_status(kwargs.get("backend", "bwrap"), kwargs.get("docker_host"))
 
     def new_sandbox(self):

@@ -128,7 +128,6 @@ def check_env(env, *, seed: int = 0, expert: bool = True) -> dict:
             problems.append("the expert's episode did not terminate: its last turn should finish the task")
         if total <= 0:
             problems.append("the expert earned no reward: its turns should reach the milestones")
-        declared = getattr(env, "milestones", ())
         undeclared = [m for m in reached if declared and not any(d.matches(m) for d in declared)]
         if undeclared:
             problems.append(f"the expert reached milestones the environment does not declare: {undeclared}; add them "

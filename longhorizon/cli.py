@@ -189,7 +189,7 @@ def _export(args) -> int:
         print(f"error: {args.run_dir} holds no trajectory shards", file=sys.stderr)
         return 2
     strict = not args.skip_corrupt
-    bad = store.unreadable() if strict else {}
+    bad = store.unreadable() if strict else []
     if bad:  # before anything is written
         print(f"error: {bad[0]} ({len(bad)} in all; --skip-corrupt leaves them out)", file=sys.stderr)
         return 2
@@ -507,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", required=True, help="the cluster's jobs endpoint, e.g. http://HEAD:8265")
     p.set_defaults(fn=_jobs)
 
-    from rollout.trajectory import FAILURE_KINDS
+    from rollout.trajectory import FAILURE_KINDS, STOP_REASONS
 
     p = sub.add_parser("inspect", help="summarise a run, or show one episode")
     p.add_argument("run_dir")
@@ -521,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--version", type=int, help="only episodes with a turn of this policy version")
     p.add_argument("--min-generated", type=int, help="at least this many generated tokens")
     p.add_argument("--max-generated", type=int)
-    p.add_argument("--stop", help="only this stop reason (terminated, truncated, max_turns, max_tokens, infra_error)")
+    p.add_argument("--stop", help=f"only this stop reason ({', '.join(STOP_REASONS)})")
     p.add_argument("--failure", help=f"only this failure kind ({', '.join(FAILURE_KINDS)})")
     p.add_argument("--min-tool-errors", type=int, help="only episodes with at least this many tool errors")
     p.add_argument("--group", type=int, help="one GRPO group side by side: rewards, advantages, failures, "

@@ -24,7 +24,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from rl.store import TrajectoryStore, legacy_failures, stored_failure
+from rl.store import TrajectoryStore, stored_failure, stored_turns
 from rollout.trajectory import FAILURE_KINDS, STOP_REASONS, TURN_FAILURES, Turn
 
 SUMMARY_COLUMNS = ["episode_id", "iteration", "reward", "policy_versions", "num_turns",
@@ -133,8 +133,7 @@ def print_episode(run_dir: str | Path, episode_id: str, console: Console) -> Non
     t = find_episode(run_dir, episode_id)
     console.print(Text.assemble((t.episode_id, "bold"), f" env {t.env_id} seed {t.seed} group {t.group_id}  "
                                 f"reward {t.reward:.3f}  stop {t.stop_reason}  tokens {len(t.token_ids)} "
-                                f"({t.num_generated} generated)  ",
-                                (t.failure, "green" if t.failure == "success" else "red")))
+                                f"({t.num_generated} generated)  ", _kind(t.failure)))
     if t.infra_error:
         console.print(Text.assemble(("infrastructure error: ", "red"), t.infra_error))
     console.print(Panel(Text(t.task or "(not recorded)"), title="task", title_align="left", border_style="magenta"))
@@ -154,6 +153,11 @@ def print_episode(run_dir: str | Path, episode_id: str, console: Console) -> Non
             console.print(Text(f"  milestones: {', '.join(by_turn[i])}", style="green"))
         for event in turn.sandbox_events:
             console.print(Text(f"  sandbox: {event}", style="yellow"))
+
+
+def _kind(failure: str) -> Text:
+    """A failure kind as shown: green for success, red for the rest."""
+    return Text(failure, style="green" if failure == "success" else "red")
 
 
 def _calls(turn: Turn) -> str:
@@ -229,7 +233,7 @@ def print_group(view: dict, console: Console) -> None:
             cells.append(Text(calls, style=style + (" red" if calls in TURN_FAILURES or "[" in calls else "")))
         table.add_row(e["episode_id"], f"{e['reward']:.3f}",
                       "-" if e["advantage"] is None else f"{e['advantage']:+.3f}",
-                      Text(e["failure"], style="green" if e["failure"] == "success" else "red"),
+                      _kind(e["failure"]),
                       ", ".join(e["milestones"]) or "-", diverges, *cells)
     console.print(table)
 
@@ -241,7 +245,7 @@ LIST_COLUMNS = ["episode_id", "iteration", "group_id", "env_id", "reward", "poli
 def episode_list(run_dir: str | Path, *, env: str | None = None, min_reward: float | None = None,
                  max_reward: float | None = None, version: int | None = None, min_generated: int | None = None,
                  max_generated: int | None = None, stop: str | None = None, failure: str | None = None,
-                 min_tool_errors: int | None = None, group: int | None = None) -> list[dict]:
+                 min_tool_errors: int | None = None) -> list[dict]:
     """Episodes matching every given filter (a few columns only: no token ids are read), each
     with its failure kind and tool-error count."""
     if stop is not None and stop not in STOP_REASONS:
@@ -251,14 +255,11 @@ def episode_list(run_dir: str | Path, *, env: str | None = None, min_reward: flo
         raise ValueError(f"--failure {failure!r} is not a failure kind; they are: {', '.join(FAILURE_KINDS)}")
     out = []
     for row in TrajectoryStore(run_dir).rows(LIST_COLUMNS, strict=False):
-        turns = [Turn(**t) for t in json.loads(row.pop("turns"))]
-        for t in turns if not row.get("failure") else ():  # written before schema 3
-            t.failures = legacy_failures(t)
+        turns = stored_turns(row.pop("turns"))
         row["failure"] = stored_failure(row, turns, json.loads(row.pop("milestones")))
         row["tool_errors"] = sum(t.tool_errors for t in turns)
         if ((env is None or row["env_id"] == env)
                 and (failure is None or row["failure"] == failure)
-                and (group is None or row["group_id"] == group)
                 and (min_tool_errors is None or row["tool_errors"] >= min_tool_errors)
                 and (min_reward is None or row["reward"] >= min_reward)
                 and (max_reward is None or row["reward"] <= max_reward)
@@ -280,7 +281,7 @@ def print_episode_list(rows: list[dict], console: Console, limit: int = 50) -> N
         table.add_row(r["episode_id"], str(r["iteration"]), str(r["group_id"]), r["env_id"], f"{r['reward']:.3f}",
                       ",".join(map(str, r["policy_versions"])), str(r["num_turns"]), str(r["num_generated"]),
                       str(r["tool_errors"]), r["stop_reason"],
-                      Text(r["failure"], style="green" if r["failure"] == "success" else "red"))
+                      _kind(r["failure"]))
     console.print(table)
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 from longhorizon.inspect import load_metrics
 from rl.loggers import numeric_series
 
-# what a person looks at first, in this order. `None`: every key with that prefix, drawn even when
-# there is none (an empty plot says "none reached" better than a missing file). What no panel takes
+# what a person looks at first, in this order. A string instead of a key list: every key with that
+# prefix, the page drawn even when there is none (an empty plot says "none reached" better than a missing file). What no panel takes
 # goes to `seconds.png` (keys ending in _s: one unit, one axis) or `other.png`, one small axes per
 # metric, so counts, bytes and rewards never share a scale.
 PANELS = [

@@ -67,16 +67,18 @@ def write_html(run_dir: str | Path, out: str | Path, max_episodes: int = 500, ma
     for gid, eps in by_group.items():
         best, rows = compare_group(eps, {t.episode_id: mean_advantage(t, learner.get(t.episode_id)) for t in eps})
         groups[gid] = {"best": best, "episodes": rows}
-    held_out = [{"iteration": r["iteration"], "success": r["eval/success"], "lo": r.get("eval/ci95_low"),
-                 "hi": r.get("eval/ci95_high")} for r in load_metrics(run_dir) if "eval/success" in r]
+    def point(iteration: int, r: dict) -> dict:
+        return {"iteration": iteration, "success": r["eval/success"], "lo": r.get("eval/ci95_low"),
+                "hi": r.get("eval/ci95_high")}
+
+    held_out = [point(r["iteration"], r) for r in load_metrics(run_dir) if "eval/success" in r]
     initial = run_dir / "eval-initial.json"  # before the first iteration (after any warm start): drawn at -1
     try:
         first = json.loads(initial.read_text()) if initial.exists() else {}
     except json.JSONDecodeError:
         first = {}
     if "eval/success" in first:
-        held_out.insert(0, {"iteration": -1, "success": first["eval/success"], "lo": first.get("eval/ci95_low"),
-                            "hi": first.get("eval/ci95_high")})
+        held_out.insert(0, point(-1, first))
     data = {"summary": s, "episodes": payloads, "episodes_cut": len(ids) > max_episodes, "groups": groups,
             "held_out": held_out, "failure_kinds": FAILURE_KINDS}
     blob = json.dumps(data).replace("</", "<\\/")  # keep "</script>" out of the JSON

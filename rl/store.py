@@ -85,7 +85,7 @@ class TrajectoryStore:
                         "token_ids", "loss_mask", "rollout_logprobs", "reward", "stop_reason", "infra_error"):
                 rows[key].append(getattr(t, key))
             # the agent loop sets it; a record made elsewhere (a test, a conversion) gets it derived here
-            rows["failure"].append(t.failure or stored_failure({**vars(t), "failure": ""}, t.turns, t.milestones))
+            rows["failure"].append(t.failure or stored_failure(vars(t), t.turns, t.milestones))
             rows["policy_versions"].append(sorted({turn.policy_version for turn in t.turns}))
             rows["turns"].append(json.dumps([vars(turn) for turn in t.turns]))
             rows["milestones"].append(json.dumps(t.milestones))
@@ -176,8 +176,9 @@ class TrajectoryStore:
         still show the rest."""
         for shard in self.shards() if shards is None else shards:
             try:
-                present = pq.read_schema(shard).names
-                table = pq.read_table(shard, columns=None if columns is None else [c for c in columns if c in present])
+                pf = pq.ParquetFile(shard)  # one open: the footer tells which columns this shard has
+                present = pf.schema_arrow.names
+                table = pf.read(columns=None if columns is None else [c for c in columns if c in present])
             except (pa.ArrowInvalid, OSError) as exc:
                 if strict:
                     raise CorruptShard(shard, exc) from exc
@@ -227,6 +228,17 @@ def legacy_failures(turn: Turn) -> list[str]:
     return out + ["sandbox_limit" for e in turn.sandbox_events if e.endswith("limit reached")]
 
 
+def stored_turns(turns_json: str) -> list[Turn]:
+    """A row's `turns` column as Turn records; a turn written before schema 3 gets its failures
+    from `legacy_failures`."""
+    raw = json.loads(turns_json)
+    turns = [Turn(**t) for t in raw]
+    for t, r in zip(turns, raw):
+        if "failures" not in r:
+            t.failures = legacy_failures(t)
+    return turns
+
+
 def stored_failure(row: dict, turns: list[Turn], milestones: list[dict]) -> str:
     """The episode's failure kind as stored, or, for a shard older than schema 3, what its record
     still tells (its turns carry no per-turn failures)."""
@@ -240,11 +252,7 @@ def stored_failure(row: dict, turns: list[Turn], milestones: list[dict]) -> str:
 
 
 def row_to_trajectory(row: dict) -> Trajectory:
-    raw = json.loads(row["turns"])
-    turns = [Turn(**t) for t in raw]
-    for t, r in zip(turns, raw):
-        if "failures" not in r:  # written before schema 3
-            t.failures = legacy_failures(t)
+    turns = stored_turns(row["turns"])
     milestones = json.loads(row["milestones"])
     failure = stored_failure(row, turns, milestones)
     return Trajectory(

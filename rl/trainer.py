@@ -150,7 +150,8 @@ class Trainer:
         self.episodes_rerun = 0
         self._syncs: list[tuple[int, PendingSync]] = []  # (last iteration submitted before it, sync)
         self._last_row_t = 0.0
-        self._failed_in_a_row = self._flat_in_a_row = 0  # iterations whose episodes failed for reasons outside the policy
+        self._failed_in_a_row = 0  # iterations whose episodes failed for reasons outside the policy
+        self._flat_in_a_row = 0  # iterations without a learning signal (every advantage zero)
 
     # --- set-up ---
     def policy_path(self) -> str:
