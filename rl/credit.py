@@ -9,6 +9,8 @@ usual). With `milestone` credit, the tokens of turn t get the discounted reward-
 minus a baseline from the *other* episodes of the group at the same turn index: a turn is
 credited only with what happened from it onwards, so a milestone reached early does not reward
 the turns after it, and one reached late rewards every turn that led to it.
+When the reward is a rubric (rewards/rubric.py), what its milestones do not account for is paid at
+the episode's last turn (`episode_turn_rewards`).
 
 Baselines (per group, per turn index t, over the episodes that reached turn t):
 - `loo` (leave-one-out, as RLOO): the mean of the others' G_t. The baseline does not depend on
@@ -58,6 +60,16 @@ def turn_advantages(returns: list[list[float]], baseline: str = "loo", scale: st
     return adv
 
 
+def episode_turn_rewards(t: Trajectory) -> list[float]:
+    """Reward per turn: each milestone at the turn that reached it, and whatever of the episode's
+    reward the milestones do not account for (a rubric's other parts, its weights) at the last turn.
+    Without a rubric the reward is the milestones' sum and nothing is added."""
+    r = turn_rewards(t.milestones, len(t.turns))
+    if r:
+        r[-1] += t.reward - sum(r)
+    return r
+
+
 def token_advantages(batch: list[Trajectory], *, gamma: float = 1.0, baseline: str = "loo",
                      scale: str = "none") -> list[list[float]]:
     """Per-token advantages (aligned with each trajectory's token_ids) under milestone credit."""
@@ -66,7 +78,7 @@ def token_advantages(batch: list[Trajectory], *, gamma: float = 1.0, baseline: s
         groups.setdefault(t.group_id, []).append(i)
     out = [[0.0] * len(t.token_ids) for t in batch]
     for members in groups.values():
-        rets = [rewards_to_go(turn_rewards(batch[i].milestones, len(batch[i].turns)), gamma) for i in members]
+        rets = [rewards_to_go(episode_turn_rewards(batch[i]), gamma) for i in members]
         adv = turn_advantages(rets, baseline, scale)
         for i, a in zip(members, adv):
             for turn, value in zip(batch[i].turns, a):

@@ -19,7 +19,8 @@ import pyarrow.parquet as pq
 
 from rollout.trajectory import Trajectory, Turn, failure_kind
 
-SCHEMA_VERSION = 3  # 2: routed_experts (shards of version 1 read with it None); 3: failure, turns' failures
+# 2: routed_experts (shards of version 1 read with it None); 3: failure, turns' failures; 4: reward_parts
+SCHEMA_VERSION = 4
 
 SCHEMA = pa.schema(
     [
@@ -45,6 +46,7 @@ SCHEMA = pa.schema(
         ("timings", pa.string()),
         ("routed_experts", pa.list_(pa.list_(pa.list_(pa.int16())))),
         ("failure", pa.string()),
+        ("reward_parts", pa.string()),
     ]
 )
 
@@ -93,6 +95,7 @@ class TrajectoryStore:
             rows["num_generated"].append(t.num_generated)
             rows["timings"].append(json.dumps(t.timings))
             rows["routed_experts"].append(t.routed_experts)
+            rows["reward_parts"].append(json.dumps(t.reward_parts))
         return self._write_atomic(self.dir, name, pa.table(rows, schema=SCHEMA))
 
     def write_learner(self, name: str, annotations: dict, policy_version: int) -> Path:
@@ -274,4 +277,5 @@ def row_to_trajectory(row: dict) -> Trajectory:
         timings=json.loads(row["timings"]),
         routed_experts=row.get("routed_experts"),
         failure=failure,
+        reward_parts=json.loads(row.get("reward_parts") or "{}"),
     )

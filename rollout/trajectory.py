@@ -141,6 +141,9 @@ class Trajectory:
     when the engine records none. For rollout routing replay in the learner."""
     failure: str = ""
     """Why the episode ended as it did (`FAILURE_KINDS`: `success`, `no_tool_call`, `wrong_answer`, ...)."""
+    reward_parts: dict = field(default_factory=dict)
+    """Each part's own value when the run's reward is a rubric (the `reward:` section, rewards/rubric.py):
+    `reward` is then their weighted sum. Empty: the reward is the milestones the environment paid."""
 
     @property
     def num_generated(self) -> int:
