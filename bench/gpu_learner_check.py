@@ -154,12 +154,10 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def throughput(device: str, precision: str, episodes: int, length: int, steps: int, path: str) -> dict:
-    """3: full-size steps: generated tokens/s and peak memory."""
-    lrn = learner(path, device, precision, minibatch_episodes=episodes)
-    b = batch(episodes, length, SMOLLM2_MOE["vocab_size"])
-    gen = sum(t.num_generated for t in b)
-    lrn.train_step(b)  # warm-up (allocator, kernels)
+def timed_steps(lrn, b, steps: int, device: str) -> tuple[float, dict]:
+    """Seconds per `train_step` on `b` after a warm-up step (allocator, kernels), with the peak
+    memory counter reset after the warm-up; and the last step's stats."""
+    lrn.train_step(b)
     if device != "cpu":
         torch.cuda.reset_peak_memory_stats()
     sync(device)
@@ -167,7 +165,15 @@ def throughput(device: str, precision: str, episodes: int, length: int, steps: i
     for _ in range(steps):
         stats = lrn.train_step(b)
     sync(device)
-    dt = (time.perf_counter() - t0) / steps
+    return (time.perf_counter() - t0) / steps, stats
+
+
+def throughput(device: str, precision: str, episodes: int, length: int, steps: int, path: str) -> dict:
+    """3: full-size steps: generated tokens/s and peak memory."""
+    lrn = learner(path, device, precision, minibatch_episodes=episodes)
+    b = batch(episodes, length, SMOLLM2_MOE["vocab_size"])
+    gen = sum(t.num_generated for t in b)
+    dt, stats = timed_steps(lrn, b, steps, device)
     total = sum(p.numel() for p in lrn.model.parameters())
     experts = sum(p.numel() for n, p in lrn.model.named_parameters() if ".experts." in n)
     e = SMOLLM2_MOE["num_local_experts"]

@@ -8,7 +8,8 @@ limit's figure from the same run, and the ratio. This script runs them one after
 in a fresh process with a time limit, keeps each one's table verbatim with its command, wall time
 and exit status, and draws one PNG per benchmark under `bench/plots/`. A benchmark that fails or
 runs out of time is reported as such in the results, never dropped. `--quick` runs smaller sizes
-(a smoke run, not the numbers to quote).
+(a smoke run, not the numbers to quote). `--only` reruns some rows and keeps the others' sections
+of the existing results.md as they were (their status says when they ran).
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ BENCHES = [
           ["bench/learner_long_trajectory.py"], ["--lengths", "2048", "8192"], 3600,
           dict(kind="line", x=["tokens per episode"], y=["bounded peak MiB", "plain peak MiB"], ylabel="peak MiB",
                y2=["bounded s", "plain s"], y2label="seconds")),
+    Bench(9, "LoRA RL vs full fine-tuning on the real policy: sync bytes, learner memory, step time",
+          ["bench/lora_vs_full.py"], ["--iterations", "1"], 1800,
+          dict(kind="bar", x=["run"], y=["MiB per sync"], ylabel="MiB per weight sync")),
 ]
 
 GPU_HEADING = "## GPU checks (run by hand on a lent GPU machine)"
@@ -135,6 +139,16 @@ def draw(bench: Bench, text: str, path: Path) -> bool:
     return True
 
 
+def previous(text: str) -> tuple[dict[int, str], dict[int, tuple[str, str]]]:
+    """An existing results.md's sections and summary (status, wall) by row, for `--only` runs."""
+    body = text.partition(GPU_HEADING)[0]
+    sections = {int(m.group(1)): m.group(0).rstrip() + "\n"
+                for m in re.finditer(r"^## (\d+)\. .*?(?=^## |\Z)", body, flags=re.M | re.S)}
+    summary = {int(m.group(1)): (m.group(2).strip(), m.group(3).strip())
+               for m in re.finditer(r"^\| (\d+) \| [^|]+ \| ([^|]+) \| ([^|]+) \|$", body, flags=re.M)}
+    return sections, summary
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", type=int, nargs="+", help="row numbers to run")
@@ -148,8 +162,12 @@ def main() -> int:
     import torch
 
     sections, summary = [], []
+    old_sections, old_summary = previous(out.read_text()) if args.only and out.exists() else ({}, {})
     for b in BENCHES:
         if args.only and b.row not in args.only:
+            if b.row in old_sections:  # kept from the last run of that row
+                sections.append(old_sections[b.row])
+                summary.append((b, *old_summary.get(b.row, ("kept", "–"))))
             continue
         cmd = [PY, *b.args, *(b.quick if args.quick else [])]
         shown = " ".join(["python", *cmd[1:]])
@@ -173,7 +191,8 @@ def main() -> int:
         pictures = ([png] if drawn else []) + sorted(extra)
         sections.append(f"## {b.row}. {b.title}\n\n`{shown}` — {status}, {wall:.0f} s\n\n{body}\n"
                         + "".join(f"\n![row {b.row}](plots/{q.name})\n" for q in pictures))
-        summary.append((b, status, f"{wall:.0f} s"))
+        when = f" ({time.strftime('%Y-%m-%d %H:%M')})" if args.only else ""
+        summary.append((b, status + when, f"{wall:.0f} s"))
 
     head = [
         "# longhorizon benchmarks",
@@ -192,7 +211,7 @@ def main() -> int:
     kept = out.read_text().partition(GPU_HEADING)[2] if out.exists() else ""
     out.write_text("\n".join(head) + "\n" + "\n".join(sections) + (f"\n{GPU_HEADING}{kept}" if kept else ""))
     print(f"[bench] wrote {out} and {plots}/", flush=True)
-    return 0 if all(s == "ok" for _, s, _ in summary) else 1
+    return 0 if all(s.startswith("ok") for _, s, _ in summary) else 1
 
 
 if __name__ == "__main__":

@@ -5,7 +5,10 @@
 - `trainer_state.pt`: version, RNG, value head, the driver's `extra` (its iteration), and the
   optimizer state of a single learner;
 - a learner group's `sharded/` (torch.distributed.checkpoint): every rank's parameter and
-  optimizer shards, readable by another number of ranks; rank 0 writes the full weights beside it.
+  optimizer shards, readable by another number of ranks; rank 0 writes the full weights beside it;
+- under LoRA (rl/lora.py): the weights are the adapted model merged, and `adapters.safetensors`
+  holds the adapters alone, which a resumed run puts back on its base policy (the optimizer state
+  is the adapters').
 
 Written to `.NAME.tmp` and renamed, so a kill mid-save leaves the previous checkpoints as they were
 and never a partial one under the final name. A single learner's checkpoint does not resume on a
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+ADAPTERS = "adapters.safetensors"
 
 def save_learner(learner, path: str, extra: dict | None = None) -> str:
     """Save `learner` (a `rl.learner.Learner`) to `path`; collective in a group (every rank calls)."""
@@ -45,6 +49,10 @@ def save_learner(learner, path: str, extra: dict | None = None) -> str:
         state = full
     elif tmp.exists():
         shutil.rmtree(tmp)
+    if learner.lora is not None:  # the adapters folded in: a whole model that loads alone
+        from rl.lora import merged_state
+
+        state = {n: t.detach().cpu() for n, t in merged_state(learner.model).items()}
     try:
         if learner.lm.kind == "policy":
             from policy.checkpoint import save_policy
@@ -66,6 +74,12 @@ def save_learner(learner, path: str, extra: dict | None = None) -> str:
         else:
             trainer_state["optimizer"] = learner.opt.state_dict()
         torch.save(trainer_state, tmp / "trainer_state.pt")
+        if learner.lora is not None:
+            from safetensors.torch import save_file
+
+            from rl.lora import adapter_state
+
+            save_file(adapter_state(learner.model), tmp / ADAPTERS)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -95,7 +109,15 @@ def load_learner(learner, path: str) -> dict:
             raise ValueError(f"{path} was saved by a learner group of {saved_by} ranks (optimizer state in "
                              "sharded/): resume with learner.world_size > 1, or start a new run from its "
                              "weights (policy.path)")
-        learner._load(path)
+        if learner.lora is not None:  # the base again, the adapters on top (the saved model has them merged)
+            from safetensors.torch import load_file
+
+            from rl.lora import load_adapter_state
+
+            learner._load(learner.base_path)
+            load_adapter_state(learner.model, load_file(Path(path) / ADAPTERS))
+        else:
+            learner._load(path)
         learner.opt.load_state_dict(state["optimizer"])
     if learner.value_head is not None and state.get("value_head"):
         learner.value_head.load_state_dict(state["value_head"])

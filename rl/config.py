@@ -124,10 +124,24 @@ class LearnerConfig:
     """Where each learner rank trains: cpu, cuda (Ray gives each rank one GPU), or auto (cuda where the rank's process sees a GPU); rl/device.py."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """fp32, or bf16 mixed precision: the forward and backward under bf16 autocast, the weights, gradients and AdamW state kept in fp32."""
+    gpus_per_rank: float = 1.0
+    """Ray GPUs per learner rank when it trains on cuda: 1, or a fraction to share a GPU with a rollout engine (one GPU for the whole loop: configs/gpu/one_gpu.yaml)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend for world_size > 1: auto is nccl when the learner trains on GPUs, else gloo; nccl needs learner.device cuda."""
     expert_parallel: bool = True
     """Split each MoE layer's routed experts across the ranks (all-to-all dispatch); off: experts are FSDP-sharded like the rest. The expert count must divide by world_size."""
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = False
+    """Train low-rank adapters (peft) instead of the full model: only they get gradients and optimizer state, and a weight sync sends only them (the rollout workers add them to the base weights). false: full fine-tuning, the same run otherwise."""
+    rank: int = 8
+    """Rank r of each adapter (B is out × r, A is r × in)."""
+    alpha: float = 16.0
+    """Scale numerator: an adapter adds (alpha / rank) · B·A to its weight."""
+    targets: list = field(default_factory=lambda: ["attention", "experts"])
+    """Where adapters go: attention (the q/k/v/o projections of every layer), experts (every routed expert's weights, one adapter pair per expert)."""
 
 
 @dataclass
@@ -150,6 +164,8 @@ class RayConfig:
     """Ray CPUs reserved for each learner rank (0: it shares the node without a reservation)."""
     local_resources: dict = field(default_factory=dict)
     """Custom resources the local Ray advertises (ignored with `address`): lets a one-machine run use the same placement."""
+    start_timeout_s: float = 900.0
+    """Seconds the rollout workers have to start (engines loaded) before the run stops naming what they asked for: Ray waits without a word for an actor the cluster has no room for."""
     max_restarts: int = 3
     """How many times Ray restarts a crashed rollout or env worker (on any node with room; -1: no limit); the driver re-syncs a restarted rollout worker and reruns its lost episodes. The learner is never restarted: a run whose learner died continues with `--resume`."""
 
@@ -165,7 +181,11 @@ class ScheduleConfig:
 @dataclass
 class SyncConfig:
     bucket_mb: float = 64.0
-    """Weights are published to the object store and loaded by each rollout worker in buckets of at most this many MiB (bounds each worker's extra memory)."""
+    """Weights travel in buckets of at most this many MiB (bounds each worker's extra memory, and on the collective transport the buffer in flight)."""
+    transport: Literal["object_store", "collective"] = "object_store"
+    """How a version reaches the rollout workers: object_store (the learner puts the buckets into Ray's object store once, each worker fetches them; any cluster, any devices) or collective (the learner broadcasts each bucket over a process group of itself and the workers: NCCL between GPUs, gloo on CPUs; rollout/collective.py). collective needs schedule.mode sync."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """The collective transport's backend: auto is nccl when the learner trains on cuda and the rollout workers have GPUs, else gloo."""
     timeout_s: float = 300.0
     """Seconds every rollout worker has to load a published version once its earlier calls are done; a late worker is named in the error."""
 
@@ -182,6 +202,12 @@ class WarmStartConfig:
     """Learning rate (cosine decay)."""
     batch_size: int = 8
     """Demonstrations per optimiser step."""
+
+
+@dataclass
+class RewardConfig:
+    parts: list = field(default_factory=list)
+    """The run's rubric (rewards/rubric.py): [{fn, weight, name, kwargs}, ...]; fn a built-in part (milestones, solved, format, length) or module:function, each part logged as reward/NAME and the reward their weighted sum. Empty: the environment's milestones."""
 
 
 @dataclass
@@ -234,6 +260,10 @@ class RunConfig:
     """The learner's algorithm."""
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     """How many learner ranks train the policy together."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """What an episode's reward is: the environment's milestones, or a rubric of weighted parts."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA RL: train and sync low-rank adapters instead of the full model (rl/lora.py)."""
     ray: RayConfig = field(default_factory=RayConfig)
     """Where actors run."""
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
@@ -249,7 +279,15 @@ class RunConfig:
 
     def validate(self, source: str = "config") -> "RunConfig":
         unavailable = pretrained_missing(self.policy.pretrained) if self.policy.pretrained in PRETRAINED else None
+        try:
+            from rewards.rubric import build
+
+            build(self.reward.parts)
+            rubric_problem = ""
+        except ValueError as exc:
+            rubric_problem = str(exc)
         checks = [
+            ("reward.parts", not rubric_problem, f"is wrong: {rubric_problem}"),
             ("iterations", self.iterations >= 1, "must be >= 1"),
             ("checkpoint_every", self.checkpoint_every >= 1, "must be >= 1"),
             ("max_infra_error_share", 0 <= self.max_infra_error_share < 1, "must be in [0, 1)"),
@@ -264,6 +302,14 @@ class RunConfig:
             ("learner.world_size", self.learner.world_size >= 1, "must be >= 1"),
             ("learner.backend", self.learner.backend != "nccl" or self.learner.device == "cuda",
              "nccl needs the learner on GPUs: set learner.device=cuda, or use gloo (or auto)"),
+            ("lora.rank", self.lora.rank >= 1, "must be >= 1"),
+            ("lora.alpha", self.lora.alpha > 0, "must be > 0"),
+            ("lora.targets", bool(self.lora.targets) and all(t in ("attention", "experts") for t in self.lora.targets),
+             f"must be a non-empty list of: attention, experts (got {self.lora.targets!r})"),
+            ("lora.enabled", not (self.lora.enabled and self.learner.world_size > 1),
+             "needs learner.world_size 1 (a learner group does not shard peft's adapters yet)"),
+            ("lora.enabled", not (self.lora.enabled and self.policy.flavour),
+             "needs a Hugging Face policy (a policy.flavour model's experts are not peft targets yet)"),
             ("policy.flavour", not (self.policy.flavour and self.policy.path), "and policy.path exclude each other (a flavour makes a new random policy)"),
             ("policy.pretrained", not (self.policy.pretrained and (self.policy.path or self.policy.flavour)),
              "excludes policy.path and policy.flavour (it names the starting policy itself)"),
@@ -299,8 +345,16 @@ class RunConfig:
              "must be >= 1 in async mode (0 would be synchronous)"),
             ("sync.bucket_mb", self.sync.bucket_mb > 0, "must be > 0"),
             ("sync.timeout_s", self.sync.timeout_s > 0, "must be > 0"),
+            ("sync.transport", self.sync.transport == "object_store" or self.schedule.mode == "sync",
+             "collective needs schedule.mode sync (a broadcast would hold the learner until every worker's "
+             "queued rollouts end)"),
+            ("sync.backend", self.sync.backend != "nccl" or (self.learner.device == "cuda" and self.rollout.gpus_per_worker > 0),
+             "nccl needs the learner and the rollout workers on GPUs: learner.device=cuda and rollout.gpus_per_worker > 0"),
+            ("rollout.gpus_per_worker", self.rollout.gpus_per_worker >= 0, "must be >= 0"),
+            ("learner.gpus_per_rank", 0 < self.learner.gpus_per_rank <= 1, "must be in (0, 1]"),
             ("ray.learner_cpus", self.ray.learner_cpus >= 0, "must be >= 0"),
             ("ray.max_restarts", self.ray.max_restarts >= -1, "must be >= 0, or -1 (no limit)"),
+            ("ray.start_timeout_s", self.ray.start_timeout_s > 0, "must be > 0"),
             ("eval.every", self.eval.every >= 0, "must be >= 0 (0: never)"),
             ("warm_start.demos", self.warm_start.demos >= 0, "must be >= 0 (0: no warm start)"),
             ("warm_start.envs", all(isinstance(e, str) for e in self.warm_start.envs), "must be a list of env ids"),
@@ -326,6 +380,12 @@ class RunConfig:
         require(self._env_checks(), source)
         return self
 
+    def sync_backend(self) -> str:
+        """The collective transport's process-group backend (`sync.backend`, auto resolved)."""
+        if self.sync.backend != "auto":
+            return self.sync.backend
+        return "nccl" if self.learner.device == "cuda" and self.rollout.gpus_per_worker > 0 else "gloo"
+
     def local_problem(self, with_envs: bool = True) -> str | None:
         """What stops this config on this machine, for a local run (no `ray.address`): a policy.path
         that holds no checkpoint, an environment whose sandbox backend is not here. On a cluster
@@ -336,6 +396,17 @@ class RunConfig:
             return None
         if self.policy.path and not (Path(self.policy.path) / "config.json").exists():
             return f"policy.path {self.policy.path} is not a checkpoint directory (no config.json there)"
+        if self.lora.enabled and self.policy.path:
+            from policy.checkpoint import is_policy_checkpoint
+
+            if is_policy_checkpoint(self.policy.path):
+                return f"lora.enabled needs a Hugging Face policy; {self.policy.path} is a policy/ checkpoint"
+        if self.rollout.gpus_per_worker > 0:
+            import torch
+
+            if not torch.cuda.device_count():
+                return (f"rollout.gpus_per_worker {self.rollout.gpus_per_worker} needs a GPU; this machine has none "
+                        "(0 runs the engines on CPU)")
         if self.learner.device == "cuda":
             import torch
 

@@ -24,6 +24,10 @@ share of recorded decisions the learner's router would have made differently is
 `router_decisions_differ`. Hugging Face MoE checkpoints replay through hooks on their routers
 (`rl/routing.py`, Qwen3-MoE-style top-k routers).
 
+LoRA (`lora.enabled`, rl/lora.py): peft adapters on the attention projections and every routed
+expert; only they train (the optimiser holds only them), `publish` sends only their factors, and a
+checkpoint is the merged model plus the adapters.
+
 Learner group (`learner.world_size` > 1, driven by rl/learner_group.py): each rank is one of these,
 `join`ed to a process group, its model sharded (FSDP2 + expert parallelism); every rank gets the
 whole batch and trains on its token share of each minibatch (rl/shares.py), the losses scaled by the
@@ -34,13 +38,14 @@ decisions and rank 0 reports what a single learner would.
 
 from __future__ import annotations
 
+import resource
 import time
 
 import numpy as np
 import torch
 
 from rl import device as devices
-from rl.config import AlgoConfig
+from rl.config import AlgoConfig, LoraConfig
 from rl.credit import token_advantages
 from rl.grpo import group_advantages, policy_loss, truncated_is_weights
 from rl.logprobs import chunked_logprobs, load_causal_lm
@@ -52,50 +57,15 @@ from rl.shares import (
     minibatch_shares,
     padded_slots,
 )
+from rl.batch import _pad, token_versions, usable_episodes
 from rollout.trajectory import Trajectory
-
-
-def _pad(rows: list[list], value) -> list[list]:
-    width = max(len(r) for r in rows)
-    return [list(r) + [value] * (width - len(r)) for r in rows]
-
-
-def token_versions(t: Trajectory) -> list[int]:
-    """The policy version that generated each token (-1 for prompt and observation tokens)."""
-    v = [-1] * len(t.token_ids)
-    for turn in t.turns:
-        v[turn.gen_start : turn.gen_end] = [turn.policy_version] * (turn.gen_end - turn.gen_start)
-    return v
-
-
-def usable_episodes(batch: list[Trajectory], min_version: int | None = None) -> tuple[list[Trajectory], dict]:
-    """Episodes that may enter group statistics: infrastructure failures are left out (they are
-    not reward 0), so is an episode with a token older than `min_version` (the staleness bound;
-    the driver's schedule should never let one through), and so is every group left with fewer
-    than two episodes to compare."""
-    too_old = [t for t in batch if min_version is not None and t.turns
-               and min(turn.policy_version for turn in t.turns) < min_version]
-    ok = [t for t in batch if not t.infra_error and t.num_generated > 0 and t not in too_old]
-    sizes: dict[int, int] = {}
-    for t in ok:
-        sizes[t.group_id] = sizes.get(t.group_id, 0) + 1
-    kept = [t for t in ok if sizes[t.group_id] >= 2]
-    groups = {t.group_id for t in batch}
-    rewards: dict[int, set[float]] = {}
-    for t in kept:
-        rewards.setdefault(t.group_id, set()).add(t.reward)
-    return kept, {"infra_errors_dropped": sum(1 for t in batch if t.infra_error),
-                  "stale_episodes_dropped": len(too_old),
-                  "groups_dropped": len(groups) - len({t.group_id for t in kept}),
-                  # a group whose episodes all earned the same reward has zero GRPO advantage: no signal
-                  "groups_with_signal": sum(len(r) > 1 for r in rewards.values()),
-                  "reward_spread": max((t.reward for t in kept), default=0.0) - min((t.reward for t in kept), default=0.0)}
 
 
 class Learner:
     def __init__(self, policy_path: str, algo: AlgoConfig, *, seed: int = 0, dtype: str = "float32",
                  temperature: float = 1.0, max_generated_tokens: int | None = None,
-                 max_staleness: int | None = None, device: str = "cpu", precision: str = "fp32"):
+                 max_staleness: int | None = None, device: str = "cpu", precision: str = "fp32",
+                 lora: LoraConfig | None = None):
         torch.set_num_threads(algo.threads)
         torch.manual_seed(seed)
         self.device = devices.resolve(device)
@@ -107,6 +77,8 @@ class Learner:
         self.max_generated_tokens = max_generated_tokens
         self.max_staleness = max_staleness
         self._tokenizer_path = policy_path
+        self.lora = lora if lora is not None and lora.enabled else None  # rl/lora.py: adapters on policy_path
+        self.base_path = policy_path
         self.value_head = None
         self._load(policy_path)
         self.rank, self.world = 0, 1
@@ -125,13 +97,21 @@ class Learner:
                 self.model.activation_checkpointing = True
             else:
                 self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.lora is not None:
+            from rl.lora import EngineFactors, add_adapters
+
+            if self.lm.kind == "policy":
+                raise ValueError(f"lora.enabled needs a Hugging Face policy; {path} is a policy/ checkpoint")
+            add_adapters(self.model, self.lora)
+            self.engine_factors = EngineFactors(self.lm, self.model)
         if self.cfg.name == "ppo":  # value head on the shared trunk
             self.value_head = ValueHead(self.lm.head.in_features).to(self.device, self.dtype)
         self._make_optimizer()
 
     def _make_optimizer(self) -> None:
-        """AdamW over the model (and value head); after `join`, over the sharded parameters."""
-        params = list(self.model.parameters())
+        """AdamW over what trains (the model, or its adapters under LoRA, and the value head); after
+        `join`, over the sharded parameters."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
         if self.value_head is not None:
             params += list(self.value_head.parameters())
         # sharded (after `join`): DTensors and plain expert blocks mixed, which torch 2.11's multi-tensor
@@ -441,6 +421,11 @@ class Learner:
         out.update({k: float(np.mean(v)) for k, v in stats.items()})
         out.update(
             policy_version=self.version,
+            trainable_params=sum(p.numel() for p in self.opt.param_groups[0]["params"]),
+            # the learner process's peak resident memory so far (and the GPU's peak on cuda)
+            learner_peak_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            **({"learner_gpu_peak_mib": torch.cuda.max_memory_allocated(self.device) / 2**20}
+               if self.device.type == "cuda" else {}),
             adv_abs_mean=adv_abs,
             microbatches=sum(len(mb) for mb in plan),
             train_s=time.perf_counter() - t0,
@@ -518,6 +503,10 @@ class Learner:
             for _ in named:  # take part in every gather; only rank 0's copy is renamed and kept
                 pass
             return []
+        if self.lora is not None:  # the adapters folded into their weights, under the original names
+            from rl.lora import merged_state
+
+            return list(self.engine_format((n, t.detach().cpu().numpy()) for n, t in merged_state(self.model).items()))
         return list(self.engine_format((n, p.detach().cpu().numpy()) for n, p in self.model.state_dict().items()))
 
     def full_weights(self):
@@ -536,20 +525,49 @@ class Learner:
         which is what the engines load (`CausalLM.checkpoint_names`). Lazy."""
         return ((n, t.numpy()) for n, t in self.lm.checkpoint_names((n, torch.from_numpy(a)) for n, a in named))
 
+    def _sync_source(self):
+        """(the pairs a weight sync sends, whether they are LoRA factors), lazily: the adapters'
+        factors, or the weights in the engines' format. In a group every rank must consume them
+        (the gathers inside are collective); only rank 0's are sent."""
+        if self.lora is not None:
+            return self.engine_factors(), True
+        if self.world == 1:
+            return self.weights(), False
+        return self.engine_format(self.full_weights()), False
+
     def publish(self, bucket_mb: float):
-        """Put the current weights into Ray's object store in buckets (rl/sync.py); the manifest
-        names this version. In a group every rank gathers tensor by tensor and rank 0 puts the
-        buckets as they fill, so no rank holds a full copy of the model (the others return None)."""
+        """Put what a sync sends into Ray's object store in buckets (rl/sync.py); the manifest names
+        this version. In a group every rank gathers tensor by tensor and rank 0 puts the buckets as
+        they fill, so no rank holds a full copy of the model (the others return None)."""
         from rollout.weights import publish
 
-        if self.world == 1:
-            return publish(self.weights(), self.version, bucket_mb)
-        named = self.engine_format(self.full_weights())
+        named, adapter = self._sync_source()
         if self.rank == 0:
-            return publish(named, self.version, bucket_mb)
+            return publish(named, self.version, bucket_mb, adapter=adapter)
         for _ in named:  # take part in every gather
             pass
         return None
+
+    def join_sync_group(self, master: str, world: int, backend: str, timeout_s: float) -> None:
+        """Rank 0 joins the weight-sync process group as its sender (`sync.transport: collective`,
+        rollout/collective.py); the other ranks of a learner group are not members."""
+        if self.rank == 0:
+            from rollout.collective import SyncGroup
+
+            self.sync_group = None  # a group formed again replaces the old one
+            self.sync_group = SyncGroup(master, 0, world, backend, timeout_s)
+
+    def broadcast_weights(self, bucket_mb: float) -> dict | None:
+        """Broadcast what a sync sends to the sync group's rollout workers, bucket by bucket (rank 0;
+        the others take part in the gathers and return None)."""
+        named, adapter = self._sync_source()
+        if self.rank != 0:
+            for _ in named:
+                pass
+            return None
+        t0 = time.perf_counter()
+        out = self.sync_group.send(named, self.version, bucket_mb, adapter=adapter)
+        return {**out, "version": self.version, "send_s": time.perf_counter() - t0}
 
     def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
         """A checkpoint directory (rl/checkpoints.py: weights, tokenizer, `trainer_state.pt`, and a

@@ -11,13 +11,15 @@ through Ray's object transfer. The wire format (`Manifest`, `publish`, `iter_wei
 rollout/weights.py. The driver drops the manifest after the sync and the buckets are
 freed.
 
-GPU path (not exercised on CPU machines): the same manifest shape, but the buckets are flattened
-into one contiguous GPU buffer per bucket on learner rank 0 and broadcast with NCCL over a process
-group that joins the learner and every rollout engine's workers (vLLM's `StatelessProcessGroup` /
-`PyNcclCommunicator`, created once at start-up); each engine receives a bucket into a buffer of the
-same size, splits it into views by the manifest's names, shapes and offsets, and calls
-`load_weights` on them. Only the buffer of one bucket is in flight at a time, which bounds the
-extra GPU memory exactly like the bucket size bounds host memory here.
+Collective path (`sync.transport: collective`; NCCL between GPUs, gloo on CPUs, rollout/collective.py):
+the learner's rank 0 and every rollout worker form their own process group at start-up
+(`form_group`); a sync queues a receive on every worker and a broadcast on the learner
+(`start_collective_sync`), and each bucket travels flattened into one buffer, described by a
+small JSON header, and is loaded while the next one is still to come. Only one bucket's buffer is
+in flight, which bounds the extra (GPU) memory exactly like the bucket size bounds host memory on
+the object-store path. A member that dies fails the broadcast for all (the group's timeout is
+`sync.timeout_s`); the driver then waits for Ray to restart the worker, forms the group again and
+syncs everyone.
 
 Every sync has a deadline: a worker that has not loaded the version in time is named in the
 `TimeoutError`, and so is a worker that reports another version than the one published. A worker
@@ -39,13 +41,29 @@ WORKER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, ray
 
 
 class PendingSync:
-    """The load calls of one published version, on every worker; `finish` waits for them."""
+    """The load calls of one published version, on every worker; `finish` waits for them. On the
+    collective path `sender` is the learner's broadcast, which finishes with the loads."""
 
-    def __init__(self, manifest: Manifest, futures: dict, publish_s: float, started: float):
+    def __init__(self, manifest: Manifest | None, futures: dict, publish_s: float, started: float,
+                 version: int | None = None, sender=None):
         self.manifest, self.publish_s, self.started = manifest, publish_s, started
         self.futures = futures  # load ref -> index of its rollout worker
-        self.version = manifest.version
+        self.version = manifest.version if manifest is not None else version
+        self.sender = sender
         self.lost: list[int] = []  # workers that died before loading this version (see `finish`)
+
+    def _sent(self, late: list) -> None:
+        """The collective path: the learner's broadcast finished (or is still waiting for a late worker,
+        named by the caller) and sent the version the driver expects."""
+        try:
+            sent = ray.get(self.sender, timeout=0 if late else 30)
+        except ray.exceptions.GetTimeoutError:
+            return
+        except ray.exceptions.RayTaskError as exc:
+            raise RuntimeError(f"weight sync to version {self.version}: the learner's broadcast failed: {exc}") from exc
+        if sent["version"] != self.version:
+            raise RuntimeError(f"weight sync: the learner broadcast version {sent['version']}, expected {self.version}")
+        self.publish_s = sent["send_s"]
 
     def finish(self, timeout_s: float) -> dict:
         """Wait for every worker's load; metrics of the sync. `timeout_s` counts from this call, so
@@ -56,6 +74,13 @@ class PendingSync:
         Ray has restarted it. A live worker that is late, fails or loads another version is."""
         refs = list(self.futures)
         ready, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if self.sender is not None:
+            dead = [self.futures[r] for r in ready if _died(r)]
+            if dead:  # a broadcast fails for every member: the driver restores the dead, forms the group again
+                self.lost = dead
+                return {"sync_version": self.version, "sync_workers_lost": len(dead),
+                        "sync_wall_s": time.perf_counter() - self.started}
+            self._sent(late)
         if late:
             names = ", ".join(f"rollout worker {self.futures[r]}" for r in late)
             raise TimeoutError(f"weight sync to version {self.version}: {names} did not load it within {timeout_s:.0f}s")
@@ -82,6 +107,41 @@ class PendingSync:
             out.update({"sync_s": self.publish_s + load_max, "sync_load_s_max": load_max,
                         "sync_bytes": loads[0][1]["bytes"], "sync_buckets": loads[0][1]["buckets"]})
         return out
+
+
+def _died(ref) -> bool:
+    """Whether a collective load failed because its worker died: the call was lost with the process,
+    or it reached the restarted worker, which is in no group yet."""
+    from rollout.collective import NotInGroup
+
+    try:
+        ray.get(ref, timeout=0)
+    except WORKER_LOST + (NotInGroup,):
+        return True
+    except Exception:  # noqa: BLE001  (any other outcome is not a death)
+        return False
+    return False
+
+
+def form_group(learner, workers: list, backend: str, timeout_s: float) -> None:
+    """(Re)form the weight-sync process group: the learner's rank 0 (rank 0 of the group, the
+    sender) and every rollout worker (ranks 1..N), at a free port on the learner's node."""
+    master = result(learner.address.remote())
+    world = len(workers) + 1
+    refs = learner.join_sync_group.remote(master, world, backend, timeout_s)
+    refs = (refs if isinstance(refs, list) else [refs]) + [
+        w.join_sync_group.remote(master, i + 1, world, backend, timeout_s) for i, w in enumerate(workers)]
+    ray.get(refs, timeout=timeout_s + 30)
+
+
+def start_collective_sync(learner, workers: list, bucket_mb: float, version: int) -> PendingSync:
+    """Queue a receive on every worker and the learner's broadcast of `version` (its current one);
+    returns at once. Every worker of the group must be in `workers`: a broadcast waits for all."""
+    t0 = time.perf_counter()
+    futures = {w.receive_weights.remote(): i for i, w in enumerate(workers)}
+    sender = learner.broadcast_weights.remote(bucket_mb)
+    sender = sender[0] if isinstance(sender, list) else sender  # a learner group: rank 0 sends
+    return PendingSync(None, futures, 0.0, t0, version=version, sender=sender)
 
 
 def start_sync(learner, workers: list, bucket_mb: float, indices: list[int] | None = None) -> PendingSync:

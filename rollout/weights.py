@@ -4,15 +4,26 @@ The learner cuts its state dict into buckets of at most `bucket_mb` MiB (`publis
 worker fetches them one at a time while its engine loads them (`iter_weights`). How the driver
 orchestrates a sync (deadlines, lost workers, the GPU/NCCL path) is rl/sync.py; this module is the
 record both sides share, so it lives below both.
+
+LoRA (rl/lora.py): an adapter manifest (`Manifest.adapter`) carries, for each served tensor with an
+adapter, `NAME.lora_B` (B·scale, out × r) followed by `NAME.lora_A` (r × in) — megabytes instead of the
+model. `merge_adapters` turns them back into full tensors on the worker: the base tensor read from
+the policy's checkpoint files (memory-mapped, so the workers on a node share one copy in the page
+cache and no worker keeps a second copy of the model) plus B·A, one tensor at a time. Merging into
+the served weights (rather than serving the adapter with vLLM's LoRA support) keeps one code path for
+every engine, including MoE experts, and leaves no adapter-keyed prefix cache to go stale: a
+turn's recorded policy version is the adapter version it was sampled with.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterable, Iterator
 
 import numpy as np
-import ray
+import torch
 
 
 @dataclass
@@ -23,6 +34,7 @@ class Manifest:
     buckets: list  # ObjectRefs, each to a list of (name, array)
     bucket_bytes: list[int]
     names: list[list[str]] = field(default_factory=list)
+    adapter: bool = False  # the buckets hold LoRA factors to add to the base weights (merge_adapters)
 
     @property
     def nbytes(self) -> int:
@@ -45,9 +57,13 @@ def bucketize(named: Iterable[tuple[str, np.ndarray]], max_bytes: int) -> Iterat
         yield cur
 
 
-def publish(named: Iterable[tuple[str, np.ndarray]], version: int, bucket_mb: float) -> Manifest:
-    """Put the weights into the object store, bucket by bucket (runs inside the learner)."""
-    m = Manifest(version=version, buckets=[], bucket_bytes=[], names=[])
+def publish(named: Iterable[tuple[str, np.ndarray]], version: int, bucket_mb: float,
+            adapter: bool = False) -> Manifest:
+    """Put the weights (or, `adapter`, LoRA factors) into the object store, bucket by bucket (runs
+    inside the learner)."""
+    import ray  # here, not at the top: the merge side also runs where no Ray is installed (GPU checks)
+
+    m = Manifest(version=version, buckets=[], bucket_bytes=[], names=[], adapter=adapter)
     for g in bucketize(named, max(1, int(bucket_mb * (1 << 20)))):  # each bucket into the store as it fills
         m.buckets.append(ray.put(g))
         m.bucket_bytes.append(int(sum(a.nbytes for _, a in g)))
@@ -58,7 +74,60 @@ def publish(named: Iterable[tuple[str, np.ndarray]], version: int, bucket_mb: fl
 def iter_weights(manifest: Manifest) -> Iterator[tuple[str, np.ndarray]]:
     """(name, array) pairs of a manifest, fetching one bucket at a time (runs inside a rollout worker).
     The previous bucket's arrays are released before the next is fetched."""
+    import ray
+
     for ref in manifest.buckets:
         bucket = ray.get(ref)
         yield from bucket
         del bucket
+
+
+class CheckpointTensors:
+    """Tensors of a Hugging Face checkpoint directory by name, memory-mapped from its safetensors
+    files (one file, or several listed in `model.safetensors.index.json`)."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        index = path / "model.safetensors.index.json"
+        if index.exists():
+            self.files = {n: path / f for n, f in json.loads(index.read_text())["weight_map"].items()}
+        elif (path / "model.safetensors").exists():
+            from safetensors import safe_open
+
+            with safe_open(path / "model.safetensors", "pt") as f:
+                self.files = {n: path / "model.safetensors" for n in f.keys()}
+        else:
+            raise FileNotFoundError(f"{path}: no model.safetensors (LoRA sync merges into a safetensors checkpoint)")
+        self._open: dict = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if name not in self.files:
+            raise KeyError(f"LoRA sync: {name!r} is not a tensor of the base checkpoint")
+        f = self.files[name]
+        if f not in self._open:
+            self._open[f] = safe_open(f, "pt")
+        return self._open[f].get_tensor(name)
+
+
+def merge_adapters(base: CheckpointTensors, factors: Iterable[tuple[str, np.ndarray]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, base + B·A) for each `NAME.lora_B`, `NAME.lora_A` pair of an adapter manifest, in the
+    base tensor's dtype (the product in fp32), one tensor at a time."""
+    pending: dict = {}
+    for key, arr in factors:
+        name, _, part = key.rpartition(".")
+        if part == "lora_B":
+            pending[name] = arr
+            continue
+        if part != "lora_A" or name not in pending:
+            raise ValueError(f"LoRA sync: unexpected tensor {key!r} in an adapter manifest (want NAME.lora_B, then NAME.lora_A)")
+        w = base[name]
+        # numpy from the object store (read-only views: the small factors are copied) or torch (collective)
+        b_, a_ = (torch.from_numpy(x.copy()) if isinstance(x, np.ndarray) else x for x in (pending.pop(name), arr))
+        delta = b_.float() @ a_.float()
+        if delta.shape != w.shape:
+            raise ValueError(f"LoRA sync: {name}: B·A is {tuple(delta.shape)}, the base tensor {tuple(w.shape)}")
+        yield name, (w.to(delta.device).float() + delta).to(w.dtype)
+    if pending:
+        raise ValueError(f"LoRA sync: {sorted(pending)[0]}.lora_B came without its lora_A")

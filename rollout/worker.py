@@ -19,7 +19,7 @@ import envs
 from envs.config import EnvConfig
 from rollout.config import RolloutConfig
 from envs.worker import RemoteEnv
-from rollout.weights import Manifest, iter_weights
+from rollout.weights import CheckpointTensors, Manifest, iter_weights, merge_adapters
 from rollout.trajectory import Trajectory
 from rollout.agent_loop import continue_episodes
 from rollout.trajectory import EpisodeTask
@@ -28,16 +28,35 @@ from rollout.engines import make_engine
 from rollout.engines.base import Generation
 
 
+def apply_rubric(rubric, t: Trajectory) -> Trajectory:
+    """The run's rubric over an ended episode (rewards/rubric.py): its reward and each part's value.
+    A part that fails makes the episode an infrastructure error (kept out of the group statistics),
+    never reward 0. The default rubric (the environment's milestones) leaves the record as it is."""
+    if rubric.is_default or t.infra_error:
+        return t
+    try:
+        t.reward, t.reward_parts = rubric.score(t)
+    except Exception as exc:  # noqa: BLE001  (user code: any error is the part's, named)
+        t.infra_error = f"reward: {type(exc).__name__}: {exc}"
+        t.failure = "infra_error"
+    return t
+
+
 class StaleWorkerError(RuntimeError):
     """A rollout worker was asked to generate with older weights than the caller's version."""
 
 
 class RolloutWorker:
     def __init__(self, policy_path: str, rollout: RolloutConfig, env: EnvConfig, *, seed: int = 0,
-                 dtype: str = "float32", env_actors: list | None = None):
+                 dtype: str = "float32", env_actors: list | None = None, reward_parts: list | None = None):
         from transformers import AutoTokenizer
 
         self.cfg, self.env_cfg, self.seed = rollout, env, seed
+        self.policy_path = policy_path
+        from rewards.rubric import build
+
+        self.rubric = build(reward_parts or [])  # the default: the environment's milestones, as paid
+        self._base = None  # the checkpoint's tensors, opened at the first adapter sync (LoRA)
         self.env_actors = list(env_actors or [])
         self.suspended: list = []  # partial rollouts: episodes whose budget ran out, continued next call
         # slots on shared EnvWorkers: a random 32-bit prefix per rollout worker keeps them apart
@@ -46,7 +65,7 @@ class RolloutWorker:
         self.chat = ChatFormat(AutoTokenizer.from_pretrained(policy_path))
         self.engine = make_engine(rollout.engine, policy_path, seed=seed, max_model_len=rollout.max_model_len,
                                   dtype=dtype, kv_cache_gib=rollout.kv_cache_gib, enforce_eager=rollout.enforce_eager,
-                                  max_batch=rollout.max_batch)
+                                  max_batch=rollout.max_batch, gpu_memory_utilization=rollout.gpu_memory_utilization)
 
     def version(self) -> int:
         return self.engine.version
@@ -81,7 +100,7 @@ class RolloutWorker:
             token_budget=c.iteration_token_budget,
             max_segments=c.max_segments,
         )
-        return done
+        return [apply_rubric(self.rubric, t) for t in done]
 
     def evaluate(self, env_id: str, env_kwargs: dict, tasks: list[EpisodeTask], temperature: float) -> list[Trajectory]:
         """Held-out episodes (rl/evaluate.py) with the current weights, in this process's environments;
@@ -89,9 +108,10 @@ class RolloutWorker:
         from rollout.agent_loop import play
 
         c = self.cfg
-        return play(self.engine, self.chat, env_id, env_kwargs, tasks, max_turns=c.max_turns,
+        done = play(self.engine, self.chat, env_id, env_kwargs, tasks, max_turns=c.max_turns,
                     max_new_tokens=c.max_new_tokens, max_episode_tokens=c.max_episode_tokens,
                     temperature=temperature, top_p=c.top_p, run_seed=self.seed)
+        return [apply_rubric(self.rubric, t) for t in done]
 
     def suspended_ids(self) -> list[str]:
         return [ep.task.episode_id for ep in self.suspended]
@@ -104,14 +124,48 @@ class RolloutWorker:
 
     def load_weights(self, manifest: Manifest) -> dict:
         """Load a published version (rollout/weights.py) in place, fetching its buckets one at a time while
-        the engine loads them; returns the new version, seconds, bytes and buckets received."""
+        the engine loads them; returns the new version, seconds, bytes and buckets received. An adapter
+        manifest (LoRA) is added to the base weights this worker started from."""
         t0 = time.perf_counter()
+        named = iter_weights(manifest)
+        if manifest.adapter:
+            if self._base is None:
+                self._base = CheckpointTensors(self.policy_path)
+            named = merge_adapters(self._base, named)
         with warnings.catch_warnings():
             # Arrays from Ray's object store are read-only views; vLLM copies them into its params.
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            self.engine.load_weights(iter_weights(manifest), manifest.version)
+            self.engine.load_weights(named, manifest.version)
         return {"version": self.engine.version, "load_s": time.perf_counter() - t0,
                 "bytes": manifest.nbytes, "buckets": len(manifest.buckets)}
+
+    def join_sync_group(self, master: str, rank: int, world: int, backend: str, timeout_s: float) -> None:
+        """Join the weight-sync process group as a receiver (`sync.transport: collective`)."""
+        from rollout.collective import SyncGroup
+
+        self.sync_group = None  # a group formed again replaces the old one
+        self.sync_group = SyncGroup(master, rank, world, backend, timeout_s)
+
+    def receive_weights(self) -> dict:
+        """Receive the version the learner broadcasts to the sync group and load it in place, each
+        bucket as it arrives (rollout/collective.py); the same answer as `load_weights`."""
+        from rollout.collective import NotInGroup, received_weights
+
+        if getattr(self, "sync_group", None) is None:
+            raise NotInGroup("this rollout worker is not in the weight-sync group (restarted since it was formed)")
+        t0, meta = time.perf_counter(), {}
+        named = received_weights(self.sync_group, meta)
+        first = next(named, None)  # the first bucket's description says the version and the kind
+        if first is None:
+            raise RuntimeError("weight sync: the learner broadcast a version with no tensors")
+        named = itertools.chain([first], named)
+        if meta["adapter"]:
+            if self._base is None:
+                self._base = CheckpointTensors(self.policy_path)
+            named = merge_adapters(self._base, named)
+        self.engine.load_weights(named, meta["version"])
+        return {"version": self.engine.version, "load_s": time.perf_counter() - t0,
+                "bytes": meta["bytes"], "buckets": meta["buckets"]}
 
     def generate(self, prompt_ids: list[int], max_tokens: int, seed: int) -> Generation:
         """One sampled continuation (tests and probes)."""

@@ -55,14 +55,24 @@ def test_the_readme_plugin_example_is_the_tested_plugin():
     assert source.split('"""', 2)[2].lstrip("\n") == shown
 
 
-def test_make_bench_keeps_the_gpu_checks_run_by_hand(tmp_path):
+def test_make_bench_keeps_the_gpu_checks_and_the_rows_it_did_not_run(tmp_path):
     """bench/run_all.py rewrites results.md; the GPU section (written on a lent GPU machine, which
-    `make bench` never has) must survive it."""
+    `make bench` never has) must survive it, and so must the rows an `--only` run left out (with the
+    status they had), so rerunning one benchmark never drops another's figures."""
     import subprocess
     import sys
 
     out = tmp_path / "results.md"
-    out.write_text("# old\n\n## 1. old row\n\nstale\n\n## GPU checks (run by hand on a lent GPU machine)\n\nH200 numbers\n")
+    out.write_text("# old\n\n| row | benchmark | status | wall |\n| ---: | --- | --- | ---: |\n"
+                   "| 1 | old title | ok (run alone) | 7 s |\n\n## 1. old row\n\nkept figures 12.5\n\n"
+                   "## GPU checks (run by hand on a lent GPU machine)\n\nH200 numbers\n")
+    r = subprocess.run([sys.executable, "bench/run_all.py", "--only", "999", "--out", str(out)], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    text = out.read_text()
+    assert "## 1. old row\n\nkept figures 12.5\n" in text and "ok (run alone) | 7 s |" in text
+    assert "# old" not in text.splitlines()  # the head is rewritten
+    assert text.endswith("## GPU checks (run by hand on a lent GPU machine)\n\nH200 numbers\n")
     r = subprocess.run([sys.executable, "bench/run_all.py", "--only", "999", "--out", str(out)], cwd=REPO,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]

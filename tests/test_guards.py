@@ -101,3 +101,17 @@ def test_the_quickstart_turns_the_flat_guard_off_and_says_why():
     assert RunConfig().stop_after_flat == 3
     assert load_config(REPO / "configs/quickstart.yaml").stop_after_flat == 0
     assert "A random policy earns no reward" in (REPO / "configs/quickstart.yaml").read_text()
+
+
+@pytest.mark.slow
+def test_rollout_workers_the_cluster_cannot_place_stop_the_start_naming_what_they_asked_for(ray_cluster, tiny_policy,
+                                                                                           tmp_path):
+    """Ray waits without a word for an actor it has no room for; the start gives up after
+    `ray.start_timeout_s` and says what the workers asked for and what the cluster had free."""
+    trainer = _trainer(tmp_path, f"policy.path={tiny_policy}", "rollout.cpus_per_worker=64", "ray.start_timeout_s=5")
+    try:
+        with pytest.raises(TimeoutError, match=r"2 of 2 rollout workers did not start within 5s; each asks for 64.0 "
+                                               r"CPU\(s\).*lower rollout.cpus_per_worker"):
+            trainer.start()
+    finally:
+        trainer.close()

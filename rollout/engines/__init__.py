@@ -14,7 +14,8 @@ from policy.checkpoint import is_policy_checkpoint
 
 
 def make_engine(kind: str, policy_path: str, *, seed: int, max_model_len: int, dtype: str = "float32",
-                kv_cache_gib: float = 1.0, enforce_eager: bool = True, max_batch: int = 32):
+                kv_cache_gib: float = 1.0, enforce_eager: bool = True, max_batch: int = 32,
+                gpu_memory_utilization: float = 0.0):
     """The engine `kind` serving `policy_path`; a checkpoint the engine cannot serve is refused by name."""
     if kind == "native":
         if not is_policy_checkpoint(policy_path):
@@ -27,5 +28,5 @@ def make_engine(kind: str, policy_path: str, *, seed: int, max_model_len: int, d
         from rollout.engines.vllm_engine import VLLMEngine
 
         return VLLMEngine(policy_path, seed=seed, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, dtype=dtype,
-                          enforce_eager=enforce_eager)
+                          enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization)
     raise ValueError(f"unknown rollout engine {kind!r}: vllm or native")

@@ -7,8 +7,11 @@ a second process per worker and forbid passing tensors to `collective_rpc`.
 The project's `policy/` checkpoints are served through its vLLM model plugin
 (rollout/engines/vllm_plugin.py, registered by an entry point); without prefix caching (see below).
 
-Not covered here: tensor/pipeline parallel engines and GPU collective weight transfer (the GPU
-path is issue 6's); multimodal prompts.
+Weights arrive through `load_weights` whichever way they travelled (Ray's object store, or a
+broadcast over the sync group: rollout/collective.py); on a GPU they may be CUDA tensors.
+
+Not covered here: tensor/pipeline parallel engines, CUDA IPC from a learner on the same GPU;
+multimodal prompts.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class VLLMEngine:
         kv_cache_gib: float = 1.0,
         dtype: str = "float32",
         enforce_eager: bool = True,
+        gpu_memory_utilization: float = 0.0,
     ):
         for key, value in _VLLM_ENV.items():
             os.environ.setdefault(key, value)
@@ -104,6 +108,8 @@ class VLLMEngine:
             # log-probs of the distribution actually sampled from (after temperature/top-p), which
             # is what the importance ratio needs; the learner applies the same temperature.
             logprobs_mode="processed_logprobs",
+            # on a GPU shared with the learner: the engine's share (vLLM checks that much is free)
+            **({"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization > 0 else {}),
         )
 
     def generate(
