@@ -4,7 +4,7 @@
     longhorizon train --resume DIR [--iterations N] [--address HOST:PORT]
     longhorizon train CONFIG --from-store RUN_DIR [...]   # learner only, on stored trajectories
     longhorizon inspect DIR [--episode ID [--tokens]] [--episodes FILTERS] [--json] [--html OUT.html]
-    longhorizon replay DIR (--episode ID | --all) [--rescore module:function] [--json]
+    longhorizon replay DIR (--episode ID | --all) [--rescore RUBRIC] [--json]
     longhorizon export DIR [--out FILE] [--format jsonl|datasets]
     longhorizon plot DIR [--out DIR]
     longhorizon eval RUN_DIR|CHECKPOINT --env ID --episodes N [--k K] [--json]   (rl/evaluate.py)
@@ -151,9 +151,10 @@ def _replay(args) -> int:
         if not trajs:
             raise KeyError(f"no episode {args.episode!r} in {args.run_dir}")
         if args.rescore:
-            rows = rescore(trajs, args.rescore)
+            rows = rescore(trajs, args.rescore, args.run_dir)
+            parts = lambda r: "  (" + ", ".join(f"{k} {v:g}" for k, v in r["parts"].items()) + ")" if len(r["parts"]) > 1 else ""  # noqa: E731
             print(json.dumps(rows, indent=2) if args.json else
-                  "\n".join(f"{r['episode_id']}: {r['recorded']:g} -> {r['rescored']:g}" for r in rows))
+                  "\n".join(f"{r['episode_id']}: {r['recorded']:g} -> {r['rescored']:g}{parts(r)}" for r in rows))
             return 0
         kwargs = run_env_kwargs(args.run_dir)
         results = [replay_episode(t, kwargs) for t in trajs]
@@ -537,7 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--episode", help="episode id")
     which.add_argument("--all", action="store_true", help="every episode of the run")
-    p.add_argument("--rescore", metavar="MODULE:FUNCTION", help="recompute rewards with fn(trajectory) -> float instead")
+    p.add_argument("--rescore", metavar="RUBRIC", help="recompute rewards instead: a rubric YAML file, `run` (the run's "
+                   "reward section), a built-in part (milestones, solved, format, length) or module:function")
     p.add_argument("--skip-corrupt", action="store_true", help="leave out unreadable shards (default: stop, naming them)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=_replay)

@@ -134,6 +134,8 @@ def print_episode(run_dir: str | Path, episode_id: str, console: Console) -> Non
     console.print(Text.assemble((t.episode_id, "bold"), f" env {t.env_id} seed {t.seed} group {t.group_id}  "
                                 f"reward {t.reward:.3f}  stop {t.stop_reason}  tokens {len(t.token_ids)} "
                                 f"({t.num_generated} generated)  ", _kind(t.failure)))
+    if t.reward_parts:  # a rubric's parts, each on its own (rewards/rubric.py)
+        console.print(Text("reward parts: " + "  ".join(f"{k} {v:.3f}" for k, v in t.reward_parts.items())))
     if t.infra_error:
         console.print(Text.assemble(("infrastructure error: ", "red"), t.infra_error))
     console.print(Panel(Text(t.task or "(not recorded)"), title="task", title_align="left", border_style="magenta"))

@@ -7,13 +7,14 @@ the first difference is reported (turn, what, recorded vs replayed). Episodes th
 infrastructure error are replayed up to the failing turn; one that failed before its first turn
 completed (at reset, or in its first step) has nothing to check and is reported as not replayed.
 
-`rescore(run_dir, "module:function")` recomputes rewards with another function
-`fn(trajectory) -> float` and reports old against new, without touching the store.
+`rescore(trajectories, SPEC)` recomputes rewards and reports old against new, each rubric part on
+its own, without touching the store. SPEC is a rubric (rewards/rubric.py): a YAML file holding one
+(a list of parts, or `parts: [...]`), `run` for the run's own `reward:` section (which reproduces
+what was stored), a built-in part (`format`) or any `module:function`.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -74,16 +75,39 @@ def _replay(env, traj: Trajectory) -> ReplayResult:
     return ReplayResult(traj.episode_id, True, last)
 
 
-def load_function(spec: str) -> Callable:
-    module, _, attr = spec.partition(":")
-    if not module or not attr:
-        raise ValueError(f"--rescore wants module:function, got {spec!r}")
-    return getattr(importlib.import_module(module), attr)
+def rubric_of(spec: str, run_dir: str | Path | None = None):
+    """The rubric `--rescore SPEC` names (see the module doc)."""
+    from rewards.rubric import build
+
+    if spec == "run":
+        if run_dir is None:
+            raise ValueError("--rescore run needs the run directory")
+        from rl.config import load_config
+
+        return build(load_config(Path(run_dir) / "config.yaml").reward.parts)
+    path = Path(spec)
+    if path.suffix in (".yaml", ".yml", ".json") or path.is_file():
+        import yaml
+
+        try:
+            raw = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: not YAML: {' '.join(str(exc).split())}") from None
+        parts = raw.get("parts") if isinstance(raw, dict) else raw
+        if not isinstance(parts, list) or not parts:
+            raise ValueError(f"{path}: a rubric is a list of parts (or `parts: [...]`), each {{fn, weight, name, kwargs}}")
+        return build(parts)
+    return build([{"fn": spec}])
 
 
-def rescore(trajectories, spec: str) -> list[dict]:
-    fn = load_function(spec)
-    return [{"episode_id": t.episode_id, "recorded": t.reward, "rescored": float(fn(t))} for t in trajectories]
+def rescore(trajectories, spec: str, run_dir: str | Path | None = None) -> list[dict]:
+    rubric = rubric_of(spec, run_dir)
+    out = []
+    for t in trajectories:
+        total, parts = rubric.score(t)
+        out.append({"episode_id": t.episode_id, "recorded": t.reward, "rescored": total, "parts": parts,
+                    "recorded_parts": t.reward_parts})
+    return out
 
 
 def run_env_kwargs(run_dir: str | Path) -> dict:

@@ -2,7 +2,8 @@
 
 The page holds the run's curves (mean reward, and held-out success with its 95% interval when the
 run evaluated; both with axes), the episode list with filters (text, failure kind, environment,
-policy version), and for the selected episode:
+policy version), and for the selected episode (its header: reward, each rubric part when the run
+scores with one, how it ended):
 - its group: every episode of the same GRPO group with its reward, advantage, failure kind, the
   tools it called turn by turn and the turn where it departs from the group's best; and the
   episode next to the best one, turn by turn, from that turn on highlighted;
@@ -37,7 +38,8 @@ def episode_payload(t, tok, max_tokens: int, learner: dict | None = None) -> dic
     pieces = [p.replace("Ġ", " ").replace("Ċ", "\n") if isinstance(p, str) else str(p) for p in pieces]
     return {
         "id": t.episode_id, "iteration": t.iteration, "group": t.group_id, "env": t.env_id, "seed": t.seed,
-        "reward": t.reward, "stop": t.stop_reason, "infra_error": t.infra_error, "task": t.task,
+        "reward": t.reward, "reward_parts": t.reward_parts, "stop": t.stop_reason, "infra_error": t.infra_error,
+        "task": t.task,
         "failure": t.failure, "versions": sorted({turn.policy_version for turn in t.turns}),
         "n_tokens": len(t.token_ids), "n_generated": t.num_generated, "cut": n < len(t.token_ids),
         "tokens": pieces, "mask": t.loss_mask[:n], "logprobs": [round(x, 4) for x in t.rollout_logprobs[:n]],
@@ -250,6 +252,7 @@ function show(id){
     + `<div>${esc(e.env)} · seed ${e.seed} · group ${e.group} · reward ${e.reward} · stop ${esc(e.stop)} · `
     + `<b class="${kindClass(e.failure)}" title="${esc(D.failure_kinds[e.failure]||'')}">${esc(e.failure)}</b> · ${e.n_tokens} tokens (${e.n_generated} generated)`
     + (e.infra_error ? ` · <span class="note">infra error: ${esc(e.infra_error)}</span>` : '') + `</div>`
+    + (Object.keys(e.reward_parts || {}).length ? `<div id="reward-parts">reward parts: ${Object.entries(e.reward_parts).map(([k, v]) => esc(k) + ' ' + (+v).toFixed(3)).join(' · ')}</div>` : '')
     + `<h2>task</h2><pre>${esc(e.task)}</pre>`
     + groupHtml(e)
     + `<h2>timeline</h2>${timeline(e)}<h2>turns</h2>${e.turns.map((t,i) => turnHtml(e, t, i, false)).join('')}`
