@@ -187,8 +187,10 @@ def throughput(device: str, precision: str, episodes: int, length: int, steps: i
             "tflops": 6 * active * tokens / dt / 1e12, "active_params": active, "total_params": total}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def command_line(doc: str):
+    """The learner GPU checks' arguments and device (cuda, or cpu for `--cpu`); None (after one
+    line on stderr) when there is no GPU and no `--cpu`."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--cpu", action="store_true", help="a dry run on the CPU (small sizes)")
     ap.add_argument("--episodes", type=int, default=24)
     ap.add_argument("--length", type=int, default=400, help="tokens per episode (the demo's calculator: ~400)")
@@ -197,7 +199,15 @@ def main() -> int:
     device = "cpu" if a.cpu else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         print("error: no GPU here (use --cpu for a dry run)", file=sys.stderr)
+        return None
+    return a, device
+
+
+def main() -> int:
+    parsed = command_line(__doc__)
+    if parsed is None:
         return 2
+    a, device = parsed
     rows = []
     if device == "cuda":
         rows.append(check_equal_step(device))

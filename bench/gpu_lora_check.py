@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_learner_check import SMOLLM2_MOE, algo, batch, make_model, timed_steps  # noqa: E402
+from gpu_learner_check import SMOLLM2_MOE, algo, batch, command_line, make_model, timed_steps  # noqa: E402
 
 
 def measure(path: str, device: str, lora: bool, episodes: int, length: int, steps: int) -> dict:
@@ -85,16 +85,10 @@ def exactness(path: str, lrn, payload, episodes, device: str) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cpu", action="store_true", help="a dry run on the CPU (small sizes)")
-    ap.add_argument("--episodes", type=int, default=24)
-    ap.add_argument("--length", type=int, default=400)
-    ap.add_argument("--steps", type=int, default=3)
-    a = ap.parse_args()
-    device = "cpu" if a.cpu else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        print("error: no GPU here (use --cpu for a dry run)", file=sys.stderr)
+    parsed = command_line(__doc__)
+    if parsed is None:
         return 2
+    a, device = parsed
     if a.cpu:
         a.episodes, a.length, a.steps = 4, 64, 1
     path = make_model(layers=2 if a.cpu else None)
