@@ -38,19 +38,10 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
-from rewards.milestones import episode_reward
+from rewards.milestones import milestone_sum, terminal_only
 
 # Turn failure kinds (rollout/trajectory.py TURN_FAILURES) that say the tool call itself was badly formed.
 FORMAT_FAILURES = ("no_tool_call", "malformed_call", "unknown_tool")
-
-
-def milestones(trajectory) -> float:
-    """What the environment paid during the episode (the sum of its milestone events)."""
-    return episode_reward(trajectory.milestones, "sum")
-
-
-def solved(trajectory) -> float:
-    return episode_reward(trajectory.milestones, "terminal")
 
 
 def well_formed(trajectory) -> float:
@@ -68,7 +59,8 @@ def length(trajectory, budget: int = 1024) -> float:
     return -min(1.0, sum(trajectory.loss_mask) / budget)
 
 
-PARTS: dict[str, Callable] = {"milestones": milestones, "solved": solved, "format": well_formed, "length": length}
+PARTS: dict[str, Callable] = {"milestones": milestone_sum, "solved": terminal_only, "format": well_formed,
+                              "length": length}
 
 
 @dataclass(frozen=True)
@@ -97,10 +89,10 @@ class Rubric:
     @property
     def is_default(self) -> bool:
         """Just the environment's milestones, unweighted: what a run without `reward:` trains on."""
-        return len(self.parts) == 1 and self.parts[0].fn is milestones and self.parts[0].weight == 1.0
+        return len(self.parts) == 1 and self.parts[0].fn is milestone_sum and self.parts[0].weight == 1.0
 
 
-DEFAULT = Rubric((Part("milestones", milestones, 1.0),))
+DEFAULT = Rubric((Part("milestones", milestone_sum, 1.0),))
 
 
 def resolve(fn: str) -> Callable:

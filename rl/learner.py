@@ -506,8 +506,10 @@ class Learner:
         if self.lora is not None:  # the adapters folded into their weights, under the original names
             from rl.lora import merged_state
 
-            return list(self.engine_format((n, t.detach().cpu().numpy()) for n, t in merged_state(self.model).items()))
-        return list(self.engine_format((n, p.detach().cpu().numpy()) for n, p in self.model.state_dict().items()))
+            state = merged_state(self.model)
+        else:
+            state = self.model.state_dict()
+        return list(self.engine_format((n, t.detach().cpu().numpy()) for n, t in state.items()))
 
     def full_weights(self):
         """In a group: (name, full array), gathered one tensor at a time on every rank (collective)."""

@@ -78,11 +78,10 @@ def _lora_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]
 def factors(layer) -> tuple[torch.Tensor, torch.Tensor]:
     """(B·scale, A) with B·scale @ A = the layer's update of its weight, in the weight's layout:
     (out, r) and (r, in) for a linear layer, (E, rows, r) and (E, r, cols) for fused experts."""
-    scale = layer.scaling[ADAPTER]
     if hasattr(layer, "get_delta_factors"):  # ParamWrapper (fused experts): delta = scale · lhs @ rhs
         lhs, rhs, scale = layer.get_delta_factors(ADAPTER)
         return lhs * scale, rhs
-    return layer.lora_B[ADAPTER].weight * scale, layer.lora_A[ADAPTER].weight
+    return layer.lora_B[ADAPTER].weight * layer.scaling[ADAPTER], layer.lora_A[ADAPTER].weight
 
 
 def base_of(layer) -> torch.Tensor:
@@ -118,10 +117,9 @@ class EngineFactors:
     """Cuts each adapted parameter's factors into the engine's checkpoint-format tensors."""
 
     def __init__(self, lm, model: torch.nn.Module):
-        self.lm, self.model = lm, model
-        self.maps: dict[str, list[tuple[str, int | None, torch.Tensor]]] = {}
-        for name, layer in _lora_layers(model):
-            self.maps[name] = self._row_map(name, tuple(base_of(layer).shape))
+        self.lm = lm
+        self.layers = dict(_lora_layers(model))  # fixed once the adapters are injected
+        self.maps = {name: self._row_map(name, tuple(base_of(layer).shape)) for name, layer in self.layers.items()}
         self._check()
 
     def _row_map(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, int | None, torch.Tensor]]:
@@ -147,8 +145,7 @@ class EngineFactors:
         g = torch.Generator().manual_seed(0)
         first = [n for n in self.maps if ".layers.0." in n] or list(self.maps)[:1]
         for name in first:
-            layer = dict(_lora_layers(self.model))[name]
-            shape = tuple(base_of(layer).shape)
+            shape = tuple(base_of(self.layers[name]).shape)
             r = 3
             b = torch.randn(*shape[:-1], r, generator=g, dtype=torch.float64)
             a = torch.randn(*shape[:-2], r, shape[-1], generator=g, dtype=torch.float64)
@@ -170,10 +167,9 @@ class EngineFactors:
     def __call__(self) -> Iterator[tuple[str, np.ndarray]]:
         """(`NAME.lora_B`, B·scale) then (`NAME.lora_A`, A) for every served tensor with an adapter,
         fp32 (what rollout/weights.py `merge_adapters` adds to the base)."""
-        layers = dict(_lora_layers(self.model))
         with torch.no_grad():
-            for name in self.maps:
-                b, a = factors(layers[name])
+            for name, layer in self.layers.items():
+                b, a = factors(layer)
                 for ckpt, (bp, ap) in self._cut(name, b.float().cpu(), a.float().cpu()):
                     yield f"{ckpt}.lora_B", bp.contiguous().numpy()
                     yield f"{ckpt}.lora_A", ap.contiguous().numpy()

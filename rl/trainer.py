@@ -394,12 +394,12 @@ class Trainer:
                         f"{type(exc).__name__}: {exc})") from None
                 time.sleep(1.0)
                 continue
-            if version >= min_version and not self.collective:
-                return
             if self.collective:  # the restarted worker is not in the old group
                 self.form_sync_group()
                 if version < min_version:
                     self.sync_now()
+                return
+            if version >= min_version:
                 return
             with self._learner_alive("publishing weights"):
                 pending = start_sync(self.learner, [w], self.cfg.sync.bucket_mb, indices=[i])
@@ -409,15 +409,20 @@ class Trainer:
                 return
 
     def sync_now(self) -> dict:
-        """Publish the learner's weights and wait until every worker has loaded them (a worker that
-        died meanwhile is restored, then synced on its own)."""
+        """Publish (or, collective transport, broadcast) the learner's weights and wait until every
+        worker has loaded them. A worker that died meanwhile is restored, then synced on its own (on
+        the collective transport its death broke the broadcast for all: the group is formed again
+        and everyone is synced)."""
         if not self.workers:  # training from a store: nobody to sync
             return {}
-        if self.collective:
-            return self._broadcast_sync()
-        with self._learner_alive("publishing weights"):
-            pending = start_sync(self.learner, self.workers, self.cfg.sync.bucket_mb)
-        out = pending.finish(self.cfg.sync.timeout_s)
+        if self.collective:  # the learner broadcasts: it is busy until every worker has loaded
+            with self._learner_alive("broadcasting weights"):
+                pending = start_collective_sync(self.learner, self.workers, self.cfg.sync.bucket_mb, self.version)
+                out = pending.finish(self.cfg.sync.timeout_s)
+        else:
+            with self._learner_alive("publishing weights"):
+                pending = start_sync(self.learner, self.workers, self.cfg.sync.bucket_mb)
+            out = pending.finish(self.cfg.sync.timeout_s)
         for i in pending.lost:
             self.restore_worker(i, pending.version)
         return out
@@ -429,17 +434,6 @@ class Trainer:
     def form_sync_group(self) -> None:
         with self._learner_alive("forming the weight-sync group"):
             form_group(self.learner, self.workers, self.cfg.sync_backend(), self.cfg.sync.timeout_s)
-
-    def _broadcast_sync(self) -> dict:
-        """The collective transport's sync: the learner broadcasts, every worker loads. A worker that
-        died breaks the broadcast for all: once Ray has restarted it, the group is formed again and
-        everyone is synced (`restore_worker`)."""
-        with self._learner_alive("broadcasting weights"):
-            pending = start_collective_sync(self.learner, self.workers, self.cfg.sync.bucket_mb, self.version)
-            out = pending.finish(self.cfg.sync.timeout_s)
-        for i in pending.lost:
-            self.restore_worker(i, pending.version)
-        return out
 
     def evaluate(self) -> dict:
         """Held-out evaluation on the rollout workers (split evenly), as `eval/*` metrics. In async

@@ -57,6 +57,7 @@ class RolloutWorker:
 
         self.rubric = build(reward_parts or [])  # the default: the environment's milestones, as paid
         self._base = None  # the checkpoint's tensors, opened at the first adapter sync (LoRA)
+        self.sync_group = None  # the collective transport's group, once the driver forms it
         self.env_actors = list(env_actors or [])
         self.suspended: list = []  # partial rollouts: episodes whose budget ran out, continued next call
         # slots on shared EnvWorkers: a random 32-bit prefix per rollout worker keeps them apart
@@ -127,17 +128,21 @@ class RolloutWorker:
         the engine loads them; returns the new version, seconds, bytes and buckets received. An adapter
         manifest (LoRA) is added to the base weights this worker started from."""
         t0 = time.perf_counter()
-        named = iter_weights(manifest)
-        if manifest.adapter:
-            if self._base is None:
-                self._base = CheckpointTensors(self.policy_path)
-            named = merge_adapters(self._base, named)
         with warnings.catch_warnings():
             # Arrays from Ray's object store are read-only views; vLLM copies them into its params.
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            self.engine.load_weights(named, manifest.version)
+            self.engine.load_weights(self._served(iter_weights(manifest), manifest.adapter), manifest.version)
         return {"version": self.engine.version, "load_s": time.perf_counter() - t0,
                 "bytes": manifest.nbytes, "buckets": len(manifest.buckets)}
+
+    def _served(self, named, adapter: bool):
+        """What the engine loads: the received tensors, or (LoRA) the base weights this worker started
+        from with the received factors added."""
+        if not adapter:
+            return named
+        if self._base is None:
+            self._base = CheckpointTensors(self.policy_path)
+        return merge_adapters(self._base, named)
 
     def join_sync_group(self, master: str, rank: int, world: int, backend: str, timeout_s: float) -> None:
         """Join the weight-sync process group as a receiver (`sync.transport: collective`)."""
@@ -151,19 +156,14 @@ class RolloutWorker:
         bucket as it arrives (rollout/collective.py); the same answer as `load_weights`."""
         from rollout.collective import NotInGroup, received_weights
 
-        if getattr(self, "sync_group", None) is None:
+        if self.sync_group is None:
             raise NotInGroup("this rollout worker is not in the weight-sync group (restarted since it was formed)")
         t0, meta = time.perf_counter(), {}
         named = received_weights(self.sync_group, meta)
         first = next(named, None)  # the first bucket's description says the version and the kind
         if first is None:
             raise RuntimeError("weight sync: the learner broadcast a version with no tensors")
-        named = itertools.chain([first], named)
-        if meta["adapter"]:
-            if self._base is None:
-                self._base = CheckpointTensors(self.policy_path)
-            named = merge_adapters(self._base, named)
-        self.engine.load_weights(named, meta["version"])
+        self.engine.load_weights(self._served(itertools.chain([first], named), meta["adapter"]), meta["version"])
         return {"version": self.engine.version, "load_s": time.perf_counter() - t0,
                 "bytes": meta["bytes"], "buckets": meta["buckets"]}
 

@@ -4,6 +4,7 @@ training run per test session (starting these is what costs time)."""
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # local test cluster; no token written to ~/.ray
@@ -80,6 +81,22 @@ def ray_cluster():
     yield ray
     if started:
         ray.shutdown()
+
+
+@contextmanager
+def started_trainer(config: str, overrides: list[str], run_dir):
+    """A Trainer for `configs/CONFIG` with `overrides`, started on the session's Ray; its actors are
+    killed on the way out. Runs beside the session's e2e run, whose actors stay up: the overrides
+    should keep `rollout.cpus_per_worker` small."""
+    from rl.config import load_config
+    from rl.trainer import Trainer
+
+    trainer = Trainer(load_config(REPO / "configs" / config, overrides), run_dir)
+    try:
+        trainer.start()
+        yield trainer
+    finally:
+        trainer.close()
 
 
 @pytest.fixture(scope="session")

@@ -93,17 +93,12 @@ def test_the_loop_syncs_by_broadcast_and_survives_a_killed_worker(ray_cluster, t
     """Two iterations of the quickstart through the collective transport (2 vLLM workers): every
     worker loads each version by broadcast, then a worker killed before the next sync is restarted
     by Ray, the group formed again, and the sync reaches everyone."""
-    from conftest import REPO
-    from rl.config import load_config
-    from rl.trainer import Trainer
+    from conftest import started_trainer
 
-    cfg = load_config(REPO / "configs" / "quickstart.yaml", [
-        "iterations=2", f"policy.path={tiny_policy}", "algo.entropy_coef=0.01", "sync.transport=collective",
-        "sync.bucket_mb=0.25", "rollout.max_new_tokens=16", "sync.timeout_s=90",
-        "rollout.cpus_per_worker=0.1"])  # beside the session's e2e run, whose actors stay up
-    trainer = Trainer(cfg, tmp_path)
-    trainer.start()
-    try:
+    with started_trainer("quickstart.yaml", [
+            "iterations=2", f"policy.path={tiny_policy}", "algo.entropy_coef=0.01", "sync.transport=collective",
+            "sync.bucket_mb=0.25", "rollout.max_new_tokens=16", "sync.timeout_s=90",
+            "rollout.cpus_per_worker=0.1"], tmp_path) as trainer:
         rows = trainer.run()
         assert [r["sync_version"] for r in rows] == [1, 2]
         assert all(r["sync_buckets"] > 1 and r["sync_workers_lost"] == 0 for r in rows)
@@ -120,5 +115,3 @@ def test_the_loop_syncs_by_broadcast_and_survives_a_killed_worker(ray_cluster, t
         out = trainer.sync_now()
         assert out["sync_workers_lost"] == 1 and trainer.worker_restarts == 1
         assert ray.get([w.version.remote() for w in trainer.workers]) == [3, 3]
-    finally:
-        trainer.close()

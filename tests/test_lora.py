@@ -197,23 +197,16 @@ def test_the_lora_quickstart_trains_through_the_whole_loop(ray_cluster, tiny_pol
     every sync moves a small fraction of the model's bytes, the engine then samples with the adapted
     weights (its log-probs match the learner's as closely as at the start, and the turns record the
     version), and the checkpoint holds the adapters."""
-    from rl.config import load_config
-    from rl.trainer import Trainer
-    from conftest import REPO
+    from conftest import started_trainer
 
-    cfg = load_config(REPO / "configs" / "quickstart_lora.yaml", [
-        "policy.pretrained=", f"policy.path={tiny_policy}", "warm_start.demos=0", "iterations=3",
-        "checkpoint_every=3", "algo.entropy_coef=0.05", "algo.lr=1.0e-2", "stop_after_flat=0",
-        "rollout.max_new_tokens=24", "ray.object_store_mb=256", "sync.bucket_mb=0.05",
-        "rollout.cpus_per_worker=0.1"])  # beside the session's e2e run, whose actors stay up
-    trainer = Trainer(cfg, tmp_path)
-    trainer.start()
-    try:
+    with started_trainer("quickstart_lora.yaml", [
+            "policy.pretrained=", f"policy.path={tiny_policy}", "warm_start.demos=0", "iterations=3",
+            "checkpoint_every=3", "algo.entropy_coef=0.05", "algo.lr=1.0e-2", "stop_after_flat=0",
+            "rollout.max_new_tokens=24", "ray.object_store_mb=256", "sync.bucket_mb=0.05",
+            "rollout.cpus_per_worker=0.1"], tmp_path) as trainer:
         rows = trainer.run()
-    finally:
-        trainer.close()
-    full = sum(t.numel() * t.element_size() for t in
-               (CheckpointTensors(tiny_policy)[n] for n in CheckpointTensors(tiny_policy).files))
+    base = CheckpointTensors(tiny_policy)
+    full = sum(base[n].numel() * base[n].element_size() for n in base.files)
     assert [r["policy_version"] for r in rows] == [1, 2, 3]
     assert all(0 < r["sync_bytes"] < 0.25 * full for r in rows)
     assert all(r["sync_buckets"] > 1 for r in rows)

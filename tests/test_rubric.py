@@ -113,20 +113,15 @@ def test_replay_rescores_a_run_with_a_rubric_file(e2e_run, tmp_path):
 def test_a_run_trains_on_its_rubric(ray_cluster, tiny_policy, tmp_path):
     """One iteration of the quickstart with a rubric: the rollout workers score every episode, the
     store keeps each part, metrics.jsonl logs each part's mean."""
-    from rl.config import load_config
+    from conftest import started_trainer
     from rl.store import TrajectoryStore
-    from rl.trainer import Trainer
 
-    cfg = load_config(REPO / "configs" / "quickstart.yaml", [
-        "iterations=1", f"policy.path={tiny_policy}", "rollout.max_new_tokens=16", "rollout.num_workers=1",
-        "rollout.cpus_per_worker=0.1",  # beside the session's e2e run, whose actors stay up
-        "reward.parts=[{fn: milestones}, {fn: format, weight: 0.5}, {fn: length, weight: 0.1, kwargs: {budget: 32}}]"])
-    trainer = Trainer(cfg, tmp_path)
-    trainer.start()
-    try:
+    with started_trainer("quickstart.yaml", [
+            "iterations=1", f"policy.path={tiny_policy}", "rollout.max_new_tokens=16", "rollout.num_workers=1",
+            "rollout.cpus_per_worker=0.1",
+            "reward.parts=[{fn: milestones}, {fn: format, weight: 0.5}, {fn: length, weight: 0.1, kwargs: {budget: 32}}]"],
+            tmp_path) as trainer:
         (row,) = trainer.run()
-    finally:
-        trainer.close()
     trajs = list(TrajectoryStore(tmp_path).trajectories())
     assert trajs and all(set(t.reward_parts) == {"milestones", "format", "length"} for t in trajs if not t.infra_error)
     for t in trajs:
