@@ -20,14 +20,17 @@ and every part's own value is kept (`Trajectory.reward_parts`, the `reward/NAME`
 - `length`: minus the share of `budget` tokens the episode generated (a length penalty, -1 at or
   beyond the budget);
 
+- `judge`: a judge model's score (rewards/judge.py; kwargs `criteria`, `mode`, `show`,
+  `max_chars`), computed in the run's judge actor and handed to `score` as `judged`;
+
 and any `module:function` the config names (an import path, like `--rescore` takes).
 
 How the learner credits a rubric's reward under milestone credit: the milestone events at their
 turns, and whatever of the episode's reward they do not account for at its last turn
 (rl/credit.py).
 
-Not covered here: LLM judges (they score asynchronously in their own engine; the rubric takes their
-score as a part once it is there).
+A judge part is the one part that cannot score itself: the rollout worker asks the judge actor
+(rollout/judge.py) without waiting, and the rubric is applied once the scores are there.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Callable
 
+from rewards.judge import Judge
 from rewards.milestones import milestone_sum, terminal_only
 
 # Turn failure kinds (rollout/trajectory.py TURN_FAILURES) that say the tool call itself was badly formed.
@@ -60,7 +64,7 @@ def length(trajectory, budget: int = 1024) -> float:
 
 
 PARTS: dict[str, Callable] = {"milestones": milestone_sum, "solved": terminal_only, "format": well_formed,
-                              "length": length}
+                              "length": length, "judge": Judge}
 
 
 @dataclass(frozen=True)
@@ -76,15 +80,25 @@ class Part:
 class Rubric:
     parts: tuple[Part, ...] = field(default_factory=tuple)
 
-    def score(self, trajectory) -> tuple[float, dict[str, float]]:
-        """(reward, each part's own value)."""
+    def score(self, trajectory, judged: dict[str, float] | None = None) -> tuple[float, dict[str, float]]:
+        """(reward, each part's own value); `judged`: the judge parts' scores, by part name."""
         values = {}
         for p in self.parts:
-            v = float(p.fn(trajectory))
+            if isinstance(p.fn, Judge):
+                if judged is None or p.name not in judged:
+                    raise ValueError(f"judge part {p.name!r} has no score from the judge")
+                v = float(judged[p.name])
+            else:
+                v = float(p.fn(trajectory))
             if v != v:  # NaN would poison every advantage of the group
                 raise ValueError(f"reward part {p.name!r} returned NaN for episode {getattr(trajectory, 'episode_id', '?')}")
             values[p.name] = v
         return sum(p.weight * values[p.name] for p in self.parts), values
+
+    @property
+    def judges(self) -> tuple[Part, ...]:
+        """The parts a judge model scores."""
+        return tuple(p for p in self.parts if isinstance(p.fn, Judge))
 
     @property
     def is_default(self) -> bool:
@@ -130,15 +144,23 @@ def build(specs: list) -> Rubric:
             fn = resolve(str(spec["fn"]))
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
+        name = str(spec.get("name") or str(spec["fn"]).rpartition(":")[2])
+        if name in names:
+            raise ValueError(f"{where}: two parts named {name!r} (give one a name)")
+        names.add(name)
+        if fn is Judge:  # a judge is its kwargs, checked by the Judge itself
+            try:
+                parts.append(Part(name, Judge(**kwargs), float(weight)))
+            except TypeError as exc:
+                raise ValueError(f"{where}: judge takes criteria, mode, show, max_chars: {exc}") from None
+            except ValueError as exc:
+                raise ValueError(f"{where}: {exc}") from None
+            continue
         try:  # kwargs the function does not take fail here, not in every episode's scoring
             inspect.signature(fn).bind(None, **kwargs)
         except TypeError as exc:
             raise ValueError(f"{where}: {spec['fn']} does not take these kwargs: {exc}") from None
         except ValueError:  # no signature to read (a builtin): checked when it runs
             pass
-        name = str(spec.get("name") or str(spec["fn"]).rpartition(":")[2])
-        if name in names:
-            raise ValueError(f"{where}: two parts named {name!r} (give one a name)")
-        names.add(name)
         parts.append(Part(name, functools.partial(fn, **kwargs) if kwargs else fn, float(weight)))
     return Rubric(tuple(parts))
