@@ -109,6 +109,21 @@ register("code/fix-tests-v0", "envs.fix_tests:FixTestsEnv")
 register("long/needle-v0", "envs.needle:NeedleEnv")
 register("vision/maze-v0", "envs.maze:MazeEnv")
 register("text/digits-v0", "envs.digits:DigitsEnv")
+register("text/incident-v0", "envs.incident:IncidentEnv")
+
+
+def judge_reference(env_id: str, seed: int, kwargs: dict | None = None) -> str:
+    """The reference answer a judge compares an episode of `env_id` reset with `seed` against
+    (`ToolEnv.judge_reference`; "" for environments without one). The task is made again from the
+    seed, so this resets an environment: a sandboxed one starts its sandbox."""
+    if env_class(env_id).judge_reference is ToolEnv.judge_reference:
+        return ""
+    env = make(env_id, **(kwargs or {}))
+    try:
+        env.reset(seed=seed)
+        return env.judge_reference()
+    finally:
+        env.close()
 
 def check_env(env, **kwargs) -> dict:
     from envs.check import check_env as _check
@@ -116,4 +131,4 @@ def check_env(env, **kwargs) -> dict:
     return _check(env, **kwargs)
 
 
-__all__ = ["register", "make", "config_problem", "host_problem", "Milestone", "env_class", "spec", "list_specs", "check_env", "EnvSpec", "ToolEnv", "ToolSpec", "ToolFailure"]
+__all__ = ["register", "make", "judge_reference", "config_problem", "host_problem", "Milestone", "env_class", "spec", "list_specs", "check_env", "EnvSpec", "ToolEnv", "ToolSpec", "ToolFailure"]

@@ -106,6 +106,11 @@ class ToolEnv(gym.Env):
     def tool_functions(self) -> dict[str, Callable[..., str]]:
         raise NotImplementedError
 
+    def judge_reference(self) -> str:
+        """The answer a good episode of the current task carries, for judge rubric parts
+        (rewards/judge.py) to compare with; "" (the default): the environment has none."""
+        return ""
+
     # --- milestones ---
     def reach(self, name: str, reward: float, events: list[dict] | None = None) -> None:
         """Record milestone `name` for this step (paid once per episode: rewards/milestones.py)."""
