@@ -205,9 +205,33 @@ class WarmStartConfig:
 
 
 @dataclass
+class JudgeConfig:
+    model: str = "smollm2-135m-instruct"
+    """The judge model: a packaged pretrained name (rl/pretrained.py) or a local Hugging Face checkpoint directory."""
+    timeout_s: float = 300.0
+    """How long the trainer waits for an iteration's judge scores; episodes still unscored then are infrastructure errors."""
+    cpus: float = 0.5
+    """CPUs Ray reserves for the judge actor."""
+    gpus: float = 0.0
+    """GPUs Ray reserves for the judge actor (vLLM then runs it on the GPU)."""
+    max_model_len: int = 4096
+    """The judge engine's longest prompt + continuation, in tokens."""
+    kv_cache_gib: float = 1.0
+    """The judge engine's KV cache."""
+
+
+@dataclass
 class RewardConfig:
     parts: list = field(default_factory=list)
-    """The run's rubric (rewards/rubric.py): [{fn, weight, name, kwargs}, ...]; fn a built-in part (milestones, solved, format, length) or module:function, each part logged as reward/NAME and the reward their weighted sum. Empty: the environment's milestones."""
+    """The run's rubric (rewards/rubric.py): [{fn, weight, name, kwargs}, ...]; fn a built-in part (milestones, solved, format, length, judge) or module:function, each part logged as reward/NAME and the reward their weighted sum. Empty: the environment's milestones."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """The judge model that scores `judge` parts (rewards/judge.py, rollout/judge.py), in its own Ray actor."""
+
+    def judge_path(self) -> str:
+        """The judge model's directory (a packaged model is converted once, cached)."""
+        from rl.pretrained import dense
+
+        return str(dense(self.judge.model)) if self.judge.model in PRETRAINED else self.judge.model
 
 
 @dataclass
@@ -277,17 +301,39 @@ class RunConfig:
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     """Supervised warm start on expert demonstrations before RL."""
 
+    def _rubric_problem(self) -> tuple[str, bool]:
+        """(what is wrong with reward.parts or "", whether it has judge parts)."""
+        from rewards.rubric import build
+
+        try:
+            judges = build(self.reward.parts).judges
+        except ValueError as exc:
+            return str(exc), False
+        import envs
+
+        try:
+            no_reference = envs.env_class(self.env.id).judge_reference is envs.ToolEnv.judge_reference
+        except Exception:  # noqa: BLE001  (an unknown or broken env.id is reported by its own check)
+            no_reference = False
+        if no_reference and any(p.fn.mode == "likelihood" for p in judges):
+            return (f"a likelihood judge compares with the environment's reference answer, and {self.env.id} has none "
+                    "(ToolEnv.judge_reference): use mode verdict"), True
+        if self.rollout.iteration_token_budget and any(p.fn.mode == "rank" for p in judges):
+            return ("a rank judge compares a group's episodes when they have all ended in one iteration, which partial "
+                    "rollouts (rollout.iteration_token_budget) do not promise: use mode verdict or likelihood"), True
+        return "", bool(judges)
+
     def validate(self, source: str = "config") -> "RunConfig":
         unavailable = pretrained_missing(self.policy.pretrained) if self.policy.pretrained in PRETRAINED else None
-        try:
-            from rewards.rubric import build
-
-            build(self.reward.parts)
-            rubric_problem = ""
-        except ValueError as exc:
-            rubric_problem = str(exc)
+        rubric_problem, judged = self._rubric_problem()
+        j = self.reward.judge
         checks = [
             ("reward.parts", not rubric_problem, f"is wrong: {rubric_problem}"),
+            ("reward.judge.model", not judged or j.model in PRETRAINED or (Path(j.model) / "config.json").is_file(),
+             f"is neither a packaged model ({', '.join(sorted(PRETRAINED))}) nor a checkpoint directory with a config.json"),
+            ("reward.judge.timeout_s", j.timeout_s > 0, "must be > 0"),
+            ("reward.judge.cpus", j.cpus >= 0 and j.gpus >= 0, "and reward.judge.gpus must be >= 0"),
+            ("reward.judge.max_model_len", j.max_model_len >= 256, "must be >= 256"),
             ("iterations", self.iterations >= 1, "must be >= 1"),
             ("checkpoint_every", self.checkpoint_every >= 1, "must be >= 1"),
             ("max_infra_error_share", 0 <= self.max_infra_error_share < 1, "must be in [0, 1)"),

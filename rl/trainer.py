@@ -62,6 +62,8 @@ from envs.worker import EnvWorkerActor
 from rl.loggers import TensorBoardLog
 from rl.sync import WORKER_LOST, PendingSync, form_group, start_collective_sync, start_sync
 from rollout.worker import RolloutWorkerActor, StaleWorkerError
+from rollout.judge import JudgeActor, ask_groups, settle
+from rewards.rubric import build as build_rubric
 
 # a worker's process or node died, or the result it produced was lost with its node
 class WorkerLost(RuntimeError):
@@ -143,7 +145,8 @@ class Trainer:
         self.start_iteration = 0
         self.workers: list = []
         self.env_workers: list = []
-        self.learner = None
+        self.learner = self.judge = None
+        self._judge_row: dict = {}  # the judge's metrics of the iteration being collected
         self.tensorboard = None
         self.wandb = None
         self._inflight: dict[int, list] = {}  # iteration → [(worker index, share, min version, future)]
@@ -257,6 +260,11 @@ class Trainer:
             lora=c.lora,
         )
         rollouts = self.source is None  # training from a store needs no engines and no environments
+        self.rubric = build_rubric(c.reward.parts)
+        j = c.reward.judge  # a judge model for the rubric's judge parts: one actor, restarted if it dies
+        self.judge = JudgeActor.options(num_cpus=j.cpus, num_gpus=j.gpus, max_restarts=r.max_restarts).remote(
+            c.reward.judge_path(), str(self.run_dir / "judge_cache.jsonl"), name=j.model, seed=c.seed,
+            max_model_len=j.max_model_len, kv_cache_gib=j.kv_cache_gib) if self.rubric.judges and rollouts else None
         self.env_workers = [
             EnvWorkerActor.options(num_cpus=c.env.cpus_per_worker, max_concurrency=c.env.worker_concurrency,
                                    resources=dict(r.env_worker_resources), max_restarts=r.max_restarts)
@@ -268,7 +276,7 @@ class Trainer:
                                        resources=dict(r.rollout_resources),
                                        max_restarts=r.max_restarts).remote(
                 path, c.rollout, c.env, seed=c.seed + i, dtype=c.policy.dtype, env_actors=self.env_workers,
-                reward_parts=c.reward.parts,
+                reward_parts=c.reward.parts, judge=self.judge, judge_timeout_s=j.timeout_s,
             )
             for i in range(c.rollout.num_workers if rollouts else 0)
         ]
@@ -364,6 +372,10 @@ class Trainer:
             for t in done:
                 self._outstanding[i].pop(t.episode_id, None)
             out.extend(done)
+        # judge parts were sent to the judge as each worker finished (rank parts: now, with whole groups);
+        # the rubric is applied once their scores are in
+        ask_groups(self.rubric, out, self.judge)
+        self._judge_row = settle(self.rubric, out, self.cfg.reward.judge.timeout_s)
         return out
 
     def trainable(self, ended: list[Trajectory]) -> list[Trajectory]:
@@ -551,7 +563,7 @@ class Trainer:
         self._last_row_t = now
         row = {"iteration": it, "policy_version": self.version, **summarise(trajs), **stats, **sync,
                "rollout_s": rollout_s, "iteration_s": iteration_s, "staleness_max": staleness,
-               **held_out, "worker_restarts": self.worker_restarts, "episodes_rerun": self.episodes_rerun,
+               **held_out, **self._judge_row, "worker_restarts": self.worker_restarts, "episodes_rerun": self.episodes_rerun,
                "episodes_trained": len(batch), "episodes_held": len(self._held),
                # episodes of this or earlier iterations still running: suspended by the token budget
                "episodes_suspended": sum(t.iteration <= it for o in self._outstanding for t in o.values()),
@@ -613,6 +625,7 @@ class Trainer:
             self.wandb.close()
             self.wandb = None
         self._inflight, self._syncs = {}, []
-        for actor in self.workers + self.env_workers + (self.learner.actors if self.learner is not None else []):
+        judge = [self.judge] if self.judge is not None else []
+        for actor in self.workers + self.env_workers + judge + (self.learner.actors if self.learner is not None else []):
             ray.kill(actor)
-        self.workers, self.env_workers, self.learner = [], [], None
+        self.workers, self.env_workers, self.learner, self.judge = [], [], None, None

@@ -144,6 +144,9 @@ class Trajectory:
     reward_parts: dict = field(default_factory=dict)
     """Each part's own value when the run's reward is a rubric (the `reward:` section, rewards/rubric.py):
     `reward` is then their weighted sum. Empty: the reward is the milestones the environment paid."""
+    judging: object = None
+    """Transient, never stored: the judge's pending scores for the episode's judge parts, from the
+    rollout worker until the trainer applies the rubric (rollout/judge.py `ask`, `ask_groups`, `settle`)."""
 
     @property
     def num_generated(self) -> int:

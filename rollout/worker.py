@@ -26,20 +26,7 @@ from rollout.trajectory import EpisodeTask
 from rollout.chat import ChatFormat
 from rollout.engines import make_engine
 from rollout.engines.base import Generation
-
-
-def apply_rubric(rubric, t: Trajectory) -> Trajectory:
-    """The run's rubric over an ended episode (rewards/rubric.py): its reward and each part's value.
-    A part that fails makes the episode an infrastructure error (kept out of the group statistics),
-    never reward 0. The default rubric (the environment's milestones) leaves the record as it is."""
-    if rubric.is_default or t.infra_error:
-        return t
-    try:
-        t.reward, t.reward_parts = rubric.score(t)
-    except Exception as exc:  # noqa: BLE001  (user code: any error is the part's, named)
-        t.infra_error = f"reward: {type(exc).__name__}: {exc}"
-        t.failure = "infra_error"
-    return t
+from rollout.judge import ask, ask_groups, settle
 
 
 class StaleWorkerError(RuntimeError):
@@ -48,7 +35,8 @@ class StaleWorkerError(RuntimeError):
 
 class RolloutWorker:
     def __init__(self, policy_path: str, rollout: RolloutConfig, env: EnvConfig, *, seed: int = 0,
-                 dtype: str = "float32", env_actors: list | None = None, reward_parts: list | None = None):
+                 dtype: str = "float32", env_actors: list | None = None, reward_parts: list | None = None,
+                 judge=None, judge_timeout_s: float = 300.0):
         from transformers import AutoTokenizer
 
         self.cfg, self.env_cfg, self.seed = rollout, env, seed
@@ -56,6 +44,7 @@ class RolloutWorker:
         from rewards.rubric import build
 
         self.rubric = build(reward_parts or [])  # the default: the environment's milestones, as paid
+        self.judge, self.judge_timeout_s = judge, judge_timeout_s  # the run's JudgeActor, for judge parts
         self._base = None  # the checkpoint's tensors, opened at the first adapter sync (LoRA)
         self.sync_group = None  # the collective transport's group, once the driver forms it
         self.env_actors = list(env_actors or [])
@@ -101,7 +90,7 @@ class RolloutWorker:
             token_budget=c.iteration_token_budget,
             max_segments=c.max_segments,
         )
-        return [apply_rubric(self.rubric, t) for t in done]
+        return ask(self.rubric, done, self.judge, self.env_cfg.kwargs)  # judged: the trainer settles them
 
     def evaluate(self, env_id: str, env_kwargs: dict, tasks: list[EpisodeTask], temperature: float) -> list[Trajectory]:
         """Held-out episodes (rl/evaluate.py) with the current weights, in this process's environments;
@@ -112,7 +101,10 @@ class RolloutWorker:
         done = play(self.engine, self.chat, env_id, env_kwargs, tasks, max_turns=c.max_turns,
                     max_new_tokens=c.max_new_tokens, max_episode_tokens=c.max_episode_tokens,
                     temperature=temperature, top_p=c.top_p, run_seed=self.seed)
-        return [apply_rubric(self.rubric, t) for t in done]
+        ask(self.rubric, done, self.judge, env_kwargs)
+        ask_groups(self.rubric, done, self.judge)
+        settle(self.rubric, done, self.judge_timeout_s)
+        return done
 
     def suspended_ids(self) -> list[str]:
         return [ep.task.episode_id for ep in self.suspended]

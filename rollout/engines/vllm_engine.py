@@ -155,14 +155,19 @@ class VLLMEngine:
 
     def score(self, token_ids: list[int]) -> list[float]:
         """log p(token_ids[i] | token_ids[:i]) for i >= 1, computed by the engine (prompt log-probs)."""
+        return self.score_batch([token_ids])[0]
+
+    def score_batch(self, sequences: list[list[int]]) -> list[list[float]]:
+        """`score` of several sequences in one engine call (the judge's requests)."""
         from vllm import SamplingParams, TokensPrompt
 
-        out = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=token_ids)],
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=ids) for ids in sequences],
             SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
             use_tqdm=False,
-        )[0]
-        return [step[tok].logprob for tok, step in zip(token_ids[1:], out.prompt_logprobs[1:])]
+        )
+        return [[step[tok].logprob for tok, step in zip(ids[1:], out.prompt_logprobs[1:])]
+                for ids, out in zip(sequences, outs)]
 
     def load_weights(self, named_tensors: Iterable, version: int) -> None:
         """Replace the served weights in place (no restart) and drop every cached prefix.
