@@ -151,10 +151,15 @@ def _replay(args) -> int:
         if not trajs:
             raise KeyError(f"no episode {args.episode!r} in {args.run_dir}")
         if args.rescore:
-            rows = rescore(trajs, args.rescore, args.run_dir)
+            judge: dict = {}
+            rows = rescore(trajs, args.rescore, args.run_dir, judge)
+            if judge:  # on stderr: --json output is the only thing on stdout
+                print(f"judge: {judge['cache_hits']} of {judge['requests']} scores from the run's cache",
+                      file=sys.stderr)
             parts = lambda r: "  (" + ", ".join(f"{k} {v:g}" for k, v in r["parts"].items()) + ")" if len(r["parts"]) > 1 else ""  # noqa: E731
             print(json.dumps(rows, indent=2) if args.json else
-                  "\n".join(f"{r['episode_id']}: {r['recorded']:g} -> {r['rescored']:g}{parts(r)}" for r in rows))
+                  "\n".join(f"{r['episode_id']}: not scored ({r['not_scored']})" if r["rescored"] is None else
+                            f"{r['episode_id']}: {r['recorded']:g} -> {r['rescored']:g}{parts(r)}" for r in rows))
             return 0
         kwargs = run_env_kwargs(args.run_dir)
         results = [replay_episode(t, kwargs) for t in trajs]

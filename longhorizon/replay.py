@@ -10,7 +10,10 @@ completed (at reset, or in its first step) has nothing to check and is reported 
 `rescore(trajectories, SPEC)` recomputes rewards and reports old against new, each rubric part on
 its own, without touching the store. SPEC is a rubric (rewards/rubric.py): a YAML file holding one
 (a list of parts, or `parts: [...]`), `run` for the run's own `reward:` section (which reproduces
-what was stored), a built-in part (`format`) or any `module:function`.
+what was stored), a built-in part (`format`) or any `module:function`. Judge parts are scored by
+the run's judge model (its `reward.judge` section) through the run's score cache
+(`judge_cache.jsonl`): what the run judged comes back from the cache, exactly and without starting a
+judge engine; only what it never asked (another rubric, other episodes) starts one.
 """
 
 from __future__ import annotations
@@ -100,11 +103,48 @@ def rubric_of(spec: str, run_dir: str | Path | None = None):
     return build([{"fn": spec}])
 
 
-def rescore(trajectories, spec: str, run_dir: str | Path | None = None) -> list[dict]:
+def judge_scores(rubric, trajectories, run_dir: str | Path | None) -> tuple[dict, dict]:
+    """Each episode's judge part scores ({episode id: {part: score}}) and the judge's counts: by the
+    run's judge model, through the run's cache (see the module doc)."""
+    from rl.config import RunConfig, load_config
+    from rollout.judge import JudgeScorer, judge_requests, ran, ranked_groups
+
+    config = Path(run_dir or ".") / "config.yaml"
+    cfg = load_config(config) if config.is_file() else RunConfig()
+    cache = Path(run_dir) / "judge_cache.jsonl" if run_dir else None
+    j = cfg.reward.judge
+    scorer = JudgeScorer(cfg.reward.judge_path(), cache, name=j.model, seed=cfg.seed, max_model_len=j.max_model_len,
+                         kv_cache_gib=j.kv_cache_gib)
+    alone = [p for p in rubric.judges if p.fn.mode != "rank"]
+    trajectories = [t for t in trajectories if ran(t)]
+    scores = iter(scorer.score([r for t in trajectories for r in judge_requests(rubric, t, cfg.env.kwargs)]))
+    out = {t.episode_id: {p.name: next(scores) for p in alone} for t in trajectories}
+    # rank parts: each group of the episodes given, as the run asked (the whole group only with --all)
+    for p in [p for p in rubric.judges if p.fn.mode == "rank"]:
+        groups = ranked_groups(trajectories)
+        scores = iter(scorer.score([p.fn.group_request(g) for g in groups]))
+        for g in groups:
+            for t in g:
+                out[t.episode_id][p.name] = next(scores)
+    return out, {k: scorer.stats[k] for k in ("requests", "cache_hits")}
+
+
+def rescore(trajectories, spec: str, run_dir: str | Path | None = None, stats: dict | None = None) -> list[dict]:
+    """Each episode's recorded and rescored reward and parts; `stats` (if given) gets the judge's
+    request and cache-hit counts."""
+    from rollout.judge import ran
+
     rubric = rubric_of(spec, run_dir)
+    judged, counts = judge_scores(rubric, trajectories, run_dir) if rubric.judges else ({}, {})
+    if stats is not None:
+        stats.update(counts)
     out = []
     for t in trajectories:
-        total, parts = rubric.score(t)
+        if not ran(t):  # an environment's failure: nothing to score (the run did not either)
+            out.append({"episode_id": t.episode_id, "recorded": t.reward, "rescored": None, "parts": {},
+                        "recorded_parts": t.reward_parts, "not_scored": t.infra_error})
+            continue
+        total, parts = rubric.score(t, judged.get(t.episode_id))
         out.append({"episode_id": t.episode_id, "recorded": t.reward, "rescored": total, "parts": parts,
                     "recorded_parts": t.reward_parts})
     return out
