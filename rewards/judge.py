@@ -204,9 +204,9 @@ class JudgeCache:
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "ab+") as f:
-            cut = f.tell() > 0 and (f.seek(-1, os.SEEK_END) or f.read(1) != b"\n")
+        with open(self.path, "ab+") as f:  # a last line cut short by a crash must not swallow the next
+            cut = f.seek(0, os.SEEK_END) > 0 and (f.seek(-1, os.SEEK_END) >= 0 and f.read(1) != b"\n")
         with open(self.path, "a") as f:
-            f.write("\n" * cut + "".join(json.dumps({"key": k, "score": s, "model": model}) + "\n" for k, s in rows))
+            f.write(("\n" if cut else "") + "".join(json.dumps({"key": k, "score": s, "model": model}) + "\n" for k, s in rows))
             f.flush()
             os.fsync(f.fileno())

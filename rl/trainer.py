@@ -57,7 +57,8 @@ from rl.config import RunConfig, dump_config
 from rl.learner_group import LearnerGroup, result
 from rl.ray_utils import init_ray
 from rl.store import TrajectoryStore
-from rollout.trajectory import FAILURE_KINDS, EpisodeTask, Trajectory
+from rl.episodes import iteration_tasks, summarise
+from rollout.trajectory import EpisodeTask, Trajectory
 from envs.worker import EnvWorkerActor
 from rl.loggers import TensorBoardLog
 from rl.sync import WORKER_LOST, PendingSync, form_group, start_collective_sync, start_sync
@@ -86,41 +87,6 @@ class LearnerDied(RuntimeError):
             f"and metrics written so far are kept in {run_dir} and {where}; continue with: "
             f"longhorizon train --resume {run_dir}"
         )
-
-
-def iteration_tasks(cfg: RunConfig, iteration: int) -> list[EpisodeTask]:
-    """The episodes of one iteration: `groups_per_iteration` tasks × `group_size` episodes."""
-    r = cfg.rollout
-    tasks = []
-    for g in range(r.groups_per_iteration):
-        group_id = iteration * r.groups_per_iteration + g
-        env_seed = (cfg.seed * 1_000_003 + group_id) & 0x7FFFFFFF
-        for k in range(r.group_size):
-            tasks.append(EpisodeTask(f"i{iteration}-g{g}-e{k}", group_id, env_seed, iteration))
-    return tasks
-
-
-def summarise(trajs: list[Trajectory]) -> dict:
-    n = max(1, len(trajs))
-    reached = Counter(name for t in trajs for name in {m["name"] for m in t.milestones})
-    out = {
-        "episodes": len(trajs),
-        "mean_reward": sum(t.reward for t in trajs) / n,
-        "mean_turns": sum(len(t.turns) for t in trajs) / n,
-        "generated_tokens": sum(t.num_generated for t in trajs),
-        "episode_tokens_mean": sum(len(t.token_ids) for t in trajs) / n,
-        "tool_errors": sum(turn.tool_errors for t in trajs for turn in t.turns),
-        "infra_errors": sum(1 for t in trajs if t.infra_error),
-        "stop_reasons": dict(Counter(t.stop_reason for t in trajs)),
-    }
-    out.update({f"milestone_rate/{k}": v / n for k, v in sorted(reached.items())})
-    scored = [t for t in trajs if t.reward_parts]  # a rubric's parts, each on its own (rewards/rubric.py)
-    for name in dict.fromkeys(k for t in scored for k in t.reward_parts):
-        out[f"reward/{name}"] = sum(t.reward_parts.get(name, 0.0) for t in scored) / max(1, len(scored))
-    # every kind, zeros included, so a curve exists from the first iteration on
-    kinds = Counter(t.failure for t in trajs)
-    out.update({f"failure/{k}": kinds.get(k, 0) / n for k in FAILURE_KINDS})
-    return out
 
 
 class Trainer:

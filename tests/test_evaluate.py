@@ -11,7 +11,7 @@ import envs
 from conftest import REPO
 from rl.config import load_config
 from rl.evaluate import HELD_OUT, eval_tasks, evaluate, summarise, wilson
-from rl.trainer import iteration_tasks
+from rl.episodes import iteration_tasks
 from rollout.chat import ChatFormat
 from test_agent_loop import ExpertPolicy
 

@@ -11,7 +11,7 @@ import pytest
 import envs
 from envs.tool_calls import format_tool_call as call
 from rl.store import TrajectoryStore
-from rl.trainer import summarise
+from rl.episodes import summarise
 from rollout.agent_loop import run_episodes
 from rollout.chat import ChatFormat
 from rollout.expert import ExpertEngine
