@@ -122,9 +122,12 @@ class VLLMEngine:
         stop_token_ids: list[int] | None = None,
         seeds: list[int] | None = None,
         min_tokens: int = 0,
+        stop: list[str] | None = None,
     ) -> list[Generation]:
         """Sample one completion per prompt (token ids in, token ids out; no text round trip).
-        `min_tokens`: no stop before that many tokens (benchmarks use it to fix the length)."""
+        `min_tokens`: no stop before that many tokens (benchmarks use it to fix the length); `stop`:
+        strings that end a completion (vLLM then detokenizes to find them; the ids returned are
+        still every id sampled, up to the one that completed the string)."""
         from vllm import SamplingParams, TokensPrompt
 
         if isinstance(max_tokens, int):
@@ -137,7 +140,8 @@ class VLLMEngine:
                 logprobs=0,  # the sampled token's own log-prob
                 stop_token_ids=stop_token_ids,
                 seed=None if seeds is None else seeds[i],
-                detokenize=False,
+                detokenize=bool(stop),
+                stop=stop or None,
                 min_tokens=min(min_tokens, max_tokens[i]),
             )
             for i in range(len(prompts))

@@ -1,0 +1,357 @@
+"""An OpenAI-compatible chat API over a rollout engine that records the exact tokens of every call.
+
+`OpenAIServer(engine, tokenizer, model)` serves, on loopback by default:
+
+- `POST /v1/chat/completions` and `GET /v1/models`, and the same under a session path,
+  `/sessions/{session}/v1/...`, which an agent program gets as its `base_url` (one session per
+  episode, so concurrent episodes never mix);
+- requests are parsed and answered with vLLM's own OpenAI protocol models (`ChatCompletionRequest`,
+  `ChatCompletionResponse`, `ErrorResponse`); messages (with `tools`, assistant `tool_calls` and
+  `tool` results) are rendered with the checkpoint's chat template, the same one the agent loop
+  uses (rollout/chat.py), and tool calls in a completion (`<tool_call>` blocks, envs/tool_calls.py)
+  come back as OpenAI `tool_calls`;
+- supported: temperature, top_p, max_tokens / max_completion_tokens, n, seed, stop (strings) and
+  stop_token_ids, logprobs (the sampled token's own; `top_logprobs` > 0 is refused). Not (yet):
+  streaming, images in messages, `logit_bias`, penalties, `response_format`: refused with an
+  OpenAI-style 400 that names the field, never silently ignored.
+
+Every call is recorded (`CallRecord`: the prompt ids it was rendered to, the ids the engine
+sampled, their log-probs, the policy version, the finish reason), per session, for `take(session)`:
+training uses those ids, never a re-rendering of the conversation.
+
+One thread owns the engine (`Batcher`): calls that arrive together from concurrent sessions are
+generated in one engine call. A malformed request gets a 400 with an OpenAI error body; no request
+takes the server down. Bound to an address other than loopback, the server requires `api_key`
+(a bearer token) and refuses to start without one.
+
+Not covered here: the agent-program environment that hands these sessions to user code, and the
+assembly of a session's calls into a trajectory (later increments of the endpoint issue).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+
+from fastapi import Request  # at module level: FastAPI resolves the handlers' annotations here
+
+from envs.tool_calls import OPEN, parse_tool_calls
+from rollout.chat import ChatFormat
+from rollout.engines.base import Generation
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# fields of ChatCompletionRequest this server does not honour, with the value that means "unused"
+UNSUPPORTED = {"stream": False, "logit_bias": None, "frequency_penalty": None, "presence_penalty": None,
+               "response_format": None, "use_beam_search": False, "repetition_penalty": None, "top_k": None,
+               "min_p": None, "prompt_logprobs": None, "echo": False}
+
+
+@dataclass
+class CallRecord:
+    """One sampled completion, as the engine produced it."""
+
+    session: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    policy_version: int
+    finish_reason: str
+    """`stop` (end of turn or a stop string), `length` (max_tokens)."""
+    seed: int
+    created: float = field(default_factory=time.time)
+
+
+class RequestError(ValueError):
+    """A request this server cannot answer as asked (an OpenAI `invalid_request_error`)."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
+class Batcher:
+    """One thread owns the engine; `generate` queues a prompt and blocks until its batch ran. Prompts
+    queued within `wait_s` of each other, with the same sampling settings, share an engine call."""
+
+    def __init__(self, engine, max_batch: int = 64, wait_s: float = 0.01):
+        self.engine, self.max_batch, self.wait_s = engine, max_batch, wait_s
+        self.batch_sizes: list[int] = []
+        self._q: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="openai-batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float, seed: int,
+               stop_token_ids: list[int], stop: list[str]) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        key = (temperature, top_p, tuple(stop_token_ids), tuple(stop))
+        self._q.put((key, prompt_ids, max_tokens, seed, fut))
+        return fut
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while True:
+            first = self._q.get()
+            if first is None:
+                return
+            items, deadline = [first], time.monotonic() + self.wait_s
+            while len(items) < self.max_batch:
+                try:
+                    item = self._q.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._q.put(None)
+                    break
+                items.append(item)
+            groups: dict = {}
+            for item in items:
+                groups.setdefault(item[0], []).append(item)
+            for (temperature, top_p, stop_ids, stop), group in groups.items():
+                self.batch_sizes.append(len(group))
+                try:
+                    version = self.engine.version
+                    gens = self.engine.generate([g[1] for g in group], max_tokens=[g[2] for g in group],
+                                                temperature=temperature, top_p=top_p,
+                                                stop_token_ids=list(stop_ids) or None, seeds=[g[3] for g in group],
+                                                **({"stop": list(stop)} if stop else {}))
+                    for g, gen in zip(group, gens):
+                        g[4].set_result((gen, version))
+                except Exception as exc:  # noqa: BLE001  (each waiting call answers with it)
+                    for g in group:
+                        if not g[4].done():
+                            g[4].set_exception(exc)
+
+
+def _text(content, where: str) -> str:
+    """A message's content as text (a string, or a list of text parts)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        out = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise RequestError(f"{where}: only text content is supported, not {kind!r}", "messages")
+            out.append(str(part.get("text", "")))
+        return "".join(out)
+    raise RequestError(f"{where}: content must be a string or a list of text parts", "messages")
+
+
+def render_messages(messages: list) -> list[dict]:
+    """The request's messages as the chat template reads them (text content; tool calls kept)."""
+    out = []
+    for i, m in enumerate(messages):
+        m = dict(m)
+        role = m.get("role")
+        if role not in ("system", "developer", "user", "assistant", "tool"):
+            raise RequestError(f"messages[{i}]: unknown role {role!r}", "messages")
+        msg = {"role": "system" if role == "developer" else role, "content": _text(m.get("content"), f"messages[{i}]")}
+        if role == "assistant" and m.get("tool_calls"):
+            msg["tool_calls"] = [dict(tc) for tc in m["tool_calls"]]
+        out.append(msg)
+    if not out:
+        raise RequestError("messages must not be empty", "messages")
+    return out
+
+
+def completion_message(text: str) -> tuple[str | None, list[dict]]:
+    """(content, tool_calls) of a completion: the text before the first `<tool_call>`, and each
+    well-formed call as an OpenAI tool call (a malformed block stays in the content, for the agent
+    to see)."""
+    calls, errors = parse_tool_calls(text)
+    if not calls or errors:
+        return text, []
+    content = text[: text.find(OPEN)].strip()
+    return content or None, [{"id": f"call_{secrets.token_hex(8)}", "type": "function",
+                              "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
+                             for c in calls]
+
+
+class OpenAIServer:
+    """The API over `engine` (see the module doc); `start()` serves it from a background thread."""
+
+    def __init__(self, engine, tokenizer, model: str, *, max_model_len: int, default_max_tokens: int = 512,
+                 api_key: str = ""):
+        self.engine, self.model, self.max_model_len = engine, model, max_model_len
+        self.chat = ChatFormat(tokenizer)
+        self.default_max_tokens, self.api_key = default_max_tokens, api_key
+        self.batcher = Batcher(engine)
+        self.records: dict[str, list[CallRecord]] = {}
+        self._lock = threading.Lock()
+        self._server = self._thread = None
+        self.port = 0
+
+    # --- sessions ---
+    def take(self, session: str) -> list[CallRecord]:
+        """The session's calls so far, in order; forgotten here."""
+        with self._lock:
+            return self.records.pop(session, [])
+
+    def _record(self, rec: CallRecord) -> None:
+        with self._lock:
+            self.records.setdefault(rec.session, []).append(rec)
+
+    # --- one request ---
+    def _sampling(self, req) -> dict:
+        for name, unused in UNSUPPORTED.items():
+            if getattr(req, name, unused) not in (unused, None) and getattr(req, name) != unused:
+                raise RequestError(f"{name} is not supported by this server", name)
+        if req.logprobs and req.top_logprobs:
+            raise RequestError("top_logprobs is not supported (logprobs gives the sampled token's own)", "top_logprobs")
+        max_tokens = next((x for x in (req.max_completion_tokens, req.max_tokens) if x is not None),
+                          self.default_max_tokens)
+        if max_tokens < 1:
+            raise RequestError("max_tokens must be >= 1", "max_tokens")
+        n = req.n or 1
+        if not 1 <= n <= 64:
+            raise RequestError("n must be from 1 to 64", "n")
+        temperature = 1.0 if req.temperature is None else float(req.temperature)
+        top_p = 1.0 if req.top_p is None else float(req.top_p)
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise RequestError("temperature must be >= 0 and top_p in (0, 1]", "temperature")
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        return dict(max_tokens=max_tokens, n=n, temperature=temperature, top_p=top_p, stop=stop,
+                    stop_token_ids=list(req.stop_token_ids or []) + [self.chat.eot_id])
+
+    async def complete(self, session: str, body: dict) -> dict:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from pydantic import ValidationError
+
+        try:
+            req = ChatCompletionRequest(**body)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise RequestError(f"{'.'.join(map(str, first['loc']))}: {first['msg']}",
+                               str(first["loc"][0]) if first["loc"] else None) from None
+        s = self._sampling(req)
+        messages = render_messages(req.messages)
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        try:
+            prompt = self.chat.prompt_ids(messages, tools)
+        except Exception as exc:  # noqa: BLE001  (the template's own complaint, named)
+            raise RequestError(f"the chat template cannot render these messages: {exc}", "messages") from None
+        room = self.max_model_len - len(prompt)
+        if room < 1:
+            raise RequestError(f"the prompt is {len(prompt)} tokens; the model's context is {self.max_model_len}",
+                               "messages")
+        max_tokens = min(s["max_tokens"], room)
+        seed0 = req.seed if req.seed is not None else secrets.randbelow(1 << 31)
+        futures = [self.batcher.submit(prompt, max_tokens=max_tokens, temperature=s["temperature"], top_p=s["top_p"],
+                                       seed=(seed0 + i) & 0x7FFFFFFF, stop_token_ids=s["stop_token_ids"], stop=s["stop"])
+                   for i in range(s["n"])]
+        results = [await asyncio.wrap_future(f) for f in futures]
+        choices, completion_tokens = [], 0
+        for i, (gen, version) in enumerate(results):
+            finish = "length" if gen.finish_reason == "length" else "stop"
+            self._record(CallRecord(session, list(prompt), list(gen.token_ids), list(gen.logprobs), version, finish,
+                                    (seed0 + i) & 0x7FFFFFFF))
+            choices.append(self._choice(i, gen, finish, s["stop"], bool(req.logprobs)))
+            completion_tokens += len(gen.token_ids)
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponse
+        from vllm.entrypoints.serve.engine.protocol import UsageInfo
+
+        usage = UsageInfo(prompt_tokens=len(prompt), completion_tokens=completion_tokens,
+                          total_tokens=len(prompt) + completion_tokens)
+        return ChatCompletionResponse(model=self.model, choices=choices, usage=usage).model_dump(exclude_none=True)
+
+    def _choice(self, index: int, gen: Generation, finish: str, stop: list[str], logprobs: bool):
+        from vllm.entrypoints.openai.chat_completion.protocol import (
+            ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionResponseChoice, ChatMessage)
+
+        text = self.chat.decode(gen.token_ids)
+        cuts = [text.find(s) for s in stop if s in text]
+        if cuts:
+            text = text[: min(cuts)]
+        content, tool_calls = completion_message(text)
+        lp = None
+        if logprobs:
+            toks = self.chat.tok.convert_ids_to_tokens(gen.token_ids)
+            lp = ChatCompletionLogProbs(content=[ChatCompletionLogProbsContent(token=t, logprob=x, bytes=list(t.encode()))
+                                                 for t, x in zip(toks, gen.logprobs)])
+        message = ChatMessage(role="assistant", content=content, tool_calls=tool_calls)
+        return ChatCompletionResponseChoice(index=index, message=message, logprobs=lp,
+                                            finish_reason="tool_calls" if tool_calls and finish == "stop" else finish,
+                                            token_ids=list(gen.token_ids))
+
+    # --- HTTP ---
+    def app(self):
+        from fastapi import FastAPI
+        from fastapi.responses import JSONResponse
+
+        app = FastAPI(title="longhorizon OpenAI-compatible API", docs_url=None, redoc_url=None)
+
+        def error(message: str, status: int = 400, param: str | None = None, kind: str = "invalid_request_error"):
+            from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
+
+            body = ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status))
+            return JSONResponse(body.model_dump(), status_code=status)
+
+        @app.middleware("http")
+        async def bearer(request: Request, call_next):
+            if self.api_key and request.headers.get("authorization", "") != f"Bearer {self.api_key}":
+                return error("a valid bearer token is required (Authorization: Bearer ...)", 401, kind="authentication_error")
+            return await call_next(request)
+
+        async def models():
+            from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
+
+            return ModelList(data=[ModelCard(id=self.model, owned_by="longhorizon", max_model_len=self.max_model_len)]
+                             ).model_dump(exclude_none=True)
+
+        async def chat(request: Request, session: str = ""):
+            try:
+                body = json.loads(await request.body())
+            except ValueError as exc:
+                return error(f"the request body is not JSON: {exc}")
+            if not isinstance(body, dict):
+                return error("the request body must be a JSON object")
+            try:
+                return await self.complete(session, body)
+            except RequestError as exc:
+                return error(str(exc), exc.status, exc.param)
+            except Exception as exc:  # noqa: BLE001  (the engine's failure: a 500 with its reason, the server lives)
+                return error(f"{type(exc).__name__}: {exc}", 500, kind="server_error")
+
+        app.get("/v1/models")(models)
+        app.get("/sessions/{session}/v1/models")(models)
+        app.post("/v1/chat/completions")(chat)
+        app.post("/sessions/{session}/v1/chat/completions")(chat)
+        return app
+
+    def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Serve from a background thread; returns the base URL (`http://HOST:PORT`)."""
+        import uvicorn
+
+        if host not in LOOPBACK and not self.api_key:
+            raise ValueError(f"serving on {host} (not loopback) needs an api_key: a bearer token every request must carry")
+        config = uvicorn.Config(self.app(), host=host, port=port, log_level="warning", access_log=False)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="openai-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the OpenAI-compatible server did not start on {host}:{port}")
+            time.sleep(0.02)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        return f"http://{'[::1]' if host == '::1' else host}:{self.port}"
+
+    def base_url(self, session: str) -> str:
+        """What an agent program is given: the session's OpenAI base URL."""
+        return f"http://127.0.0.1:{self.port}/sessions/{session}/v1"
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=10)
+            self._server = None
+        self.batcher.close()

@@ -1,0 +1,166 @@
+"""The OpenAI-compatible API over a rollout engine (rollout/openai_api.py), through the real `openai`
+client: exact token records, sessions that do not mix, batched engine calls, tool calls both ways,
+OpenAI-style errors for malformed requests, and the bearer token off loopback."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+
+from rollout.chat import ChatFormat
+from rollout.openai_api import OpenAIServer, completion_message, render_messages
+
+HISTORY = [
+    {"role": "system", "content": "You solve arithmetic with tools."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "Let me compute.", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "calculator", "arguments": '{"expression": "2+2"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "4"},
+]
+TOOLS = [{"type": "function", "function": {"name": "calculator", "description": "Evaluate arithmetic.",
+                                           "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                                                          "required": ["expression"]}}}]
+
+
+@pytest.fixture
+def bare_server(tokenizer):
+    """A server whose engine is never reached: what is checked happens before generation."""
+    server = OpenAIServer(None, tokenizer, "tiny", max_model_len=256)
+    url = server.start()
+    yield server, url
+    server.stop()
+
+
+def test_a_completion_becomes_openai_tool_calls():
+    content, calls = completion_message('Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>')
+    assert content == "Let me compute." and len(calls) == 1
+    assert calls[0]["function"] == {"name": "calculator", "arguments": '{"expression": "6*7"}'}
+    assert calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
+    # a malformed block stays text for the agent to read; plain text has no calls
+    assert completion_message("<tool_call>\nnot json\n</tool_call>") == ("<tool_call>\nnot json\n</tool_call>", [])
+    assert completion_message("just words") == ("just words", [])
+
+
+def test_tool_call_history_renders_with_the_checkpoint_template(tokenizer):
+    text = tokenizer.decode(ChatFormat(tokenizer).prompt_ids(render_messages(HISTORY), TOOLS))
+    assert '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+2"}}\n</tool_call>' in text
+    assert "<tool_response>\n4\n</tool_response>" in text and '"name": "calculator"' in text.split("\n</tools>")[0]
+    assert text.endswith("<|im_start|>assistant\n")
+    assert render_messages([{"role": "developer", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]) == \
+        [{"role": "system", "content": "ab"}]
+
+
+def test_malformed_requests_get_openai_error_bodies(bare_server):
+    server, url = bare_server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    cases = [
+        (dict(messages=[{"role": "bogus", "content": "x"}]), "unknown role 'bogus'"),
+        (dict(messages=[{"role": "user", "content": "x"}], stream=True), "stream is not supported"),
+        (dict(messages=[{"role": "user", "content": "x"}], max_tokens=0), "max_tokens must be >= 1"),
+        (dict(messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=3), "top_logprobs"),
+        (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),
+         "only text content"),
+        (dict(messages=[{"role": "user", "content": "many words " * 200}]), "the model's context is 256"),
+        (dict(messages=[]), "messages must not be empty"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model="tiny", **kwargs)
+        assert err.value.status_code == 400 and message in err.value.message, (kwargs, err.value.message)
+    for body in (b"{not json", b"[1, 2]", json.dumps({"messages": "hello"}).encode()):
+        r = httpx.post(f"{url}/sessions/s/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["type"] == "invalid_request_error" and error["code"] == 400 and error["message"]
+    assert server.records == {}  # nothing was generated, nothing recorded
+
+
+def test_a_bearer_token_off_loopback(tokenizer):
+    with pytest.raises(ValueError, match="needs an api_key"):
+        OpenAIServer(None, tokenizer, "tiny", max_model_len=256).start(host="0.0.0.0")
+    server = OpenAIServer(None, tokenizer, "tiny", max_model_len=256, api_key="s3cret")
+    url = server.start()
+    try:
+        r = httpx.get(f"{url}/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+        assert openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret").models.list().data[0].id == "tiny"
+    finally:
+        server.stop()
+
+
+# --- with the real engine ---
+
+@pytest.fixture(scope="module")
+def served(engine, tokenizer):
+    server = OpenAIServer(engine, tokenizer, "tiny", max_model_len=4096, default_max_tokens=16)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.mark.slow
+def test_the_openai_client_gets_completions_whose_exact_tokens_are_recorded(served, engine, tokenizer):
+    client = openai.OpenAI(base_url=served.base_url("ep-1"), api_key="unused")
+    messages = HISTORY + [{"role": "user", "content": "And 3+3?"}]
+    r = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, max_tokens=12, temperature=1.0,
+                                       seed=123, logprobs=True, n=2)
+    records = served.take("ep-1")
+    assert len(records) == 2 and len(r.choices) == 2 and served.take("ep-1") == []
+    chat = ChatFormat(tokenizer)
+    prompt = chat.prompt_ids(render_messages(messages), TOOLS)
+    for rec, choice, seed in zip(records, r.choices, (123, 124)):
+        # the prompt is the template's rendering; the completion is what the engine samples with that seed
+        assert rec.prompt_ids == prompt and rec.seed == seed and rec.policy_version == engine.version
+        again = engine.generate([prompt], max_tokens=12, temperature=1.0, top_p=1.0, stop_token_ids=[chat.eot_id],
+                                seeds=[seed])[0]
+        assert rec.completion_ids == again.token_ids and rec.logprobs == pytest.approx(again.logprobs, abs=1e-5)
+        assert [c.logprob for c in choice.logprobs.content] == pytest.approx(rec.logprobs)
+        assert choice.finish_reason == ("length" if len(rec.completion_ids) == 12 and rec.completion_ids[-1] != chat.eot_id
+                                        else choice.finish_reason)
+        if not choice.message.tool_calls:
+            assert choice.message.content == chat.decode(rec.completion_ids)
+    assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == sum(len(x.completion_ids) for x in records)
+    # a stop string ends the text; the ids recorded are still every id sampled
+    free = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Count."}], max_tokens=16,
+                                          seed=5)
+    text = free.choices[0].message.content or ""
+    if len(text) > 4:
+        stop = text[2:4]
+        cut = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Count."}],
+                                             max_tokens=16, seed=5, stop=[stop])
+        assert cut.choices[0].message.content == text[:text.find(stop)]
+        assert stop in chat.decode(served.take("ep-1")[-1].completion_ids)
+
+
+@pytest.mark.slow
+def test_concurrent_sessions_do_not_mix_and_share_engine_calls(served):
+    n, barrier, errors = 6, threading.Barrier(6), []
+    served.batcher.batch_sizes.clear()
+
+    def agent(i: int):
+        try:
+            client = openai.OpenAI(base_url=served.base_url(f"s{i}"), api_key="unused")
+            barrier.wait()
+            for turn in range(2):
+                client.chat.completions.create(model="tiny", max_tokens=8,
+                                               messages=[{"role": "user", "content": f"task number {i} turn {turn}"}])
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=agent, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors
+    tok = served.chat.tok
+    for i in range(n):
+        records = served.take(f"s{i}")
+        assert [f"task number {i} turn {k}" in tok.decode(r.prompt_ids) for k, r in enumerate(records)] == [True, True]
+    assert max(served.batcher.batch_sizes) > 1  # sessions that asked together were generated together
