@@ -14,6 +14,7 @@
     longhorizon policy info CONFIG [--json]
     longhorizon policy upcycle SRC --experts E [--top-k K] --out DIR [--json]   (rl/pretrained.py)
     longhorizon policy pretrained NAME [--experts E --top-k K]   # into the local cache; prints the path
+    longhorizon serve RUN_DIR|CHECKPOINT [--host H --port P --api-key K]   # OpenAI-compatible API (longhorizon/serve.py)
     longhorizon envs list|show|check|play ...          (longhorizon/envs_cli.py)
     longhorizon sandbox run [--backend B] ... -- CMD   (longhorizon/envs_cli.py)
 """
@@ -286,34 +287,16 @@ def _jobs(args) -> int:
     return 0
 
 
-def _initial_policy(cfg, run_dir: Path) -> Path:
-    """The policy a run started RL from: its warm start, the pretrained model it names (cached,
-    upcycled), its `policy.path`, or the tiny model it made."""
-    if (run_dir / "warm-start" / "config.json").exists():
-        return run_dir / "warm-start"
-    if cfg.policy.pretrained:
-        from rl.pretrained import for_config
-
-        return for_config(cfg.policy)
-    return Path(cfg.policy.path or run_dir / "policy-init")
-
-
 def _eval(args) -> int:
     """Held-out evaluation of a run's latest checkpoint (or its initial policy), or of a checkpoint."""
-    from rl.config import ConfigError, RolloutConfig, load_config
+    from longhorizon.serve import policy_of
+    from rl.config import ConfigError
 
-    src = Path(args.target)
-    rollout, env_kwargs, policy = RolloutConfig(), {}, src
+    env_kwargs = {}
     try:
-        if (src / "config.yaml").exists():  # a run directory: its settings, its newest weights
-            cfg = load_config(src / "config.yaml", [])
-            rollout = cfg.rollout
-            if args.env in (None, cfg.env.id):
-                args.env, env_kwargs = cfg.env.id, dict(cfg.env.kwargs)
-            ckpts = sorted((src / "checkpoints").glob("version-*/config.json"))
-            policy = ckpts[-1].parent if ckpts else _initial_policy(cfg, src)
-        if not (policy / "config.json").exists():
-            raise FileNotFoundError(f"{args.target}: neither a run directory nor a checkpoint (no config.json at {policy})")
+        policy, rollout, cfg = policy_of(args.target)
+        if cfg is not None and args.env in (None, cfg.env.id):
+            args.env, env_kwargs = cfg.env.id, dict(cfg.env.kwargs)
         if args.env is None:
             raise ValueError("--env is required for a checkpoint (a run directory defaults to its environment)")
         import envs
@@ -343,11 +326,8 @@ def _eval(args) -> int:
 
     from rl.evaluate import evaluate
     from rollout.chat import ChatFormat
-    from policy.checkpoint import is_policy_checkpoint
     from rollout.engines import make_engine
 
-    if not (src / "config.yaml").exists():  # a bare checkpoint: the engine that serves its kind
-        rollout.engine = "native" if is_policy_checkpoint(str(policy)) else "vllm"
     engine = make_engine(rollout.engine, str(policy), seed=args.seed, max_model_len=rollout.max_model_len,
                          kv_cache_gib=rollout.kv_cache_gib, enforce_eager=rollout.enforce_eager,
                          max_batch=rollout.max_batch)
@@ -601,8 +581,10 @@ def main(argv: list[str] | None = None) -> int:
     pp.set_defaults(fn=_policy_pretrained)
 
     from longhorizon.envs_cli import add_parsers as add_env_parsers
+    from longhorizon.serve import add_parser as add_serve_parser
 
     add_env_parsers(sub)
+    add_serve_parser(sub)
 
     # Overrides may come before or after the options; argparse alone stops collecting positionals
     # at the first option, so gather the leftovers here.

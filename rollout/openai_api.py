@@ -19,6 +19,14 @@ Every call is recorded (`CallRecord`: the prompt ids it was rendered to, the ids
 sampled, their log-probs, the policy version, the finish reason), per session, for `take(session)`:
 training uses those ids, never a re-rendering of the conversation.
 
+Prefix splicing keeps a session one token sequence where the template allows: a call's rendered
+text that begins with the text of an earlier call's prompt and completion (the agent sent back
+what it was given, and the template only appends) is prompted with that call's exact ids followed
+by the new text's tokens, so the policy continues from what it sampled, not from a re-tokenisation
+of it. A template that rewrites history (drops earlier reasoning, reformats tool calls) fails the
+text match, and the call is prompted with its full rendering: its prompt then does not extend the
+earlier call's ids.
+
 One thread owns the engine (`Batcher`): calls that arrive together from concurrent sessions are
 generated in one engine call. A malformed request gets a 400 with an OpenAI error body; no request
 takes the server down. Bound to an address other than loopback, the server requires `api_key`
@@ -186,6 +194,7 @@ class OpenAIServer:
         self.default_max_tokens, self.api_key = default_max_tokens, api_key
         self.batcher = Batcher(engine)
         self.records: dict[str, list[CallRecord]] = {}
+        self._prefixes: dict[str, list[tuple[list[int], str]]] = {}  # per session: (prompt + completion ids, their text)
         self._lock = threading.Lock()
         self._server = self._thread = None
         self.port = 0
@@ -194,11 +203,25 @@ class OpenAIServer:
     def take(self, session: str) -> list[CallRecord]:
         """The session's calls so far, in order; forgotten here."""
         with self._lock:
+            self._prefixes.pop(session, None)
             return self.records.pop(session, [])
 
     def _record(self, rec: CallRecord) -> None:
+        ids = rec.prompt_ids + rec.completion_ids
+        text = self.chat.tok.decode(ids, skip_special_tokens=False)
         with self._lock:
             self.records.setdefault(rec.session, []).append(rec)
+            self._prefixes.setdefault(rec.session, []).append((ids, text))
+
+    def _prompt(self, session: str, text: str) -> list[int]:
+        """The ids to prompt with: the longest earlier call of the session whose prompt + completion
+        text starts `text`, spliced, else `text` tokenised (see the module doc)."""
+        with self._lock:
+            earlier = sorted(self._prefixes.get(session, ()), key=lambda p: -len(p[0]))
+        for ids, prefix in earlier:
+            if text.startswith(prefix):
+                return ids + self.chat.encode(text[len(prefix):])
+        return self.chat.encode(text)
 
     # --- one request ---
     def _sampling(self, req) -> dict:
@@ -236,9 +259,10 @@ class OpenAIServer:
         messages = render_messages(req.messages)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         try:
-            prompt = self.chat.prompt_ids(messages, tools)
+            text = self.chat.prompt_text(messages, tools)
         except Exception as exc:  # noqa: BLE001  (the template's own complaint, named)
             raise RequestError(f"the chat template cannot render these messages: {exc}", "messages") from None
+        prompt = self._prompt(session, text)
         room = self.max_model_len - len(prompt)
         if room < 1:
             raise RequestError(f"the prompt is {len(prompt)} tokens; the model's context is {self.max_model_len}",

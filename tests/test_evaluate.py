@@ -107,7 +107,7 @@ def test_training_evaluates_on_held_out_seeds(e2e_run):
 def test_eval_of_a_run_without_checkpoints_serves_the_policy_rl_started_from(tmp_path):
     """`longhorizon eval RUN_DIR` before any checkpoint: the warm-started model, else the pretrained
     model the config names (its cached upcycled copy), else the path or the tiny model made."""
-    from longhorizon.cli import _initial_policy
+    from longhorizon.serve import initial_policy as _initial_policy
     from rl.config import RunConfig
     from rl.pretrained import dense
 

@@ -164,3 +164,58 @@ def test_concurrent_sessions_do_not_mix_and_share_engine_calls(served):
         records = served.take(f"s{i}")
         assert [f"task number {i} turn {k}" in tok.decode(r.prompt_ids) for k, r in enumerate(records)] == [True, True]
     assert max(served.batcher.batch_sizes) > 1  # sessions that asked together were generated together
+
+
+@pytest.mark.slow
+def test_a_session_that_sends_back_its_answers_stays_one_token_sequence(served, tokenizer):
+    """Prefix splicing: the second call's prompt is the first call's exact ids plus what was added;
+    a history rewritten by the agent cannot be spliced and is rendered whole."""
+    client = openai.OpenAI(base_url=served.base_url("splice"), api_key="unused")
+    messages = [{"role": "user", "content": "Start."}]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, seed=1)
+    reply = first.choices[0].message
+    sent_back = {"role": "assistant", "content": reply.content}
+    if reply.tool_calls:
+        sent_back["tool_calls"] = [tc.model_dump() for tc in reply.tool_calls]
+    messages += [sent_back, {"role": "user", "content": "Go on."}]
+    client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, seed=2)
+    rewritten = messages[:1] + [{"role": "assistant", "content": "something else"}, {"role": "user", "content": "Go on."}]
+    client.chat.completions.create(model="tiny", messages=rewritten, max_tokens=8, seed=3)
+    a, b, c = served.take("splice")
+    sampled = a.prompt_ids + a.completion_ids
+    assert b.prompt_ids[:len(sampled)] == sampled and len(b.prompt_ids) > len(sampled)
+    assert tokenizer.decode(b.prompt_ids[len(sampled):]).endswith("Go on.<|im_end|>\n<|im_start|>assistant\n")
+    assert c.prompt_ids == ChatFormat(tokenizer).prompt_ids(render_messages(rewritten), None)
+    assert c.prompt_ids[:len(sampled)] != sampled
+
+
+@pytest.mark.slow
+def test_longhorizon_serve_answers_the_openai_client(tiny_policy):
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    bad = subprocess.run([sys.executable, "-m", "longhorizon.cli", "serve", tiny_policy, "--host", "0.0.0.0"],
+                         capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --host 0.0.0.0 is not loopback") and not bad.stdout
+    proc = subprocess.Popen([sys.executable, "-m", "longhorizon.cli", "serve", tiny_policy, "--port", "0", "--model", "tiny"],
+                            stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        for line in proc.stderr:
+            found = re.search(r"at (http://127\.0\.0\.1:\d+)/v1 ", line)
+            if found:
+                break
+        else:
+            raise AssertionError(f"serve exited with {proc.wait()} before serving")
+        client = openai.OpenAI(base_url=f"{found.group(1)}/v1", api_key="unused")
+        assert client.models.list().data[0].id == "tiny"
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=5)
+        assert 1 <= r.usage.completion_tokens <= 5
+        assert r.choices[0].finish_reason in ("stop", "length") and r.usage.prompt_tokens > 0
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0
+    assert proc.stdout.read() == ""  # the command's stdout carries nothing but results
