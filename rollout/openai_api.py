@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import inspect
 import json
 import queue
 import secrets
@@ -242,6 +243,9 @@ class OpenAIServer:
         if temperature < 0 or not 0 < top_p <= 1:
             raise RequestError("temperature must be >= 0 and top_p in (0, 1]", "temperature")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if stop and self.engine is not None and "stop" not in inspect.signature(self.engine.generate).parameters:
+            raise RequestError(f"stop strings are not supported by this engine ({type(self.engine).__name__}); "
+                               "use stop_token_ids", "stop")
         return dict(max_tokens=max_tokens, n=n, temperature=temperature, top_p=top_p, stop=stop,
                     stop_token_ids=list(req.stop_token_ids or []) + [self.chat.eot_id])
 
