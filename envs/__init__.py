@@ -15,6 +15,7 @@ from importlib.metadata import entry_points
 
 import gymnasium as gym
 
+from envs.agent_program import AgentResult, AgentTask, is_agent_program
 from envs.base import ToolEnv, ToolFailure, ToolSpec
 from rewards.milestones import Milestone
 
@@ -82,12 +83,13 @@ def config_problem(env_id: str, kwargs: dict | None = None) -> tuple[str, str] |
         return "id", f"environment {env_id!r} cannot be imported: {type(exc).__name__}: {exc}"
     signature = inspect.signature(cls)
     merged = {**spec(env_id).kwargs, **(kwargs or {})}
+    program = is_agent_program(cls)  # an agent program takes its AgentTask first (envs/agent_program.py)
     try:
-        signature.bind(**merged)
+        signature.bind(*([None] if program else []), **merged)
     except TypeError as exc:
         named = [p.name for p in signature.parameters.values() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
         return "kwargs", f"environment {env_id!r} does not accept them ({exc}); it takes: {', '.join(named) or 'none'}"
-    check = getattr(cls, "kwargs_problem", None)  # an environment's own checks of its arguments' values
+    check = None if program else getattr(cls, "kwargs_problem", None)  # an environment's own checks of its values
     problem = check(merged) if check else None
     return ("kwargs", f"environment {env_id!r}: {problem}") if problem else None
 
@@ -95,12 +97,17 @@ def config_problem(env_id: str, kwargs: dict | None = None) -> tuple[str, str] |
 def host_problem(env_id: str, kwargs: dict | None = None) -> str | None:
     """Why this machine cannot run `env_id` with `kwargs` (its sandbox backend is missing), or None.
     For an id and kwargs that `config_problem` has passed."""
-    check = getattr(env_class(env_id), "host_problem", None)
+    cls = env_class(env_id)
+    check = None if is_agent_program(cls) else getattr(cls, "host_problem", None)
     return check({**spec(env_id).kwargs, **(kwargs or {})}) if check else None
 
 
 def make(env_id: str, **kwargs) -> ToolEnv:
-    return env_class(env_id)(**{**spec(env_id).kwargs, **kwargs})
+    cls = env_class(env_id)
+    if is_agent_program(cls):
+        raise TypeError(f"{env_id} is an agent program, not an environment to step: a rollout worker runs it "
+                        "against its OpenAI-compatible endpoint (envs/agent_program.py)")
+    return cls(**{**spec(env_id).kwargs, **kwargs})
 
 
 register("tools/calculator-v0", "envs.calculator:CalculatorEnv")
@@ -116,7 +123,8 @@ def judge_reference(env_id: str, seed: int, kwargs: dict | None = None) -> str:
     """The reference answer a judge compares an episode of `env_id` reset with `seed` against
     (`ToolEnv.judge_reference`; "" for environments without one). The task is made again from the
     seed, so this resets an environment: a sandboxed one starts its sandbox."""
-    if env_class(env_id).judge_reference is ToolEnv.judge_reference:
+    cls = env_class(env_id)
+    if is_agent_program(cls) or cls.judge_reference is ToolEnv.judge_reference:
         return ""
     env = make(env_id, **(kwargs or {}))
     try:
@@ -131,4 +139,4 @@ def check_env(env, **kwargs) -> dict:
     return _check(env, **kwargs)
 
 
-__all__ = ["register", "make", "judge_reference", "config_problem", "host_problem", "Milestone", "env_class", "spec", "list_specs", "check_env", "EnvSpec", "ToolEnv", "ToolSpec", "ToolFailure"]
+__all__ = ["register", "make", "judge_reference", "AgentTask", "AgentResult", "is_agent_program", "config_problem", "host_problem", "Milestone", "env_class", "spec", "list_specs", "check_env", "EnvSpec", "ToolEnv", "ToolSpec", "ToolFailure"]

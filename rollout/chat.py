@@ -29,13 +29,13 @@ class ChatFormat:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
 
-    def prompt_text(self, messages: list[dict], tools: list[dict] | None) -> str:
-        """The conversation rendered, ending with the assistant generation header."""
-        return self._render(messages, gen=True, tools=tools)
+    def text(self, messages: list[dict], tools: list[dict] | None = None, *, gen: bool) -> str:
+        """The conversation rendered (`gen`: ending with the assistant generation header)."""
+        return self._render(messages, gen=gen, tools=tools)
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         """The episode's first prompt, ending with the assistant generation header."""
-        return self.encode(self.prompt_text(messages, tools))
+        return self.encode(self.text(messages, tools, gen=True))
 
     def observation_ids(self, messages: list[dict]) -> list[int]:
         """Tokens to append after a turn that ended with the end-of-turn token.

@@ -19,13 +19,10 @@ Every call is recorded (`CallRecord`: the prompt ids it was rendered to, the ids
 sampled, their log-probs, the policy version, the finish reason), per session, for `take(session)`:
 training uses those ids, never a re-rendering of the conversation.
 
-Prefix splicing keeps a session one token sequence where the template allows: a call's rendered
-text that begins with the text of an earlier call's prompt and completion (the agent sent back
-what it was given, and the template only appends) is prompted with that call's exact ids followed
-by the new text's tokens, so the policy continues from what it sampled, not from a re-tokenisation
-of it. A template that rewrites history (drops earlier reasoning, reformats tool calls) fails the
-text match, and the call is prompted with its full rendering: its prompt then does not extend the
-earlier call's ids.
+Prompts are spliced (rollout/splice.py): a call that continues a conversation this endpoint
+answered is prompted with the ids the session actually had — the earlier call's prompt and sampled
+ids — followed by the tokens of what was added, never a re-tokenisation of the whole rendering. A
+history the agent rewrote is rendered whole, and its prompt visibly does not extend the sampled ids.
 
 One thread owns the engine (`Batcher`): calls that arrive together from concurrent sessions are
 generated in one engine call. A malformed request gets a 400 with an OpenAI error body; no request
@@ -53,6 +50,7 @@ from fastapi import Request  # at module level: FastAPI resolves the handlers' a
 from envs.tool_calls import OPEN, parse_tool_calls
 from rollout.chat import ChatFormat
 from rollout.engines.base import Generation
+from rollout.splice import Splicer, message_key
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # fields of ChatCompletionRequest this server does not honour, with the value that means "unused"
@@ -195,7 +193,7 @@ class OpenAIServer:
         self.default_max_tokens, self.api_key = default_max_tokens, api_key
         self.batcher = Batcher(engine)
         self.records: dict[str, list[CallRecord]] = {}
-        self._prefixes: dict[str, list[tuple[list[int], str]]] = {}  # per session: (prompt + completion ids, their text)
+        self.splicer = Splicer(self.chat)
         self._lock = threading.Lock()
         self._server = self._thread = None
         self.port = 0
@@ -203,26 +201,13 @@ class OpenAIServer:
     # --- sessions ---
     def take(self, session: str) -> list[CallRecord]:
         """The session's calls so far, in order; forgotten here."""
+        self.splicer.forget(session)
         with self._lock:
-            self._prefixes.pop(session, None)
             return self.records.pop(session, [])
 
     def _record(self, rec: CallRecord) -> None:
-        ids = rec.prompt_ids + rec.completion_ids
-        text = self.chat.tok.decode(ids, skip_special_tokens=False)
         with self._lock:
             self.records.setdefault(rec.session, []).append(rec)
-            self._prefixes.setdefault(rec.session, []).append((ids, text))
-
-    def _prompt(self, session: str, text: str) -> list[int]:
-        """The ids to prompt with: the longest earlier call of the session whose prompt + completion
-        text starts `text`, spliced, else `text` tokenised (see the module doc)."""
-        with self._lock:
-            earlier = sorted(self._prefixes.get(session, ()), key=lambda p: -len(p[0]))
-        for ids, prefix in earlier:
-            if text.startswith(prefix):
-                return ids + self.chat.encode(text[len(prefix):])
-        return self.chat.encode(text)
 
     # --- one request ---
     def _sampling(self, req) -> dict:
@@ -263,10 +248,9 @@ class OpenAIServer:
         messages = render_messages(req.messages)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         try:
-            text = self.chat.prompt_text(messages, tools)
+            prompt, text = self.splicer.prompt(session, messages, tools)
         except Exception as exc:  # noqa: BLE001  (the template's own complaint, named)
             raise RequestError(f"the chat template cannot render these messages: {exc}", "messages") from None
-        prompt = self._prompt(session, text)
         room = self.max_model_len - len(prompt)
         if room < 1:
             raise RequestError(f"the prompt is {len(prompt)} tokens; the model's context is {self.max_model_len}",
@@ -282,7 +266,10 @@ class OpenAIServer:
             finish = "length" if gen.finish_reason == "length" else "stop"
             self._record(CallRecord(session, list(prompt), list(gen.token_ids), list(gen.logprobs), version, finish,
                                     (seed0 + i) & 0x7FFFFFFF))
-            choices.append(self._choice(i, gen, finish, s["stop"], bool(req.logprobs)))
+            choice = self._choice(i, gen, finish, s["stop"], bool(req.logprobs))
+            self.splicer.add(session, text, prompt, gen.token_ids,
+                             message_key(choice.message.content, [tc.model_dump() for tc in choice.message.tool_calls]))
+            choices.append(choice)
             completion_tokens += len(gen.token_ids)
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponse
         from vllm.entrypoints.serve.engine.protocol import UsageInfo

@@ -54,6 +54,37 @@ def test_tool_call_history_renders_with_the_checkpoint_template(tokenizer):
         [{"role": "system", "content": "ab"}]
 
 
+def test_a_tool_call_sent_back_is_spliced_not_re_rendered(tokenizer):
+    """The template renders a bare tool call with a leading newline the model never wrote: tokenising
+    the re-rendering would not extend the sampled ids, the splice does."""
+    from rollout.splice import Splicer, message_key
+
+    chat, splicer = ChatFormat(tokenizer), Splicer(ChatFormat(tokenizer))
+    first = [{"role": "user", "content": "What is 2+2?"}]
+    prompt, text = splicer.prompt("s", first, TOOLS)
+    assert prompt == chat.prompt_ids(first, TOOLS)
+    raw = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+2"}}\n</tool_call>'
+    for ended in (True, False):  # stopped at the end-of-turn token, or cut by max_tokens
+        completion = chat.encode(raw) + ([chat.eot_id] if ended else [])
+        content, calls = completion_message(chat.decode(completion))
+        splicer.forget("s")
+        splicer.add("s", text, prompt, completion, message_key(content, calls))
+        # what the openai client sends back: content None, arguments re-serialised by the agent
+        sent = first + [{"role": "assistant", "content": content, "tool_calls": [
+            {"id": calls[0]["id"], "type": "function", "function": {"name": "calculator", "arguments": '{"expression":"2+2"}'}}]},
+            {"role": "tool", "tool_call_id": calls[0]["id"], "content": "4"}]
+        ids, _ = splicer.prompt("s", sent, TOOLS)
+        sampled = prompt + completion
+        assert ids[:len(sampled)] == sampled
+        added = tokenizer.decode(ids[len(sampled):])
+        assert added == ("" if ended else "<|im_end|>") + "\n<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        assert chat.prompt_ids(sent, TOOLS)[:len(sampled)] != sampled  # what re-rendering would have trained on
+    # an edited assistant message is a rewritten history: rendered whole
+    edited = sent[:1] + [{"role": "assistant", "content": "I will add.", "tool_calls": sent[1]["tool_calls"]}] + sent[2:]
+    assert splicer.prompt("s", edited, TOOLS)[0] == chat.prompt_ids(edited, TOOLS)
+    assert splicer.prompt("other", sent, TOOLS)[0] == chat.prompt_ids(sent, TOOLS)  # sessions do not share
+
+
 def test_malformed_requests_get_openai_error_bodies(bare_server):
     server, url = bare_server
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
