@@ -33,7 +33,8 @@ _REGISTRY: dict[str, EnvSpec] = {}
 
 
 def register(env_id: str, entry_point: str, **kwargs) -> None:
-    """Register `env_id` here and in Gymnasium's registry (so `gymnasium.make(env_id)` works too)."""
+    """Register `env_id` here and in Gymnasium's registry (so `gymnasium.make(env_id)` works too; an
+    agent program, envs/agent_program.py, is registered there as well but is no Gymnasium environment)."""
     if not _ID.match(env_id):
         raise ValueError(f"env id {env_id!r} must look like 'namespace/name-v0'")
     _REGISTRY[env_id] = EnvSpec(env_id, entry_point, kwargs)
@@ -87,7 +88,8 @@ def config_problem(env_id: str, kwargs: dict | None = None) -> tuple[str, str] |
     try:
         signature.bind(*([None] if program else []), **merged)
     except TypeError as exc:
-        named = [p.name for p in signature.parameters.values() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        named = [p.name for p in list(signature.parameters.values())[1 if program else 0:]
+                 if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
         return "kwargs", f"environment {env_id!r} does not accept them ({exc}); it takes: {', '.join(named) or 'none'}"
     check = None if program else getattr(cls, "kwargs_problem", None)  # an environment's own checks of its values
     problem = check(merged) if check else None
@@ -117,6 +119,7 @@ register("long/needle-v0", "envs.needle:NeedleEnv")
 register("vision/maze-v0", "envs.maze:MazeEnv")
 register("text/digits-v0", "envs.digits:DigitsEnv")
 register("text/incident-v0", "envs.incident:IncidentEnv")
+register("agents/calculator-openai-v0", "envs.calculator_agent:calculator_agent")
 
 
 def judge_reference(env_id: str, seed: int, kwargs: dict | None = None) -> str:

@@ -56,7 +56,27 @@ def _list(args) -> int:
     return 0
 
 
+def _show_program(args) -> int:
+    """An agent program: what it is and what it takes (it has no tools or milestones to declare)."""
+    import inspect
+
+    import envs
+
+    fn = envs.env_class(args.env_id)
+    params = [f"{p.name}={p.default!r}" for p in list(inspect.signature(fn).parameters.values())[1:]]
+    info = {"id": args.env_id, "agent_program": envs.spec(args.env_id).entry_point, "kwargs": params,
+            "description": inspect.getdoc(sys.modules[fn.__module__]) or ""}
+    print(json.dumps(info, indent=2) if args.json else
+          f"{args.env_id}  (agent program {info['agent_program']}({', '.join(['task'] + params)}))\n\n"
+          f"{info['description']}\n\nrun by a rollout worker against its OpenAI-compatible endpoint (envs/agent_program.py)")
+    return 0
+
+
 def _show(args) -> int:
+    import envs
+
+    if envs.is_agent_program(envs.env_class(args.env_id)):
+        return _show_program(args)
     env = _make(args.env_id, args.kwargs)
     doc = (sys.modules[type(env).__module__].__doc__ or "").strip()
     info = {"id": args.env_id, "class": f"{type(env).__module__}:{type(env).__name__}", "max_turns": env.max_turns,

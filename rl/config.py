@@ -482,6 +482,14 @@ class RunConfig:
             problem = envs.config_problem(env_id, kwargs)
             if problem:
                 checks.append((id_key if problem[0] == "id" else kwargs_keys[id_key], False, f"is wrong: {problem[1]}"))
+            elif envs.is_agent_program(envs.env_class(env_id)):  # envs/agent_program.py: run by the rollout worker
+                demos = id_key == "warm_start.envs" or (id_key == "env.id" and self.warm_start.demos and not self.warm_start.envs)
+                checks += [("warm_start.envs", not demos, f"cannot take demonstrations from the agent program {env_id} "
+                                                          "(no scripted expert): name an environment of the same task"),
+                           ("env.workers", id_key != "env.id" or self.env.workers == 0,
+                            f"must be 0 for the agent program {env_id} (it runs in the rollout worker, beside its endpoint)"),
+                           ("rollout.iteration_token_budget", id_key != "env.id" or not self.rollout.iteration_token_budget,
+                            f"must be 0 for the agent program {env_id} (its episodes cannot be suspended)")]
         return checks
 
 

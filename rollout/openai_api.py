@@ -15,6 +15,10 @@
   streaming, images in messages, `logit_bias`, penalties, `response_format`: refused with an
   OpenAI-style 400 that names the field, never silently ignored.
 
+In a training run (`training=`), every call samples at the run's temperature and top_p whatever it
+asks (the learner's log-probs assume them; calls that asked otherwise are counted in `overridden`)
+and at most the run's max_new_tokens.
+
 Every call is recorded (`CallRecord`: the prompt ids it was rendered to, the ids the engine
 sampled, their log-probs, the policy version, the finish reason), per session, for `take(session)`:
 training uses those ids, never a re-rendering of the conversation.
@@ -187,8 +191,11 @@ class OpenAIServer:
     """The API over `engine` (see the module doc); `start()` serves it from a background thread."""
 
     def __init__(self, engine, tokenizer, model: str, *, max_model_len: int, default_max_tokens: int = 512,
-                 api_key: str = ""):
+                 api_key: str = "", training: dict | None = None):
         self.engine, self.model, self.max_model_len = engine, model, max_model_len
+        # in a training run: {temperature, top_p, max_tokens} the learner assumes; a request's own values
+        # are replaced (the learner's log-probs use the run's temperature), and counted
+        self.training, self.overridden = training, 0
         self.chat = ChatFormat(tokenizer)
         self.default_max_tokens, self.api_key = default_max_tokens, api_key
         self.batcher = Batcher(engine)
@@ -227,6 +234,11 @@ class OpenAIServer:
         top_p = 1.0 if req.top_p is None else float(req.top_p)
         if temperature < 0 or not 0 < top_p <= 1:
             raise RequestError("temperature must be >= 0 and top_p in (0, 1]", "temperature")
+        if self.training is not None:
+            t = self.training
+            if (req.temperature not in (None, t["temperature"])) or (req.top_p not in (None, t["top_p"])):
+                self.overridden += 1
+            temperature, top_p, max_tokens = t["temperature"], t["top_p"], min(max_tokens, t["max_tokens"])
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         if stop and self.engine is not None and "stop" not in inspect.signature(self.engine.generate).parameters:
             raise RequestError(f"stop strings are not supported by this engine ({type(self.engine).__name__}); "

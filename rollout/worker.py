@@ -27,6 +27,7 @@ from rollout.chat import ChatFormat
 from rollout.engines import make_engine
 from rollout.engines.base import Generation
 from rollout.judge import ask, ask_groups, settle
+from rollout.agent_program import run_agent_episodes
 
 
 class StaleWorkerError(RuntimeError):
@@ -52,6 +53,7 @@ class RolloutWorker:
         # slots on shared EnvWorkers: a random 32-bit prefix per rollout worker keeps them apart
         self._slots = itertools.count(int.from_bytes(os.urandom(4), "little") << 32)
         envs.spec(env.id)  # fail here, by name, if the environment is unknown
+        self.endpoint = None  # the OpenAI-compatible API over the engine, started for agent programs
         self.chat = ChatFormat(AutoTokenizer.from_pretrained(policy_path))
         self.engine = make_engine(rollout.engine, policy_path, seed=seed, max_model_len=rollout.max_model_len,
                                   dtype=dtype, kv_cache_gib=rollout.kv_cache_gib, enforce_eager=rollout.enforce_eager,
@@ -73,6 +75,9 @@ class RolloutWorker:
             raise StaleWorkerError(f"holds policy version {self.engine.version}, the rollout needs {min_version} "
                                    "(a restarted worker, not yet synced)")
         c = self.cfg
+        if envs.is_agent_program(envs.env_class(self.env_cfg.id)):  # user code, through the endpoint
+            done = run_agent_episodes(self.serve(), self.env_cfg.id, self.env_cfg.kwargs, tasks, self.chat, "policy")
+            return ask(self.rubric, done, self.judge, self.env_cfg.kwargs)
         carried, self.suspended = self.suspended, []  # on an error they are closed, not handed back
         done, self.suspended = continue_episodes(
             self.engine,
@@ -98,13 +103,30 @@ class RolloutWorker:
         from rollout.agent_loop import play
 
         c = self.cfg
-        done = play(self.engine, self.chat, env_id, env_kwargs, tasks, max_turns=c.max_turns,
-                    max_new_tokens=c.max_new_tokens, max_episode_tokens=c.max_episode_tokens,
-                    temperature=temperature, top_p=c.top_p, run_seed=self.seed)
+        if envs.is_agent_program(envs.env_class(env_id)):
+            done = run_agent_episodes(self.serve(), env_id, env_kwargs, tasks, self.chat, "policy")
+        else:
+            done = play(self.engine, self.chat, env_id, env_kwargs, tasks, max_turns=c.max_turns,
+                        max_new_tokens=c.max_new_tokens, max_episode_tokens=c.max_episode_tokens,
+                        temperature=temperature, top_p=c.top_p, run_seed=self.seed)
         ask(self.rubric, done, self.judge, env_kwargs)
         ask_groups(self.rubric, done, self.judge)
         settle(self.rubric, done, self.judge_timeout_s)
         return done
+
+    def serve(self):
+        """The OpenAI-compatible API over this worker's engine, on loopback (started once; rollout/openai_api.py),
+        sampling as the run does."""
+        if self.endpoint is None:
+            from rollout.openai_api import OpenAIServer
+
+            c = self.cfg
+            self.endpoint = OpenAIServer(self.engine, self.chat.tok, "policy", max_model_len=c.max_model_len,
+                                         default_max_tokens=c.max_new_tokens,
+                                         training={"temperature": c.temperature, "top_p": c.top_p,
+                                                   "max_tokens": c.max_new_tokens})
+            self.endpoint.start()
+        return self.endpoint
 
     def suspended_ids(self) -> list[str]:
         return [ep.task.episode_id for ep in self.suspended]

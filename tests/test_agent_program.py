@@ -109,3 +109,32 @@ def test_an_openai_client_agent_runs_as_episodes_with_exact_tokens(engine, token
                               stop_token_ids=[tokenizer.eos_token_id], seeds=[t.seed * 10])[0]
         assert t.token_ids[first.gen_start:first.gen_end] == gen.token_ids  # what the engine sampled, not re-rendered
         assert sum(t.loss_mask) == t.num_generated == (first.gen_end - first.gen_start) + (second.gen_end - second.gen_start)
+
+
+@pytest.mark.slow
+def test_a_run_trains_an_openai_client_agent_through_the_endpoint(ray_cluster, tiny_policy, tmp_path):
+    """configs/quickstart_openai.yaml with the tiny policy: the calculator agent written with the
+    `openai` client runs as episodes; the stored trajectories hold the ids the engine sampled (the
+    learner computes the engine's log-probs on them), turns carry their policy version, and the
+    run goes on to the next version."""
+    from conftest import started_trainer
+    from rl.store import TrajectoryStore
+
+    overrides = ["policy.pretrained=", f"policy.path={tiny_policy}", "lora.enabled=false", "warm_start.demos=0",
+                 "warm_start.envs=[]", "rollout.cpus_per_worker=0.1", "rollout.groups_per_iteration=1",
+                 "rollout.group_size=4", "iterations=2", "stop_after_flat=0", "rollout.temperature=1.0",
+                 "algo.entropy_coef=0.01", "env.kwargs={max_turns: 2, max_tokens: 24}"]
+    run_dir = tmp_path / "run"
+    with started_trainer("quickstart_openai.yaml", overrides, run_dir) as trainer:
+        rows = [trainer.iteration(0), trainer.iteration(1)]
+    for row in rows:
+        assert row["episodes"] == 4 and row["infra_errors"] == 0, row
+        assert row["rollout_logprob_diff_max"] < 1e-3  # the learner scores the stored ids as the engine sampled them
+    stored = list(TrajectoryStore(run_dir).trajectories())
+    assert len(stored) == 8 and all(t.env_id == "agents/calculator-openai-v0" for t in stored)
+    for t in stored:
+        assert t.task.startswith(("A warehouse", "A library", "A farm")) and 1 <= len(t.turns) <= 2
+        assert {u.policy_version for u in t.turns} == {t.iteration}
+        assert sum(t.loss_mask) == sum(u.gen_end - u.gen_start for u in t.turns) > 0
+        for a, b in zip(t.turns, t.turns[1:]):
+            assert a.gen_end <= a.obs_end == b.gen_start  # one sequence: each call extends the last

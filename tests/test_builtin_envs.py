@@ -169,8 +169,9 @@ def test_milestones_are_declared_in_code_shown_and_checked():
     assert shown["milestones"] == [
         {"name": "product", "reward": 0.25, "description": "a calculator result equals a * b, the first intermediate value"},
         {"name": "solved", "reward": 1.0, "description": "the submitted answer is right"}]
-    for spec in envs.list_specs():
-        assert envs.env_class(spec.id).milestones, f"{spec.id} declares no milestones"
+    for spec in envs.list_specs():  # agent programs report what they reached when they return
+        cls = envs.env_class(spec.id)
+        assert envs.is_agent_program(cls) or cls.milestones, f"{spec.id} declares no milestones"
     text = cli("envs", "show", "code/fix-tests-v0").stdout
     assert "milestones:\n  pass:* (varies): a test that started out failing passes" in text
 
