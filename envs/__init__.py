@@ -122,6 +122,17 @@ register("text/incident-v0", "envs.incident:IncidentEnv")
 register("agents/calculator-openai-v0", "envs.calculator_agent:calculator_agent")
 
 
+def succeeded(env_id: str, milestones: list[dict], reward: float) -> bool:
+    """The environment's own success test (`ToolEnv.succeeded`); for an agent program, reaching
+    the milestone `solved`."""
+    cls = env_class(env_id)
+    if is_agent_program(cls):
+        from rewards.milestones import solved
+
+        return solved(milestones)
+    return cls.succeeded(milestones, reward)
+
+
 def judge_reference(env_id: str, seed: int, kwargs: dict | None = None) -> str:
     """The reference answer a judge compares an episode of `env_id` reset with `seed` against
     (`ToolEnv.judge_reference`; "" for environments without one). The task is made again from the
@@ -142,4 +153,4 @@ def check_env(env, **kwargs) -> dict:
     return _check(env, **kwargs)
 
 
-__all__ = ["register", "make", "judge_reference", "AgentTask", "AgentResult", "is_agent_program", "config_problem", "host_problem", "Milestone", "env_class", "spec", "list_specs", "check_env", "EnvSpec", "ToolEnv", "ToolSpec", "ToolFailure"]
+__all__ = ["register", "make", "judge_reference", "succeeded", "AgentTask", "AgentResult", "is_agent_program", "config_problem", "host_problem", "Milestone", "env_class", "spec", "list_specs", "check_env", "EnvSpec", "ToolEnv", "ToolSpec", "ToolFailure"]

@@ -43,9 +43,8 @@ def eval_tasks(episodes: int, k: int = 1) -> list[EpisodeTask]:
 
 
 def summarise(env_id: str, trajs: list[Trajectory], k: int = 1) -> dict:
-    cls = envs.env_class(env_id)
     ok = [t for t in trajs if not t.infra_error]
-    wins = [cls.succeeded(t.milestones, t.reward) for t in ok]
+    wins = [envs.succeeded(env_id, t.milestones, t.reward) for t in ok]
     lo, hi = wilson(sum(wins), len(wins))
     out = {
         "env_id": env_id,
