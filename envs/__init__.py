@@ -120,6 +120,7 @@ register("vision/maze-v0", "envs.maze:MazeEnv")
 register("text/digits-v0", "envs.digits:DigitsEnv")
 register("text/incident-v0", "envs.incident:IncidentEnv")
 register("agents/calculator-openai-v0", "envs.calculator_agent:calculator_agent")
+register("agents/calculator-agents-sdk-v0", "envs.calculator_agents_sdk:calculator_agents_sdk")
 
 
 def succeeded(env_id: str, milestones: list[dict], reward: float) -> bool:

@@ -138,3 +138,23 @@ def test_a_run_trains_an_openai_client_agent_through_the_endpoint(ray_cluster, t
         assert sum(t.loss_mask) == sum(u.gen_end - u.gen_start for u in t.turns) > 0
         for a, b in zip(t.turns, t.turns[1:]):
             assert a.gen_end <= a.obs_end == b.gen_start  # one sequence: each call extends the last
+
+
+@pytest.mark.slow
+def test_an_agents_sdk_agent_runs_through_the_endpoint(engine, tokenizer):
+    """The OpenAI Agents SDK, unchanged but for its model client, drives episodes through the endpoint."""
+    from rollout.openai_api import OpenAIServer
+
+    server = OpenAIServer(engine, tokenizer, "tiny", max_model_len=4096)
+    server.start()
+    try:
+        tasks = [EpisodeTask(f"sdk-{k}", 0, 5 + k, 0) for k in range(2)]
+        trajs = run_agent_episodes(server, "agents/calculator-agents-sdk-v0", {"max_tokens": 16}, tasks,
+                                   ChatFormat(tokenizer), "tiny")
+    finally:
+        server.stop()
+    for t in trajs:
+        assert not t.infra_error, t.infra_error
+        assert t.task.startswith(("A warehouse", "A library", "A farm")) and len(t.turns) >= 1
+        assert tokenizer.decode(t.token_ids[:t.prompt_len]).startswith("<|im_start|>system\n# Tools")  # the SDK's tools
+        assert '"name": "calculator"' in tokenizer.decode(t.token_ids[:t.prompt_len])
