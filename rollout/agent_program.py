@@ -94,4 +94,7 @@ def run_agent_episodes(server, env_id: str, env_kwargs: dict, tasks: list[Episod
     if not tasks:
         return []
     with ThreadPoolExecutor(max_workers=min(64, len(tasks)), thread_name_prefix="agent") as pool:
-        return list(pool.map(one, tasks))
+        futures = [pool.submit(one, task) for task in tasks]
+        if server.batcher.needs_driver:  # the engine is this thread's to drive (rollout/openai_api.py Batcher)
+            server.batcher.drive(lambda: all(f.done() for f in futures))
+        return [f.result() for f in futures]

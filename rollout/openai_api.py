@@ -87,15 +87,24 @@ class RequestError(ValueError):
 
 
 class Batcher:
-    """One thread owns the engine; `generate` queues a prompt and blocks until its batch ran. Prompts
-    queued within `wait_s` of each other, with the same sampling settings, share an engine call."""
+    """Engine calls for concurrent requests: `submit` queues a prompt; prompts queued within `wait_s`
+    of each other, with the same sampling settings, share one engine call.
 
-    def __init__(self, engine, max_batch: int = 64, wait_s: float = 0.01):
+    The engine is driven either by a thread of the batcher's own (`own_thread`), or by whoever calls
+    `drive` — the thread that made the engine. vLLM's CPU backend keeps per-thread state (its OpenMP
+    team, bound to the cores, and the thread count its attention metadata is built for): in a Ray
+    actor started with OMP_NUM_THREADS=1, a second thread built attention metadata for one thread
+    while the kernel ran two ("cpu_attn_impl.hpp: Check failed: thread_num == thread_num (1 vs. 2)"),
+    so a rollout worker drives its engine from its own main thread."""
+
+    def __init__(self, engine, max_batch: int = 64, wait_s: float = 0.01, own_thread: bool = True):
         self.engine, self.max_batch, self.wait_s = engine, max_batch, wait_s
         self.batch_sizes: list[int] = []
         self._q: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="openai-batcher", daemon=True)
-        self._thread.start()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="openai-batcher", daemon=True) if own_thread else None
+        if self._thread is not None:
+            self._thread.start()
 
     def submit(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float, seed: int,
                stop_token_ids: list[int], stop: list[str]) -> concurrent.futures.Future:
@@ -105,41 +114,58 @@ class Batcher:
         return fut
 
     def close(self) -> None:
+        self._closed = True
         self._q.put(None)
-        self._thread.join(timeout=10)
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    @property
+    def needs_driver(self) -> bool:
+        """No thread of its own: queued requests run only while someone calls `drive`."""
+        return self._thread is None
+
+    def drive(self, done) -> None:
+        """Run the queued requests from the calling thread until `done()` (checked at least every 50 ms)."""
+        while not done():
+            self._serve(timeout=0.05)
 
     def _loop(self) -> None:
-        while True:
-            first = self._q.get()
-            if first is None:
-                return
-            items, deadline = [first], time.monotonic() + self.wait_s
-            while len(items) < self.max_batch:
-                try:
-                    item = self._q.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    break
-                if item is None:
-                    self._q.put(None)
-                    break
-                items.append(item)
-            groups: dict = {}
-            for item in items:
-                groups.setdefault(item[0], []).append(item)
-            for (temperature, top_p, stop_ids, stop), group in groups.items():
-                self.batch_sizes.append(len(group))
-                try:
-                    version = self.engine.version
-                    gens = self.engine.generate([g[1] for g in group], max_tokens=[g[2] for g in group],
-                                                temperature=temperature, top_p=top_p,
-                                                stop_token_ids=list(stop_ids) or None, seeds=[g[3] for g in group],
-                                                **({"stop": list(stop)} if stop else {}))
-                    for g, gen in zip(group, gens):
-                        g[4].set_result((gen, version))
-                except Exception as exc:  # noqa: BLE001  (each waiting call answers with it)
-                    for g in group:
-                        if not g[4].done():
-                            g[4].set_exception(exc)
+        while not self._closed:
+            self._serve(timeout=None)
+
+    def _serve(self, timeout: float | None) -> None:
+        try:
+            first = self._q.get(timeout=timeout)
+        except queue.Empty:
+            return
+        if first is None:
+            return
+        items, deadline = [first], time.monotonic() + self.wait_s
+        while len(items) < self.max_batch:
+            try:
+                item = self._q.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if item is None:
+                break
+            items.append(item)
+        groups: dict = {}
+        for item in items:
+            groups.setdefault(item[0], []).append(item)
+        for (temperature, top_p, stop_ids, stop), group in groups.items():
+            self.batch_sizes.append(len(group))
+            try:
+                version = self.engine.version
+                gens = self.engine.generate([g[1] for g in group], max_tokens=[g[2] for g in group],
+                                            temperature=temperature, top_p=top_p,
+                                            stop_token_ids=list(stop_ids) or None, seeds=[g[3] for g in group],
+                                            **({"stop": list(stop)} if stop else {}))
+                for g, gen in zip(group, gens):
+                    g[4].set_result((gen, version))
+            except Exception as exc:  # noqa: BLE001  (each waiting call answers with it)
+                for g in group:
+                    if not g[4].done():
+                        g[4].set_exception(exc)
 
 
 def _text(content, where: str) -> str:
@@ -191,14 +217,14 @@ class OpenAIServer:
     """The API over `engine` (see the module doc); `start()` serves it from a background thread."""
 
     def __init__(self, engine, tokenizer, model: str, *, max_model_len: int, default_max_tokens: int = 512,
-                 api_key: str = "", training: dict | None = None):
+                 api_key: str = "", training: dict | None = None, own_thread: bool = True):
         self.engine, self.model, self.max_model_len = engine, model, max_model_len
         # in a training run: {temperature, top_p, max_tokens} the learner assumes; a request's own values
         # are replaced (the learner's log-probs use the run's temperature), and counted
         self.training, self.overridden = training, 0
         self.chat = ChatFormat(tokenizer)
         self.default_max_tokens, self.api_key = default_max_tokens, api_key
-        self.batcher = Batcher(engine)
+        self.batcher = Batcher(engine, own_thread=own_thread)  # own_thread=False: the caller drives the engine
         self.records: dict[str, list[CallRecord]] = {}
         self.splicer = Splicer(self.chat)
         self._lock = threading.Lock()

@@ -124,7 +124,8 @@ class RolloutWorker:
             self.endpoint = OpenAIServer(self.engine, self.chat.tok, "policy", max_model_len=c.max_model_len,
                                          default_max_tokens=c.max_new_tokens,
                                          training={"temperature": c.temperature, "top_p": c.top_p,
-                                                   "max_tokens": c.max_new_tokens})
+                                                   "max_tokens": c.max_new_tokens},
+                                         own_thread=False)  # driven from this actor's main thread (Batcher)
             self.endpoint.start()
         return self.endpoint
 

@@ -88,18 +88,24 @@ def test_agent_results_and_registration():
         envs.make("agents/echo-v0")
 
 
-@pytest.mark.slow
-def test_an_openai_client_agent_runs_as_episodes_with_exact_tokens(engine, tokenizer):
+def _episodes(engine, tokenizer, env_id: str, kwargs: dict, tasks: list[EpisodeTask]):
+    """The agent program's episodes through an endpoint on the session's engine; nothing left recorded."""
     from rollout.openai_api import OpenAIServer
 
     server = OpenAIServer(engine, tokenizer, "tiny", max_model_len=4096)
     server.start()
     try:
-        tasks = [EpisodeTask(f"i0-g0-e{k}", 0, 3 + k, 0) for k in range(3)]
-        trajs = run_agent_episodes(server, "agents/echo-v0", {"bonus": 0.5}, tasks, ChatFormat(tokenizer), "tiny")
+        trajs = run_agent_episodes(server, env_id, kwargs, tasks, ChatFormat(tokenizer), "tiny")
     finally:
         server.stop()
     assert [t.episode_id for t in trajs] == [t.episode_id for t in tasks] and server.records == {}
+    return trajs
+
+
+@pytest.mark.slow
+def test_an_openai_client_agent_runs_as_episodes_with_exact_tokens(engine, tokenizer):
+    trajs = _episodes(engine, tokenizer, "agents/echo-v0", {"bonus": 0.5},
+                      [EpisodeTask(f"i0-g0-e{k}", 0, 3 + k, 0) for k in range(3)])
     for t in trajs:
         assert not t.infra_error and t.reward == 1.5 and len(t.turns) == 2 and t.task.startswith(f"Task {t.seed}")
         first, second = t.turns
@@ -143,16 +149,8 @@ def test_a_run_trains_an_openai_client_agent_through_the_endpoint(ray_cluster, t
 @pytest.mark.slow
 def test_an_agents_sdk_agent_runs_through_the_endpoint(engine, tokenizer):
     """The OpenAI Agents SDK, unchanged but for its model client, drives episodes through the endpoint."""
-    from rollout.openai_api import OpenAIServer
-
-    server = OpenAIServer(engine, tokenizer, "tiny", max_model_len=4096)
-    server.start()
-    try:
-        tasks = [EpisodeTask(f"sdk-{k}", 0, 5 + k, 0) for k in range(2)]
-        trajs = run_agent_episodes(server, "agents/calculator-agents-sdk-v0", {"max_tokens": 16}, tasks,
-                                   ChatFormat(tokenizer), "tiny")
-    finally:
-        server.stop()
+    trajs = _episodes(engine, tokenizer, "agents/calculator-agents-sdk-v0", {"max_tokens": 16},
+                      [EpisodeTask(f"sdk-{k}", 0, 5 + k, 0) for k in range(2)])
     for t in trajs:
         assert not t.infra_error, t.infra_error
         assert t.task.startswith(("A warehouse", "A library", "A farm")) and len(t.turns) >= 1
