@@ -32,19 +32,20 @@ def calculator_agent(task: AgentTask, max_turns: int = 4, max_tokens: int = 64) 
         if not reply.tool_calls:
             messages.append({"role": "user", "content": "No tool call found. Call one of the tools."})
             continue
-        done = False
+        ended = False
         for tc in reply.tool_calls:
             try:
                 arguments = json.loads(tc.function.arguments)
             except ValueError:
                 arguments = {}
             # the environment checks the call as it would a model's text, and answers it
-            obs, _, done, truncated, step = env.step(format_tool_call(tc.function.name, **(arguments if isinstance(arguments, dict) else {})))
+            obs, _, terminated, truncated, step = env.step(
+                format_tool_call(tc.function.name, **(arguments if isinstance(arguments, dict) else {})))
             milestones += [{"name": m["name"], "reward": m["reward"]} for m in step["milestones"]]
             messages.append({"role": "tool", "tool_call_id": tc.id, "content": obs})
-            if done or truncated:
-                done = True
+            ended = terminated or truncated
+            if ended:
                 break
-        if done:
+        if ended:
             break
     return AgentResult(milestones=milestones, task=problem)

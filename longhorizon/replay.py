@@ -120,8 +120,8 @@ def judge_scores(rubric, trajectories, run_dir: str | Path | None) -> tuple[dict
     scores = iter(scorer.score([r for t in trajectories for r in judge_requests(rubric, t, cfg.env.kwargs)]))
     out = {t.episode_id: {p.name: next(scores) for p in alone} for t in trajectories}
     # rank parts: each group of the episodes given, as the run asked (the whole group only with --all)
+    groups = ranked_groups(trajectories)
     for p in [p for p in rubric.judges if p.fn.mode == "rank"]:
-        groups = ranked_groups(trajectories)
         scores = iter(scorer.score([p.fn.group_request(g) for g in groups]))
         for g in groups:
             for t in g:

@@ -76,8 +76,9 @@ def serve(args) -> int:
                          kv_cache_gib=rollout.kv_cache_gib, enforce_eager=rollout.enforce_eager,
                          max_batch=rollout.max_batch)
     name = args.model or policy.name
+    # the engine is driven from this thread, the one that made it (rollout/openai_api.py Batcher)
     server = OpenAIServer(engine, AutoTokenizer.from_pretrained(str(policy)), name, max_model_len=rollout.max_model_len,
-                          default_max_tokens=rollout.max_new_tokens, api_key=key)
+                          default_max_tokens=rollout.max_new_tokens, api_key=key, own_thread=False)
     try:
         url = server.start(args.host, args.port)
     except (OSError, RuntimeError) as exc:
@@ -86,7 +87,7 @@ def serve(args) -> int:
     print(f"serving {policy} as {name!r} at {url}/v1 (one session per agent: {url}/sessions/ID/v1); Ctrl-C stops",
           file=sys.stderr, flush=True)
     try:
-        server._thread.join()
+        server.batcher.drive(lambda: False)
     except KeyboardInterrupt:
         pass
     finally:

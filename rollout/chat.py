@@ -17,21 +17,18 @@ class ChatFormat:
             raise ValueError("tokenizer has no eos_token (the end-of-turn token the agent loop stops on)")
         self.eot_text = tokenizer.convert_ids_to_tokens(self.eot_id)
         self._base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-        base = self._render(self._base, gen=False)
+        base = self.text(self._base, gen=False)
         cut = base.rfind(self.eot_text)
         if cut < 0:
             raise ValueError(f"chat template does not end assistant turns with {self.eot_text!r}")
         self._base_text = base[: cut + len(self.eot_text)]
-
-    def _render(self, messages, *, gen: bool, tools=None) -> str:
-        return self.tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gen)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
 
     def text(self, messages: list[dict], tools: list[dict] | None = None, *, gen: bool) -> str:
         """The conversation rendered (`gen`: ending with the assistant generation header)."""
-        return self._render(messages, gen=gen, tools=tools)
+        return self.tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gen)
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         """The episode's first prompt, ending with the assistant generation header."""
@@ -43,7 +40,7 @@ class ChatFormat:
         Rendered as the template would render `messages` after an assistant turn, followed by
         the next assistant header, minus everything up to and including the end-of-turn token.
         """
-        full = self._render(self._base + list(messages), gen=True)
+        full = self.text(self._base + list(messages), gen=True)
         if not full.startswith(self._base_text):
             raise ValueError("chat template is not prefix-preserving for these observation messages")
         return self.encode(full[len(self._base_text) :])

@@ -245,7 +245,7 @@ class OpenAIServer:
     # --- one request ---
     def _sampling(self, req) -> dict:
         for name, unused in UNSUPPORTED.items():
-            if getattr(req, name, unused) not in (unused, None) and getattr(req, name) != unused:
+            if getattr(req, name, unused) not in (unused, None):
                 raise RequestError(f"{name} is not supported by this server", name)
         if req.logprobs and req.top_logprobs:
             raise RequestError("top_logprobs is not supported (logprobs gives the sampled token's own)", "top_logprobs")
@@ -295,15 +295,15 @@ class OpenAIServer:
                                "messages")
         max_tokens = min(s["max_tokens"], room)
         seed0 = req.seed if req.seed is not None else secrets.randbelow(1 << 31)
+        seeds = [(seed0 + i) & 0x7FFFFFFF for i in range(s["n"])]
         futures = [self.batcher.submit(prompt, max_tokens=max_tokens, temperature=s["temperature"], top_p=s["top_p"],
-                                       seed=(seed0 + i) & 0x7FFFFFFF, stop_token_ids=s["stop_token_ids"], stop=s["stop"])
-                   for i in range(s["n"])]
+                                       seed=seed, stop_token_ids=s["stop_token_ids"], stop=s["stop"]) for seed in seeds]
         results = [await asyncio.wrap_future(f) for f in futures]
         choices, completion_tokens = [], 0
         for i, (gen, version) in enumerate(results):
             finish = "length" if gen.finish_reason == "length" else "stop"
             self._record(CallRecord(session, list(prompt), list(gen.token_ids), list(gen.logprobs), version, finish,
-                                    (seed0 + i) & 0x7FFFFFFF))
+                                    seeds[i]))
             choice = self._choice(i, gen, finish, s["stop"], bool(req.logprobs))
             self.splicer.add(session, text, prompt, gen.token_ids,
                              message_key(choice.message.content, [tc.model_dump() for tc in choice.message.tool_calls]))
