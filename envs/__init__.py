@@ -91,7 +91,7 @@ def config_problem(env_id: str, kwargs: dict | None = None) -> tuple[str, str] |
         named = [p.name for p in list(signature.parameters.values())[1 if program else 0:]
                  if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
         return "kwargs", f"environment {env_id!r} does not accept them ({exc}); it takes: {', '.join(named) or 'none'}"
-    check = None if program else getattr(cls, "kwargs_problem", None)  # an environment's own checks of its values
+    check = getattr(cls, "kwargs_problem", None)  # an environment's (or a program's) own checks of its values
     problem = check(merged) if check else None
     return ("kwargs", f"environment {env_id!r}: {problem}") if problem else None
 
@@ -100,7 +100,7 @@ def host_problem(env_id: str, kwargs: dict | None = None) -> str | None:
     """Why this machine cannot run `env_id` with `kwargs` (its sandbox backend is missing), or None.
     For an id and kwargs that `config_problem` has passed."""
     cls = env_class(env_id)
-    check = None if is_agent_program(cls) else getattr(cls, "host_problem", None)
+    check = getattr(cls, "host_problem", None)
     return check({**spec(env_id).kwargs, **(kwargs or {})}) if check else None
 
 
@@ -121,6 +121,8 @@ register("text/digits-v0", "envs.digits:DigitsEnv")
 register("text/incident-v0", "envs.incident:IncidentEnv")
 register("agents/calculator-openai-v0", "envs.calculator_agent:calculator_agent")
 register("agents/calculator-agents-sdk-v0", "envs.calculator_agents_sdk:calculator_agents_sdk")
+register("agents/command-v0", "envs.agent_command:command_agent")
+register("agents/calculator-command-v0", "envs.agent_command:calculator_command")
 
 
 def succeeded(env_id: str, milestones: list[dict], reward: float) -> bool:

@@ -15,8 +15,10 @@ the record. It is registered like every environment (`envs.register(id, "module:
 Every call the agent makes through the session is recorded with its exact tokens; the rollout
 worker turns them into the episode's trajectory (rollout/agent_program.py).
 
-Not covered here: external commands reading `OPENAI_BASE_URL` (a program can start one itself and
-pass `task.base_url`); per-call milestones (an agent program's milestones count at its last call).
+An agent that runs as its own process (another language, its own environment) is an external
+command: envs/agent_command.py (`agents/command-v0`) hands it the session through OPENAI_BASE_URL.
+
+Not covered here: per-call milestones (an agent program's milestones count at its last call).
 """
 
 from __future__ import annotations

@@ -139,7 +139,7 @@ def _inspect(args) -> int:
 
 
 def _replay(args) -> int:
-    from longhorizon.replay import replay_episode, rescore, run_env_kwargs
+    from longhorizon.replay import agent_tokenizer, replay_episode, rescore, run_env_kwargs
     from rl.store import TrajectoryStore
 
     try:
@@ -163,7 +163,8 @@ def _replay(args) -> int:
                             f"{r['episode_id']}: {r['recorded']:g} -> {r['rescored']:g}{parts(r)}" for r in rows))
             return 0
         kwargs = run_env_kwargs(args.run_dir)
-        results = [replay_episode(t, kwargs) for t in trajs]
+        tokenizer = agent_tokenizer(args.run_dir, trajs)  # None unless an agent program's episode is replayed
+        results = [replay_episode(t, kwargs, tokenizer=tokenizer) for t in trajs]
     except (OSError, KeyError, ValueError, ImportError, AttributeError) as exc:
         print(f"error: {message(exc)}", file=sys.stderr)
         return 2

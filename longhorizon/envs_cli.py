@@ -2,7 +2,7 @@
 
     longhorizon envs list [--json]
     longhorizon envs show ID [--json]
-    longhorizon envs check ID [--seed N] [key=value ...]
+    longhorizon envs check ID [--seed N] [--policy DIR] [key=value ...]
     longhorizon envs play ID [--seed N] [key=value ...]    # you type the turns
     longhorizon sandbox run [--backend B] [--timeout S] [--memory MB] [--workspace DIR] -- CMD ...
 """
@@ -101,9 +101,45 @@ def _show(args) -> int:
     return 0
 
 
+def _check_program(args) -> int:
+    """An agent program, run against an endpoint that answers every call with a fixed reply
+    (rollout/agent_program.py `check_agent_program`): no model, the tokenizer of `--policy`
+    (default: the tiny policy's, which has the same chat template)."""
+    import envs
+    from envs.check import EnvCheckError
+    from rollout.agent_program import check_agent_program
+
+    kwargs = _kwargs(args.kwargs)
+    problem = envs.config_problem(args.env_id, kwargs) or envs.host_problem(args.env_id, kwargs)
+    if problem:
+        raise ValueError(problem[1] if isinstance(problem, tuple) else f"{args.env_id} cannot run on this machine: {problem}")
+    if args.policy:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.policy)
+    else:
+        from rl.tiny import build_tokenizer, default_corpus
+
+        tokenizer = build_tokenizer(default_corpus())
+    try:
+        report = check_agent_program(args.env_id, kwargs, tokenizer, seed=args.seed)
+    except EnvCheckError as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    split = sum(n > 1 for n in report["samples"])
+    print(f"{args.env_id}: ok — an agent program; calls per episode {report['calls']}, rewards {report['rewards']}"
+          + (f"; {split} of 3 episodes rewrote their history (trained as one sample per sequence)" if split else
+             "; every episode one token sequence"))
+    return 0
+
+
 def _check(args) -> int:
     from envs.check import EnvCheckError, check_env
 
+    import envs
+
+    if envs.is_agent_program(envs.env_class(args.env_id)):
+        return _check_program(args)
     env = _make(args.env_id, args.kwargs)
     try:
         report = check_env(env, seed=args.seed, expert=not args.no_expert)
@@ -226,6 +262,8 @@ def add_parsers(sub) -> None:
             e.add_argument("--seed", type=int, default=0)
         if name == "check":
             e.add_argument("--no-expert", action="store_true", help="an environment without a scripted expert")
+            e.add_argument("--policy", help="an agent program's check: the tokenizer (chat template) of this "
+                                            "checkpoint (default: the tiny policy's)")
         e.set_defaults(fn=_guarded(fn))
 
     p = sub.add_parser("sandbox", help="run a command in a sandbox")

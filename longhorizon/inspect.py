@@ -133,7 +133,8 @@ def print_episode(run_dir: str | Path, episode_id: str, console: Console) -> Non
     t = find_episode(run_dir, episode_id)
     console.print(Text.assemble((t.episode_id, "bold"), f" env {t.env_id} seed {t.seed} group {t.group_id}  "
                                 f"reward {t.reward:.3f}  stop {t.stop_reason}  tokens {len(t.token_ids)} "
-                                f"({t.num_generated} generated)  ", _kind(t.failure)))
+                                f"({t.num_generated} generated)  "
+                                + (f"{len(t.sample_starts)} samples  " if t.sample_starts else ""), _kind(t.failure)))
     if t.reward_parts:  # a rubric's parts, each on its own (rewards/rubric.py)
         console.print(Text("reward parts: " + "  ".join(f"{k} {v:.3f}" for k, v in t.reward_parts.items())))
     if t.infra_error:
@@ -142,7 +143,13 @@ def print_episode(run_dir: str | Path, episode_id: str, console: Console) -> Non
     by_turn = defaultdict(list)
     for m in t.milestones:
         by_turn[m["turn"]].append(f"{m['name']} +{m['reward']:g}")
+    openers = t.sample_openers()
     for i, turn in enumerate(t.turns):
+        if i in openers:  # a split episode (rollout/agent_program.py)
+            k = openers[i]
+            console.print(Text(f"sample {k + 1} of {len(t.sample_starts)}: the history was rewritten before this call; its "
+                               f"prompt was rendered anew ({turn.gen_start - t.sample_starts[k]} tokens) and is trained "
+                               "as a sequence of its own", style="yellow"))
         # what went wrong first: a narrow (piped) console cuts a long title at its end
         title = (f"turn {i}" + (f" · {', '.join(turn.failures)}" if turn.failures else "")
                  + f" · v{turn.policy_version} · {turn.gen_end - turn.gen_start} tokens · "
@@ -315,7 +322,7 @@ def token_rows(run_dir: str | Path, episode_id: str, start: int = 0, count: int 
         p = start + k
         gen = bool(t.loss_mask[p])
         row = {"pos": p, "id": tid, "text": str(piece).replace("Ġ", " ").replace("Ċ", "\n"),
-               "role": "prompt" if p < t.prompt_len else ("generated" if gen else "observation"),
+               "role": "generated" if gen else ("prompt" if t.in_prompt(p) else "observation"),
                "version": version_at.get(p) if gen else None,
                "rollout_logprob": t.rollout_logprobs[p] if gen else None,
                "learner_logprob": None, "ratio": None, "advantage": None}

@@ -7,6 +7,11 @@ the first difference is reported (turn, what, recorded vs replayed). Episodes th
 infrastructure error are replayed up to the failing turn; one that failed before its first turn
 completed (at reset, or in its first step) has nothing to check and is reported as not replayed.
 
+An agent program's episode (envs/agent_program.py) is replayed by running the program again against
+an endpoint whose engine answers each call with the completion recorded for it (rollout/recorded.py):
+each call's prompt ids must be the recorded ones, the program must make as many calls, and its
+milestones and reward must match. This needs the run's tokenizer (`tokenizer=`).
+
 `rescore(trajectories, SPEC)` recomputes rewards and reports old against new, each rubric part on
 its own, without touching the store. SPEC is a rubric (rewards/rubric.py): a YAML file holding one
 (a list of parts, or `parts: [...]`), `run` for the run's own `reward:` section (which reproduces
@@ -44,7 +49,10 @@ def _short(x, n: int = 200) -> str:
     return s if len(s) <= n else s[:n] + "…"
 
 
-def replay_episode(traj: Trajectory, env_kwargs: dict | None = None, make_env: Callable | None = None) -> ReplayResult:
+def replay_episode(traj: Trajectory, env_kwargs: dict | None = None, make_env: Callable | None = None,
+                   tokenizer=None) -> ReplayResult:
+    if make_env is None and envs.is_agent_program(envs.env_class(traj.env_id)):
+        return replay_agent(traj, env_kwargs, tokenizer)
     if traj.infra_error and len(traj.turns) <= 1:  # the failing turn has no record: nothing to step
         return ReplayResult(traj.episode_id, True, 0, not_replayed=f"it never ran: {traj.infra_error}")
     env = make_env() if make_env is not None else envs.make(traj.env_id, **(env_kwargs or {}))
@@ -76,6 +84,46 @@ def _replay(env, traj: Trajectory) -> ReplayResult:
     if not traj.infra_error and abs(total - traj.reward) > 1e-9:
         return fail(last, "total reward", traj.reward, total)
     return ReplayResult(traj.episode_id, True, last)
+
+
+def replay_agent(traj: Trajectory, env_kwargs: dict | None, tokenizer) -> ReplayResult:
+    """The agent program run again on the recorded completions (see the module doc)."""
+    from rollout.agent_program import run_agent_episodes
+    from rollout.chat import ChatFormat
+    from rollout.openai_api import OpenAIServer
+    from rollout.recorded import RecordedEngine, recorded_calls
+    from rollout.trajectory import EpisodeTask
+
+    if not traj.turns:
+        return ReplayResult(traj.episode_id, True, 0, not_replayed=f"it made no call: {traj.infra_error}")
+    if tokenizer is None:
+        raise ValueError(f"replaying {traj.env_id} (an agent program) needs the run's tokenizer")
+    fail = lambda n, why: ReplayResult(traj.episode_id, False, n, why)  # noqa: E731
+    engine = RecordedEngine(recorded_calls(traj), tokenizer.decode)
+    server = OpenAIServer(engine, tokenizer, "replay", max_model_len=1 << 30)
+    server.start()
+    try:
+        task = EpisodeTask(traj.episode_id, traj.group_id, traj.seed, traj.iteration)
+        again = run_agent_episodes(server, traj.env_id, env_kwargs or {}, [task], ChatFormat(tokenizer), "replay")[0]
+    finally:
+        server.stop()
+    n, calls = engine.answered, len(traj.turns)
+    if engine.departure:
+        return fail(n, engine.departure)
+    if traj.infra_error:  # replayed as far as the record goes
+        return ReplayResult(traj.episode_id, True, n)
+    if again.infra_error:
+        return fail(n, f"the agent program failed on replay: {again.infra_error}")
+    if n != calls:
+        return fail(n, f"calls differ: recorded {calls}, replayed {n}")
+    if traj.task and again.task != traj.task:
+        return fail(0, f"task differs: recorded {_short(traj.task)}, replayed {_short(again.task)}")
+    rec, got = ([(m["name"], m["reward"]) for m in t.milestones] for t in (traj, again))
+    if rec != got:
+        return fail(n, f"milestones differ: recorded {_short(rec)}, replayed {_short(got)}")
+    if abs(again.reward - traj.reward) > 1e-9 and not traj.reward_parts:
+        return fail(n, f"total reward differs: recorded {traj.reward!r}, replayed {again.reward!r}")
+    return ReplayResult(traj.episode_id, True, n)
 
 
 def rubric_of(spec: str, run_dir: str | Path | None = None):
@@ -155,3 +203,15 @@ def run_env_kwargs(run_dir: str | Path) -> dict:
     from rl.config import load_config
 
     return load_config(Path(run_dir) / "config.yaml").env.kwargs
+
+
+def agent_tokenizer(run_dir: str | Path, trajectories) -> object | None:
+    """The run's tokenizer when one of `trajectories` is an agent program's (its calls are rendered
+    again on replay), else None (nothing loaded)."""
+    if not any(envs.is_agent_program(envs.env_class(t.env_id)) for t in trajectories):
+        return None
+    from transformers import AutoTokenizer
+
+    from longhorizon.serve import policy_of
+
+    return AutoTokenizer.from_pretrained(policy_of(str(run_dir))[0])

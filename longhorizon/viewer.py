@@ -44,6 +44,8 @@ def episode_payload(t, tok, max_tokens: int, learner: dict | None = None) -> dic
         "n_tokens": len(t.token_ids), "n_generated": t.num_generated, "cut": n < len(t.token_ids),
         "tokens": pieces, "mask": t.loss_mask[:n], "logprobs": [round(x, 4) for x in t.rollout_logprobs[:n]],
         "turns": [vars(turn) for turn in t.turns],
+        # a split episode (rollout/agent_program.py): where its samples start, and the turns that open them
+        "samples": t.sample_starts, "sample_turns": t.sample_openers(),
         "milestones": t.milestones,
         # the learner's pre-update log-probs and the advantages it trained with, when it trained on it
         "learner": [round(x, 4) for x in learner["learner_logprobs"][:n]] if learner else None,
@@ -210,6 +212,7 @@ function timeline(e){
     g += `<rect class="turn-box${bad ? ' failed' : ''}" x="${x}" y="20" width="${w}" height="20" fill="${bad ? '#e88' : '#9bd'}">`
       + `<title>turn ${i}: ${t.gen_end-t.gen_start} generated tokens${bad ? ' · ' + esc(t.failures.join(', ')) : ''}</title></rect>`
       + `<text x="${x + 2}" y="15" font-size="10">t${i}</text>`;
+    if ((e.sample_turns||{})[i] !== undefined) g += `<line class="sample-start" x1="${scale(e.samples[e.sample_turns[i]])}" y1="12" x2="${scale(e.samples[e.sample_turns[i]])}" y2="48" stroke="#a60" stroke-dasharray="3,2"><title>sample ${e.sample_turns[i] + 1} starts</title></line>`;
     if ((t.sandbox_events||[]).length) g += `<text x="${x + w / 2}" y="35" font-size="12" text-anchor="middle">⚠<title>${esc(t.sandbox_events.join('; '))}</title></text>`;
   });
   e.milestones.forEach(m => g += `<circle r="6" fill="#2a8" cx="${scale(m.token)}" cy="30"><title>${esc(m.name)} +${m.reward}</title></circle>`
@@ -219,8 +222,10 @@ function timeline(e){
     + `<span><i class="sw" style="background:#2a8;border-radius:5px"></i>milestone</span><span>⚠ sandbox limit</span></div>`;
 }
 function turnHtml(e, t, i, departs){
-  const fails = t.failures || [];
-  return `<div class="turn${departs ? ' departs' : ''}"><b>turn ${i}</b> · v${t.policy_version} · ${t.gen_end-t.gen_start} tokens · ${t.tool_calls} tool result(s), ${t.tool_errors} error(s) · ${esc(t.finish_reason)}`
+  const fails = t.failures || [], opens = (e.sample_turns||{})[i];
+  return (opens === undefined ? '' : `<div class="note sample">sample ${opens + 1} of ${e.samples.length}: the history was rewritten before this call; `
+      + `its prompt was rendered anew (${t.gen_start - e.samples[opens]} tokens) and is trained as a sequence of its own</div>`)
+    + `<div class="turn${departs ? ' departs' : ''}"><b>turn ${i}</b> · v${t.policy_version} · ${t.gen_end-t.gen_start} tokens · ${t.tool_calls} tool result(s), ${t.tool_errors} error(s) · ${esc(t.finish_reason)}`
     + (fails.length ? ` · <b class="fail">${fails.map(esc).join(', ')}</b>` : '')
     + (e.milestones.filter(m => m.turn == i).length ? ` · <b class="ok">milestones: ${e.milestones.filter(m => m.turn == i).map(m => esc(m.name)+' +'+m.reward).join(', ')}</b>` : '')
     + `<pre>${esc(t.text)}</pre></div>`
@@ -250,7 +255,7 @@ function show(id){
   document.querySelectorAll('.episode-row').forEach(r => r.classList.toggle('sel', r.dataset.id == id));
   document.getElementById('episode').innerHTML = `<h1 id="episode-title">${esc(e.id)}</h1>`
     + `<div>${esc(e.env)} · seed ${e.seed} · group ${e.group} · reward ${e.reward} · stop ${esc(e.stop)} · `
-    + `<b class="${kindClass(e.failure)}" title="${esc(D.failure_kinds[e.failure]||'')}">${esc(e.failure)}</b> · ${e.n_tokens} tokens (${e.n_generated} generated)`
+    + `<b class="${kindClass(e.failure)}" title="${esc(D.failure_kinds[e.failure]||'')}">${esc(e.failure)}</b> · ${e.n_tokens} tokens (${e.n_generated} generated)${(e.samples||[]).length ? ` · ${e.samples.length} samples` : ''}`
     + (e.infra_error ? ` · <span class="note">infra error: ${esc(e.infra_error)}</span>` : '') + `</div>`
     + (Object.keys(e.reward_parts || {}).length ? `<div id="reward-parts">reward parts: ${Object.entries(e.reward_parts).map(([k, v]) => esc(k) + ' ' + (+v).toFixed(3)).join(' · ')}</div>` : '')
     + `<h2>task</h2><pre>${esc(e.task)}</pre>`

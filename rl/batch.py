@@ -1,9 +1,66 @@
 """What of a batch the learner trains on: the usable episodes (group statistics exclude infra
-errors and stale episodes), each token's policy version, right padding."""
+errors and stale episodes), the sequences it runs (`Row`: an episode, or one sample of an episode
+stored as several, `Trajectory.sample_starts`), each token's policy version, right padding.
+
+Statistics and advantages belong to episodes; forwards run over rows. `episode_values` puts what
+the rows' forwards computed back in episode coordinates, and a row takes its slice of whatever was
+computed per episode token (`Row.start`)."""
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
 from rollout.trajectory import Trajectory
+
+
+@dataclass
+class Row:
+    """One sequence the learner runs: a whole episode, or one of a split episode's samples."""
+
+    episode: int
+    """Index of its episode in the batch."""
+    start: int
+    """Where its first token is in the episode's `token_ids`."""
+    seq: Trajectory
+    """The sequence itself, as a trajectory (the episode's own record when it is not split)."""
+
+
+def sample_of(t: Trajectory, start: int, end: int) -> Trajectory:
+    """The tokens [start, end) of `t` as a trajectory of their own: its turns, routed experts and
+    milestones moved to the sample's positions (turn indices stay the episode's)."""
+    if (start, end) == (0, len(t.token_ids)):
+        return t
+    turns = [dataclasses.replace(u, gen_start=u.gen_start - start, gen_end=u.gen_end - start, obs_end=u.obs_end - start)
+             for u in t.turns if start <= u.gen_start < end]
+    first_gen = turns[0].gen_start if turns else end - start
+    return dataclasses.replace(
+        t, token_ids=t.token_ids[start:end], loss_mask=t.loss_mask[start:end],
+        rollout_logprobs=t.rollout_logprobs[start:end], turns=turns, sample_starts=[],
+        prompt_len=first_gen, routed_experts=None if t.routed_experts is None else t.routed_experts[start:end],
+        milestones=[{**m, "token": m["token"] - start} for m in t.milestones if start < m["token"] <= end])
+
+
+def training_rows(batch: list[Trajectory]) -> list[Row]:
+    """Every episode's samples, in batch order (one row per episode that is not split)."""
+    return [Row(i, s, sample_of(t, s, e)) for i, t in enumerate(batch) for s, e in t.sample_spans()]
+
+
+def episode_values(rows: list[Row], batch: list[Trajectory], per_micro: dict) -> list[list[float]]:
+    """Per episode, the values a forward computed per row (`per_micro`: micro-batch index tuple →
+    rows × positions, aligned to next-token targets: column c is token c + 1), in episode
+    coordinates (entry p - 1 is token p's; 0.0 for the first token of each sample, which no
+    forward predicts)."""
+    out = [[0.0] * max(len(t.token_ids) - 1, 0) for t in batch]
+    for micro, values in per_micro.items():
+        for r, i in enumerate(micro):
+            row = rows[i]
+            n = len(row.seq.token_ids) - 1
+            vals = values[r, :n].tolist() if isinstance(values, torch.Tensor) else list(values[r][:n])
+            out[row.episode][row.start : row.start + n] = vals
+    return out
 
 
 def _pad(rows: list[list], value) -> list[list]:

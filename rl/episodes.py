@@ -32,6 +32,8 @@ def summarise(trajs: list[Trajectory]) -> dict:
         "episode_tokens_mean": sum(len(t.token_ids) for t in trajs) / n,
         "tool_errors": sum(turn.tool_errors for t in trajs for turn in t.turns),
         "infra_errors": sum(1 for t in trajs if t.infra_error),
+        # agent programs whose history was rewritten: stored and trained as one sample per sequence
+        "split_episodes": sum(1 for t in trajs if t.sample_starts),
         "stop_reasons": dict(Counter(t.stop_reason for t in trajs)),
     }
     out.update({f"milestone_rate/{k}": v / n for k, v in sorted(reached.items())})

@@ -12,6 +12,8 @@ For the project's policy, every optimiser step also updates each MoE router's se
 step's router scores, and reports the worst layer's max/mean expert load.
 
 Credit: `algo.credit = "milestone"` gives each turn's tokens its own advantage (rl/credit.py).
+Advantages are an episode's; an episode stored as several samples (an agent program whose history
+was rewritten, `Trajectory.sample_starts`) runs each as its own sequence with its slice of them.
 
 PPO (`algo.name = "ppo"`): a value head on the shared trunk, GAE over tokens or turns, the clipped
 value loss added with `vf_coef` (rl/ppo.py).
@@ -57,7 +59,7 @@ from rl.shares import (
     minibatch_shares,
     padded_slots,
 )
-from rl.batch import _pad, token_versions, usable_episodes
+from rl.batch import Row, _pad, episode_values, token_versions, training_rows, usable_episodes
 from rollout.trajectory import Trajectory
 
 
@@ -209,29 +211,35 @@ class Learner:
         return (c.fuse_old_logprobs and c.name == "grpo" and c.epochs == 1 and n_minibatches == 1
                 and not c.kl_beta and self.world == 1)
 
-    def plan(self, batch: list[Trajectory]) -> list[list[list[int]]]:
-        """Minibatches of `minibatch_episodes` episodes (one optimiser step each), each packed into
-        micro-batches whose padded size stays within `microbatch_tokens` (an episode longer than
-        the budget gets a micro-batch of its own). In a learner group: every rank's micro-batches."""
-        return [[m for share in mb for m in share] for mb in self.shares(batch)]
+    def plan(self, seqs: list[Trajectory]) -> list[list[list[int]]]:
+        """Minibatches of `minibatch_episodes` sequences (one optimiser step each; a split episode's
+        samples count one each), each packed into micro-batches whose padded size stays within
+        `microbatch_tokens` (a sequence longer than the budget gets a micro-batch of its own). In a
+        learner group: every rank's micro-batches."""
+        return [[m for share in mb for m in share] for mb in self.shares(seqs)]
 
-    def shares(self, batch: list[Trajectory]) -> list[list[list[list[int]]]]:
+    def shares(self, seqs: list[Trajectory]) -> list[list[list[list[int]]]]:
         """Per minibatch, per rank, that rank's micro-batches (rl/shares.py `minibatch_shares`)."""
-        return minibatch_shares([len(t.token_ids) for t in batch], self.cfg.minibatch_episodes,
+        return minibatch_shares([len(t.token_ids) for t in seqs], self.cfg.minibatch_episodes,
                                 self.cfg.microbatch_tokens, self.world)
 
-    def _advantages(self, batch, plan, old_v):
-        """(advantages for a micro-batch's index list, PPO returns {episode: {position: R}}, mean |A|)."""
+    def _advantages(self, batch, rows: list[Row], old_v):
+        """(advantages for a micro-batch's row indices, PPO returns per row {position in the row: R},
+        mean |A|): computed per episode (a split episode's samples share its advantages), then
+        sliced per row."""
         c = self.cfg
         returns: dict = {}
         if c.name == "ppo" or c.credit == "milestone":
             if c.name == "ppo":
-                per_token = [None] * len(batch)
-                for micro in (m for mb in plan for m in mb):
-                    for row, i in enumerate(micro):
-                        v = [0.0] + old_v[tuple(micro)][row].tolist()  # v[p]: value before token p
-                        per_token[i], returns[i] = episode_targets(batch[i], v, level=c.ppo_level, gamma=c.gamma,
-                                                                   lam=c.gae_lambda)
+                values = episode_values(rows, batch, old_v)  # values[i][p - 1]: value before token p
+                per_token, ep_returns = [], []
+                for i, t in enumerate(batch):
+                    adv, ret = episode_targets(t, [0.0] + values[i], level=c.ppo_level, gamma=c.gamma, lam=c.gae_lambda)
+                    per_token.append(adv)
+                    ep_returns.append(ret)
+                for k, row in enumerate(rows):
+                    end = row.start + len(row.seq.token_ids)
+                    returns[k] = {p - row.start: r for p, r in ep_returns[row.episode].items() if row.start <= p < end}
                 if c.whiten_advantages:
                     vals = torch.tensor([a for i, t in enumerate(batch) for a, m in zip(per_token[i], t.loss_mask) if m])
                     mu, sd = float(vals.mean()), float(vals.std()) if vals.numel() > 1 else 1.0
@@ -240,32 +248,37 @@ class Learner:
                 per_token = token_advantages(batch, gamma=c.gamma, baseline=c.baseline,
                                              scale="group" if c.scale_rewards == "group" else "none")
             adv_abs = float(np.mean([abs(a) for i, t in enumerate(batch) for a, m in zip(per_token[i], t.loss_mask) if m]))
-            return (lambda micro: torch.tensor(_pad([per_token[i] for i in micro], 0.0))[:, 1:].float()), returns, adv_abs
+
+            def of_rows(micro):
+                cut = [per_token[rows[i].episode][rows[i].start : rows[i].start + len(rows[i].seq.token_ids)] for i in micro]
+                return torch.tensor(_pad(cut, 0.0))[:, 1:].float()
+            return of_rows, returns, adv_abs
         rewards = torch.tensor([t.reward for t in batch])
         groups = torch.tensor([t.group_id for t in batch])
         adv = group_advantages(rewards, groups, scale=c.scale_rewards)
-        return (lambda micro: adv[list(micro)]), returns, float(adv.abs().mean())
+        return (lambda micro: adv[[rows[i].episode for i in micro]]), returns, float(adv.abs().mean())
 
-    def _kl_in_reward(self, batch, plan, old, ref) -> tuple[list[Trajectory], float]:
+    def _kl_in_reward(self, batch, rows: list[Row], old, ref) -> tuple[list[Trajectory], float]:
         """The batch with the KL penalty in its rewards: for each turn, β·Σ KL(π_old ‖ π_ref) over the
         turn's generated tokens (the configured estimator) is a `kl_penalty` milestone of minus that
         at the turn, and comes off the episode's reward. Returns the batch and the mean penalty."""
         import dataclasses
 
         c, out, total = self.cfg, list(batch), []
-        for micro in (m for mb in plan for m in mb):
-            d = ref[tuple(micro)] - old[tuple(micro)]  # aligned to next-token targets: token p at p - 1
-            kl = torch.exp(d) - d - 1 if c.kl_estimator == "k3" else -d
-            for row, i in enumerate(micro):
-                t, events = batch[i], []
-                for n, turn in enumerate(t.turns):
-                    lo, hi = max(turn.gen_start, 1), turn.gen_end
-                    mask = torch.tensor(t.loss_mask[lo:hi], dtype=kl.dtype)
-                    pen = c.kl_beta * float((kl[row, lo - 1 : hi - 1] * mask).sum())
-                    events.append({"name": "kl_penalty", "reward": -pen, "turn": n, "token": hi - 1})
-                penalty = -sum(e["reward"] for e in events)
-                total.append(penalty)
-                out[i] = dataclasses.replace(t, reward=t.reward - penalty, milestones=list(t.milestones) + events)
+        kl = {}
+        for key in old:
+            d = ref[key] - old[key]  # aligned to next-token targets: token p at p - 1
+            kl[key] = torch.exp(d) - d - 1 if c.kl_estimator == "k3" else -d
+        kl_ep = episode_values(rows, batch, kl)
+        for i, t in enumerate(batch):
+            events = []
+            for n, turn in enumerate(t.turns):
+                lo, hi = max(turn.gen_start, 1), turn.gen_end
+                pen = c.kl_beta * float(sum(k * m for k, m in zip(kl_ep[i][lo - 1 : hi - 1], t.loss_mask[lo:hi])))
+                events.append({"name": "kl_penalty", "reward": -pen, "turn": n, "token": hi - 1})
+            penalty = -sum(e["reward"] for e in events)
+            total.append(penalty)
+            out[i] = dataclasses.replace(t, reward=t.reward - penalty, milestones=list(t.milestones) + events)
         return out, float(np.mean(total)) if total else 0.0
 
     def _value_loss(self, values, old_values, returns, micro, mb) -> torch.Tensor:
@@ -285,23 +298,21 @@ class Learner:
                           self.cfg.value_clip) / max(n_points, 1)
 
     @staticmethod
-    def _annotations(batch, plan, old, adv_of) -> dict:
+    def _annotations(batch, rows: list[Row], plan, old, adv_of) -> dict:
         """Per episode, token-aligned like `token_ids`: the learner's log-prob of each generated token
         before the update and the advantage it was trained with (0.0 elsewhere: the head runs on
         generated tokens only), for the store's learner records and the token views."""
-        notes = {}
+        logps = episode_values(rows, batch, old)
+        advs = [[0.0] * len(t.token_ids) for t in batch]
         for micro in (m for mb in plan for m in mb):
             adv = adv_of(micro)
-            for row, i in enumerate(micro):
-                t = batch[i]
-                n = len(t.token_ids)
-                a = adv[row]
-                per = [float(a)] * n if a.dim() == 0 else [0.0] + a[: n - 1].tolist()
-                notes[t.episode_id] = {
-                    "learner_logprobs": [0.0] + old[tuple(micro)][row, : n - 1].tolist(),
-                    "advantages": [x if m else 0.0 for x, m in zip(per, t.loss_mask)],
-                }
-        return notes
+            for r, i in enumerate(micro):
+                row, a = rows[i], adv[r]
+                n = len(row.seq.token_ids)
+                advs[row.episode][row.start : row.start + n] = [float(a)] * n if a.dim() == 0 else [0.0] + a[: n - 1].tolist()
+        return {t.episode_id: {"learner_logprobs": [0.0] + logps[i],
+                               "advantages": [x if m else 0.0 for x, m in zip(advs[i], t.loss_mask)]}
+                for i, t in enumerate(batch)}
 
     def train_step(self, batch: list[Trajectory]) -> dict:
         """One GRPO update over `batch`: one optimiser step per minibatch, `epochs` passes, gradients
@@ -318,7 +329,9 @@ class Learner:
         if not batch:  # nothing to learn from; the version still advances so the loop stays uniform
             self.version += 1
             return {**dropped, "policy_version": self.version, "skipped_update": 1, "train_s": time.perf_counter() - t0}
-        shares = self.shares(batch)
+        rows = training_rows(batch)  # what the forwards run: episodes, or a split episode's samples
+        seqs = [row.seq for row in rows]
+        shares = self.shares(seqs)
         plan = [[m for share in mb for m in share] for mb in shares]
         mine = [padded_slots(mb, self.rank) for mb in shares]  # this rank's micro-batches, None: a dummy
         old, old_v, ref, replays, replayed = {}, {}, {}, {}, []
@@ -331,10 +344,10 @@ class Learner:
                 if micro is None:
                     self._dummy()
                     continue
-                ids, attn, mask, _ = self._tensors([batch[i] for i in micro])
+                ids, attn, mask, _ = self._tensors([seqs[i] for i in micro])
                 key = tuple(micro)
                 # the recorded experts, built once and replayed in every forward of this micro-batch
-                replays[key] = self._routing([batch[i] for i in micro], ids.shape[1])
+                replays[key] = self._routing([seqs[i] for i in micro], ids.shape[1])
                 old[key], _, old_v[key] = self._logprobs(self.lm, ids, attn, routing=replays[key], replayed=replayed,
                                                          only=mask)
                 if self.ref is not None:
@@ -347,27 +360,27 @@ class Learner:
             replayed = [r for part in parts for r in part[3]]
         out = dict(dropped)
         if c.kl_beta and c.kl_in == "reward":
-            batch, penalty = self._kl_in_reward(batch, plan, old, ref)
+            batch, penalty = self._kl_in_reward(batch, rows, old, ref)
             out["kl_reward_penalty_mean"] = penalty
-        adv_of, returns, adv_abs = self._advantages(batch, plan, old_v)
+        adv_of, returns, adv_abs = self._advantages(batch, rows, old_v)
         stats: dict[str, list[float]] = {}
         for _ in range(c.epochs):
             for mb, slots in zip(plan, mine):
-                n_tokens = sum(batch[i].num_generated for m in mb for i in m)
+                n_tokens = sum(seqs[i].num_generated for m in mb for i in m)
                 n_seqs = sum(len(m) for m in mb)
                 self.opt.zero_grad(set_to_none=True)
                 total = 0.0
                 routing: list = []
                 hf_loads: list = []  # per micro-batch, per MoE layer, tokens per expert (Hugging Face MoE)
-                mb_tokens = sum(len(batch[i].token_ids) for m in mb for i in m)
+                mb_tokens = sum(len(seqs[i].token_ids) for m in mb for i in m)
                 for micro in slots:
                     if micro is None:
                         self._dummy(backward=True)
                         continue
                     key = tuple(micro)
-                    ids, attn, mask, rollout = self._tensors([batch[i] for i in micro])
+                    ids, attn, mask, rollout = self._tensors([seqs[i] for i in micro])
                     if fused:
-                        replays[key] = self._routing([batch[i] for i in micro], ids.shape[1])
+                        replays[key] = self._routing([seqs[i] for i in micro], ids.shape[1])
                     hf_routers = [] if self.lm.kind == "hf" else None
                     logp, ent, values = self._logprobs(self.lm, ids, attn, with_entropy=bool(c.entropy_coef),
                                                        routing_out=routing, routing=replays[key],
@@ -405,12 +418,12 @@ class Learner:
                     stats.setdefault(k, []).append(v)
                 stats.setdefault("loss", []).append(float(all_reduce_sum(torch.tensor(total, dtype=torch.float64))))
                 stats.setdefault("grad_norm", []).append(grad_norm)
-        out.update(self._rollout_gap(batch, plan, old))
+        out.update(self._rollout_gap(seqs, plan, old))
         n_replayed, n_differ = (sum(r[j] for r in replayed) for j in (0, 1))
         if n_replayed:  # token × MoE-layer decisions taken from the rollout engine's record
             out.update(routing_replay_decisions=n_replayed, router_decisions_differ=n_differ / n_replayed)
         if self.rank == 0:
-            out["annotations"] = self._annotations(batch, plan, old, adv_of)
+            out["annotations"] = self._annotations(batch, rows, plan, old, adv_of)
         if self.world > 1:  # per-micro-batch metrics from every rank, as one learner would average them
             merged: dict[str, list[float]] = {}
             for part in all_gather_objects(stats):
@@ -432,19 +445,19 @@ class Learner:
         )
         return out
 
-    def _rollout_gap(self, batch, plan, old) -> dict:
+    def _rollout_gap(self, seqs, plan, old) -> dict:
         """How far the engine's log-probs are from the weights about to be trained: numerical noise
         for tokens of the current version, real policy lag for stale ones (async mode). The
         truncated importance weights min(π_old/π_rollout, cap) correct both; the split by version
         shows which one a gap comes from."""
         diffs, kls, lags = [], [], []
         for micro in (m for mb in plan for m in mb):
-            _, _, mask, rollout = self._tensors([batch[i] for i in micro])
+            _, _, mask, rollout = self._tensors([seqs[i] for i in micro])
             gen, lp = mask.bool(), old[tuple(micro)]
             diffs.append((lp - rollout).abs()[gen])
             d_rollout = (rollout - lp)[gen]  # k3 estimate of KL(learner ‖ engine) per token
             kls.append(torch.exp(d_rollout) - d_rollout - 1)
-            versions = torch.tensor(_pad([token_versions(batch[i]) for i in micro], -1))[:, 1:].to(self.device)
+            versions = torch.tensor(_pad([token_versions(seqs[i]) for i in micro], -1))[:, 1:].to(self.device)
             lags.append((self.version - versions)[gen])
         d, lag = torch.cat(diffs), torch.cat(lags)
         out = {"rollout_logprob_diff_mean": float(d.mean()), "rollout_logprob_diff_max": float(d.max()),

@@ -19,8 +19,9 @@ import pyarrow.parquet as pq
 
 from rollout.trajectory import Trajectory, Turn, failure_kind
 
-# 2: routed_experts (shards of version 1 read with it None); 3: failure, turns' failures; 4: reward_parts
-SCHEMA_VERSION = 4
+# 2: routed_experts (shards of version 1 read with it None); 3: failure, turns' failures; 4: reward_parts;
+# 5: sample_starts (an agent program's episode stored as several sequences; older shards read with [])
+SCHEMA_VERSION = 5
 
 SCHEMA = pa.schema(
     [
@@ -47,6 +48,7 @@ SCHEMA = pa.schema(
         ("routed_experts", pa.list_(pa.list_(pa.list_(pa.int16())))),
         ("failure", pa.string()),
         ("reward_parts", pa.string()),
+        ("sample_starts", pa.list_(pa.int32())),
     ]
 )
 
@@ -96,6 +98,7 @@ class TrajectoryStore:
             rows["timings"].append(json.dumps(t.timings))
             rows["routed_experts"].append(t.routed_experts)
             rows["reward_parts"].append(json.dumps(t.reward_parts))
+            rows["sample_starts"].append(t.sample_starts)
         return self._write_atomic(self.dir, name, pa.table(rows, schema=SCHEMA))
 
     def write_learner(self, name: str, annotations: dict, policy_version: int) -> Path:
@@ -278,4 +281,5 @@ def row_to_trajectory(row: dict) -> Trajectory:
         routed_experts=row.get("routed_experts"),
         failure=failure,
         reward_parts=json.loads(row.get("reward_parts") or "{}"),
+        sample_starts=row.get("sample_starts") or [],
     )

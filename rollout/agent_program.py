@@ -8,12 +8,13 @@ is one token sequence, exactly as the agent loop would have recorded it: the las
 completion, loss mask 1 on each call's completion with the engine's log-probs, one `Turn` per call
 (its observation: the tokens the next call added). The agent's milestones count at its last call.
 
-Not covered here (yet): an episode whose history was rewritten between calls (a template that drops
-earlier reasoning, an agent that edits or summarises its messages, `n` > 1 with one choice kept)
-should become one training sample per call with the episode's advantage; until the learner takes
-such samples, it is an infrastructure error that says which call broke the chain, counted and kept
-out of training, never trained on re-rendered tokens. Per-session limits on calls and tokens are
-the agent's own business.
+When a call's prompt does not extend the previous call's (a template that drops earlier reasoning
+from the history, an agent that edits or summarises its messages, `n` > 1 with one choice kept),
+the sequence ends there and that call starts a new one: the episode is stored as its sequences one
+after another (`Trajectory.sample_starts`), each trained as a sample of its own with the episode's
+advantage, so nothing is ever trained on tokens the policy did not see. The turn before such a
+break shows as its observation what the next call's prompt holds from where it departs from the
+earlier sequence. Per-session limits on calls and tokens are the agent's own business.
 """
 
 from __future__ import annotations
@@ -29,13 +30,26 @@ from rollout.chat import ChatFormat
 from rollout.openai_api import CallRecord
 from rollout.trajectory import EpisodeTask, Trajectory, Turn, failure_kind
 
-REWRITTEN = "the agent's history was rewritten"
-
-
 def extends(prev: CallRecord, rec: CallRecord) -> bool:
     """`rec`'s prompt starts with `prev`'s prompt and completion, token for token."""
     seq = prev.prompt_ids + prev.completion_ids
     return rec.prompt_ids[: len(seq)] == seq
+
+
+def chains(records: list[CallRecord]) -> list[list[CallRecord]]:
+    """The calls cut where one does not extend the one before: each chain is one token sequence."""
+    out: list[list[CallRecord]] = []
+    for k, rec in enumerate(records):
+        if k and extends(records[k - 1], rec):
+            out[-1].append(rec)
+        else:
+            out.append([rec])
+    return out
+
+
+def _departure(seq: list[int], prompt: list[int]) -> int:
+    """Where `prompt` stops following `seq`."""
+    return next((i for i, (a, b) in enumerate(zip(seq, prompt)) if a != b), min(len(seq), len(prompt)))
 
 
 def assemble(task: EpisodeTask, env_id: str, records: list[CallRecord], result: AgentResult | None, error: str,
@@ -45,25 +59,31 @@ def assemble(task: EpisodeTask, env_id: str, records: list[CallRecord], result: 
                    task=result.task if result else "", timings={"agent_s": seconds})
     if not records and not error:
         error = "the agent program made no call to the model"
-    broken = next((k for k in range(1, len(records)) if not extends(records[k - 1], records[k])), None)
-    if broken is not None and not error:
-        error = (f"{REWRITTEN}: call {broken}'s prompt does not extend call {broken - 1}'s prompt and completion "
-                 "(per-call samples are not trained yet)")
-    if records and broken is None:
-        last = records[-1]
-        t.token_ids = last.prompt_ids + last.completion_ids
-        t.prompt_len = len(records[0].prompt_ids)
-        t.loss_mask, t.rollout_logprobs = [0] * len(t.token_ids), [0.0] * len(t.token_ids)
-        for k, rec in enumerate(records):
-            start, end = len(rec.prompt_ids), len(rec.prompt_ids) + len(rec.completion_ids)
+    parts = chains(records)
+    following = {id(chain[-1]): nxt[0] for chain, nxt in zip(parts, parts[1:])}  # the call that departs
+    for chain in parts:
+        offset, last = len(t.token_ids), chain[-1]
+        if len(parts) > 1:
+            t.sample_starts.append(offset)
+        n = len(last.prompt_ids) + len(last.completion_ids)
+        t.token_ids += last.prompt_ids + last.completion_ids
+        t.loss_mask += [0] * n
+        t.rollout_logprobs += [0.0] * n
+        for k, rec in enumerate(chain):
+            start = offset + len(rec.prompt_ids)
+            end = start + len(rec.completion_ids)
             t.loss_mask[start:end] = [1] * (end - start)
             t.rollout_logprobs[start:end] = rec.logprobs
-            obs_end = len(records[k + 1].prompt_ids) if k + 1 < len(records) else end
+            obs_end = offset + len(chain[k + 1].prompt_ids) if k + 1 < len(chain) else end
+            observation = chat.tok.decode(t.token_ids[end:obs_end])
+            if id(rec) in following:  # what the next call was prompted with, from where it departs
+                nxt = following[id(rec)].prompt_ids
+                observation = chat.tok.decode(nxt[_departure(rec.prompt_ids + rec.completion_ids, nxt):])
             text = chat.decode(rec.completion_ids)
             calls, bad = parse_tool_calls(text)
-            t.turns.append(Turn(start, end, obs_end, text, chat.tok.decode(t.token_ids[end:obs_end]), len(calls), len(bad),
-                                rec.policy_version, rec.seed, rec.finish_reason,
-                                failures=["malformed_call"] * len(bad)))
+            t.turns.append(Turn(start, end, obs_end, text, observation, len(calls), len(bad),
+                                rec.policy_version, rec.seed, rec.finish_reason, failures=["malformed_call"] * len(bad)))
+    t.prompt_len = len(records[0].prompt_ids) if records else 0
     if error:
         t.infra_error, t.stop_reason, t.failure = error, "infra_error", "infra_error"
         return t
@@ -98,3 +118,33 @@ def run_agent_episodes(server, env_id: str, env_kwargs: dict, tasks: list[Episod
         if server.batcher.needs_driver:  # the engine is this thread's to drive (rollout/openai_api.py Batcher)
             server.batcher.drive(lambda: all(f.done() for f in futures))
         return [f.result() for f in futures]
+
+
+def check_agent_program(env_id: str, kwargs: dict, tokenizer, seed: int = 0,
+                        reply: str = "I am not sure how to do this.") -> dict:
+    """`envs check` for an agent program: three episodes (`seed` twice, then `seed + 1`) through an
+    endpoint whose engine answers every call with `reply` (rollout/recorded.py `FixedEngine`, no
+    model), checking what a run relies on: each episode makes calls, ends without an error and
+    returns a valid result, and the same seed poses the same task (the same first prompt). Every
+    problem is raised at once (`EnvCheckError`); else a report of calls, samples and rewards."""
+    from envs.check import EnvCheckError
+    from rollout.openai_api import OpenAIServer
+    from rollout.recorded import FixedEngine
+
+    chat = ChatFormat(tokenizer)
+    server = OpenAIServer(FixedEngine(chat.encode(reply) + [chat.eot_id]), tokenizer, "check", max_model_len=1 << 20)
+    server.start()
+    try:
+        tasks = [EpisodeTask(f"check-{k}", 0, s, 0) for k, s in enumerate((seed, seed, seed + 1))]
+        trajs = run_agent_episodes(server, env_id, kwargs, tasks, chat, "check")
+    finally:
+        server.stop()
+    problems = [f"seed {t.seed}: {t.infra_error}" for t in trajs if t.infra_error]
+    a, b = trajs[0], trajs[1]
+    if a.turns and b.turns and (a.task != b.task or a.token_ids[:a.turns[0].gen_start] != b.token_ids[:b.turns[0].gen_start]):
+        problems.append(f"seed {seed} posed two different tasks (its first prompts differ): the same seed must "
+                        "give the same task, or groups compare episodes of different tasks")
+    if problems:
+        raise EnvCheckError(problems)
+    return {"calls": [len(t.turns) for t in trajs], "samples": [len(t.sample_spans()) for t in trajs],
+            "rewards": [t.reward for t in trajs], "task": a.task}

@@ -144,6 +144,12 @@ class Trajectory:
     reward_parts: dict = field(default_factory=dict)
     """Each part's own value when the run's reward is a rubric (the `reward:` section, rewards/rubric.py):
     `reward` is then their weighted sum. Empty: the reward is the milestones the environment paid."""
+    sample_starts: list[int] = field(default_factory=list)
+    """Where each of the episode's training samples starts in `token_ids`, when it has more than one
+    (empty: the episode is one token sequence). An agent program whose history was rewritten between
+    calls (rollout/agent_program.py) is stored as its calls' sequences one after another, each its
+    call's prompt and completion; the learner trains each as a sequence of its own, with the
+    episode's advantage."""
     judging: object = None
     """Transient, never stored: the judge's pending scores for the episode's judge parts, from the
     rollout worker until the trainer applies the rubric (rollout/judge.py `ask`, `ask_groups`, `settle`)."""
@@ -151,3 +157,27 @@ class Trajectory:
     @property
     def num_generated(self) -> int:
         return sum(self.loss_mask)
+
+    def sample_spans(self) -> list[tuple[int, int]]:
+        """(start, end) of each training sample in `token_ids`: the whole episode, or each of its
+        `sample_starts`' sequences."""
+        starts = self.sample_starts or [0]
+        return list(zip(starts, [*starts[1:], len(self.token_ids)]))
+
+    def sample_openers(self) -> dict[int, int]:
+        """Turn index → sample index, for each turn that opens a sample after the first (a call
+        whose prompt was rendered anew)."""
+        out = {}
+        for k, (s, e) in enumerate(self.sample_spans()[1:], start=1):
+            first = next((i for i, t in enumerate(self.turns) if s <= t.gen_start < e), None)
+            if first is not None:
+                out[first] = k
+        return out
+
+    def in_prompt(self, p: int) -> bool:
+        """Whether token `p` belongs to a prompt: the tokens of its sample before the sample's first
+        generated one (the episode's first prompt, or a later sample's own)."""
+        start, end = next(((s, e) for s, e in self.sample_spans() if s <= p < e), (0, len(self.token_ids)))
+        if start == 0:
+            return p < self.prompt_len
+        return p < min((t.gen_start for t in self.turns if start <= t.gen_start < end), default=end)

@@ -24,6 +24,27 @@ def tiny_policy(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def thinking_policy(tiny_policy, tmp_path_factory) -> str:
+    """The tiny policy with a template that rewrites history, as DeepSeek-R1's and Qwen3's thinking
+    templates do: the generation prompt opens a `<think>` block, and earlier assistant messages are
+    rendered without it (only what follows a `</think>`). Weights linked, not copied."""
+    out = tmp_path_factory.mktemp("thinking-policy")
+    for f in Path(tiny_policy).iterdir():
+        (out / f.name).symlink_to(f)
+    template = (Path(tiny_policy) / "chat_template.jinja").read_text()
+    rewrites = {"'<|im_start|>assistant\\n' + (message.content or '')":
+                "'<|im_start|>assistant\\n' + (message.content or '').split('</think>')[-1].lstrip('\\n')",
+                "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}":
+                "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}"}
+    for old, new in rewrites.items():
+        assert old in template, old
+        template = template.replace(old, new)
+    (out / "chat_template.jinja").unlink()
+    (out / "chat_template.jinja").write_text(template)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
 def tokenizer(tiny_policy):
     from transformers import AutoTokenizer
 
