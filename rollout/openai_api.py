@@ -11,9 +11,12 @@
   uses (rollout/chat.py), and tool calls in a completion (`<tool_call>` blocks, envs/tool_calls.py)
   come back as OpenAI `tool_calls`;
 - supported: temperature, top_p, max_tokens / max_completion_tokens, n, seed, stop (strings) and
-  stop_token_ids, logprobs (the sampled token's own; `top_logprobs` > 0 is refused). Not (yet):
-  streaming, images in messages, `logit_bias`, penalties, `response_format`: refused with an
-  OpenAI-style 400 that names the field, never silently ignored.
+  stop_token_ids, logprobs (the sampled token's own; `top_logprobs` > 0 is refused), `stream` (with
+  `stream_options.include_usage`). Not (yet): images in messages, `logit_bias`, penalties,
+  `response_format`: refused with an OpenAI-style 400 that names the field, never silently ignored.
+- a streamed answer is sent once the completion is generated, as OpenAI chunks (a role chunk, the
+  content, each tool call whole, the finish reason, `[DONE]`): clients and frameworks that stream
+  work unchanged; the first token arrives with the last.
 
 In a training run (`training=`), every call samples at the run's temperature and top_p whatever it
 asks (the learner's log-probs assume them; calls that asked otherwise are counted in `overridden`)
@@ -33,14 +36,18 @@ generated in one engine call. A malformed request gets a 400 with an OpenAI erro
 takes the server down. Bound to an address other than loopback, the server requires `api_key`
 (a bearer token) and refuses to start without one.
 
-Not covered here: the agent-program environment that hands these sessions to user code, and the
-assembly of a session's calls into a trajectory (later increments of the endpoint issue).
+Agent programs get these sessions from the rollout worker (envs/agent_program.py), and a session's
+calls become the episode's trajectory in rollout/agent_program.py.
+
+Not covered: token-by-token streaming (see above); continuous batching (a batch of calls is one
+engine call, so a call that arrives while one runs waits for it to finish).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import inspect
 import json
 import queue
@@ -58,7 +65,7 @@ from rollout.splice import Splicer, message_key
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # fields of ChatCompletionRequest this server does not honour, with the value that means "unused"
-UNSUPPORTED = {"stream": False, "logit_bias": None, "frequency_penalty": None, "presence_penalty": None,
+UNSUPPORTED = {"logit_bias": None, "frequency_penalty": None, "presence_penalty": None,
                "response_format": None, "use_beam_search": False, "repetition_penalty": None, "top_k": None,
                "min_p": None, "prompt_logprobs": None, "echo": False}
 
@@ -231,6 +238,17 @@ class OpenAIServer:
         self._server = self._thread = None
         self.port = 0
 
+    @contextlib.contextmanager
+    def sampling(self, temperature: float):
+        """Within the block, a training run's calls sample at `temperature` (held-out evaluation's
+        `eval.temperature`) instead of the run's."""
+        saved = self.training
+        self.training = {**(saved or {"top_p": 1.0, "max_tokens": self.default_max_tokens}), "temperature": temperature}
+        try:
+            yield self
+        finally:
+            self.training = saved
+
     # --- sessions ---
     def take(self, session: str) -> list[CallRecord]:
         """The session's calls so far, in order; forgotten here."""
@@ -368,7 +386,13 @@ class OpenAIServer:
             if not isinstance(body, dict):
                 return error("the request body must be a JSON object")
             try:
-                return await self.complete(session, body)
+                answer = await self.complete(session, body)
+                if body.get("stream"):
+                    from fastapi.responses import StreamingResponse
+
+                    usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                    return StreamingResponse(iter(stream_chunks(answer, usage)), media_type="text/event-stream")
+                return answer
             except RequestError as exc:
                 return error(str(exc), exc.status, exc.param)
             except Exception as exc:  # noqa: BLE001  (the engine's failure: a 500 with its reason, the server lives)
@@ -408,3 +432,35 @@ class OpenAIServer:
             self._thread.join(timeout=10)
             self._server = None
         self.batcher.close()
+
+
+def stream_chunks(answer: dict, include_usage: bool = False) -> list[str]:
+    """A finished chat completion (`complete`'s answer) as the server-sent events of a stream: per
+    choice a role chunk, its content, each tool call whole (with its index and id), a chunk with the
+    finish reason (and the sampled ids); then the usage if asked; then `[DONE]`."""
+    from vllm.entrypoints.generate.base.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
+    from vllm.entrypoints.openai.chat_completion.protocol import (ChatCompletionResponseStreamChoice,
+                                                                   ChatCompletionStreamResponse)
+
+    head = {"id": answer["id"], "created": answer["created"], "model": answer["model"]}
+
+    def event(choices: list, usage=None) -> str:
+        body = ChatCompletionStreamResponse(**head, choices=choices, usage=usage).model_dump(exclude_none=True)
+        return f"data: {json.dumps(body)}\n\n"
+
+    out = []
+    for c in answer["choices"]:
+        i, message = c["index"], c["message"]
+        out.append(event([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]))
+        if message.get("content"):
+            out.append(event([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=message["content"]),
+                                                                 logprobs=c.get("logprobs"))]))
+        for k, tc in enumerate(message.get("tool_calls") or []):
+            call = DeltaToolCall(index=k, id=tc["id"], type="function",
+                                 function=DeltaFunctionCall(name=tc["function"]["name"], arguments=tc["function"]["arguments"]))
+            out.append(event([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(tool_calls=[call]))]))
+        out.append(event([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(), finish_reason=c["finish_reason"],
+                                                             token_ids=c.get("token_ids"))]))
+    if include_usage:
+        out.append(event([], usage=answer["usage"]))
+    return out + ["data: [DONE]\n\n"]

@@ -104,7 +104,8 @@ class RolloutWorker:
 
         c = self.cfg
         if envs.is_agent_program(envs.env_class(env_id)):
-            done = run_agent_episodes(self.serve(), env_id, env_kwargs, tasks, self.chat, "policy")
+            with self.serve().sampling(temperature) as endpoint:  # eval.temperature, not the run's
+                done = run_agent_episodes(endpoint, env_id, env_kwargs, tasks, self.chat, "policy")
         else:
             done = play(self.engine, self.chat, env_id, env_kwargs, tasks, max_turns=c.max_turns,
                         max_new_tokens=c.max_new_tokens, max_episode_tokens=c.max_episode_tokens,

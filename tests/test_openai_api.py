@@ -91,7 +91,7 @@ def test_malformed_requests_get_openai_error_bodies(bare_server):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     cases = [
         (dict(messages=[{"role": "bogus", "content": "x"}]), "unknown role 'bogus'"),
-        (dict(messages=[{"role": "user", "content": "x"}], stream=True), "stream is not supported"),
+        (dict(messages=[{"role": "user", "content": "x"}], frequency_penalty=0.5), "frequency_penalty is not supported"),
         (dict(messages=[{"role": "user", "content": "x"}], max_tokens=0), "max_tokens must be >= 1"),
         (dict(messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=3), "top_logprobs"),
         (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),
@@ -108,6 +108,37 @@ def test_malformed_requests_get_openai_error_bodies(bare_server):
         error = r.json()["error"]
         assert r.status_code == 400 and error["type"] == "invalid_request_error" and error["code"] == 400 and error["message"]
     assert server.records == {}  # nothing was generated, nothing recorded
+
+
+def test_a_streamed_answer_is_the_same_answer_in_chunks(tokenizer):
+    """`stream=True` through the `openai` client: the chunks add up to the unstreamed answer (content,
+    a tool call with its arguments, the finish reason, usage when asked) and the call is recorded
+    like any other. The engine answers every call with a fixed tool call (rollout/recorded.py)."""
+    from rollout.recorded import FixedEngine
+
+    chat = ChatFormat(tokenizer)
+    reply = 'Let me compute.\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>'
+    server = OpenAIServer(FixedEngine(chat.encode(reply) + [chat.eot_id]), tokenizer, "tiny", max_model_len=2048)
+    url = server.start()
+    try:
+        client = openai.OpenAI(base_url=server.base_url("s"), api_key="unused", max_retries=0)
+        kwargs = dict(model="tiny", messages=HISTORY, tools=TOOLS, max_tokens=64)
+        whole = client.chat.completions.create(**kwargs).choices[0]
+        chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+        content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert chunks[0].choices[0].delta.role == "assistant" and content == whole.message.content == "Let me compute."
+        assert [(tc.index, tc.function.name, json.loads(tc.function.arguments)) for tc in calls] == \
+            [(0, "calculator", {"expression": "6*7"})] and calls[0].id.startswith("call_")
+        assert finish == ["tool_calls"] == [whole.finish_reason]
+        assert chunks[-1].usage.completion_tokens == len(chat.encode(reply)) + 1 and not chunks[-1].choices
+        records = server.take("s")
+        assert len(records) == 2 and records[0].completion_ids == records[1].completion_ids == chat.encode(reply) + [chat.eot_id]
+        raw = httpx.post(f"{url}/v1/chat/completions", json={**kwargs, "stream": True}).text
+        assert raw.rstrip().endswith("data: [DONE]") and raw.count("data: ") == 5  # role, content, call, finish, done
+    finally:
+        server.stop()
 
 
 def test_a_bearer_token_off_loopback(tokenizer):
@@ -167,6 +198,33 @@ def test_the_openai_client_gets_completions_whose_exact_tokens_are_recorded(serv
                                              max_tokens=16, seed=5, stop=[stop])
         assert cut.choices[0].message.content == text[:text.find(stop)]
         assert stop in chat.decode(served.take("ep-1")[-1].completion_ids)
+
+
+@pytest.mark.slow
+def test_a_run_s_sampling_wins_except_in_held_out_evaluation(engine, tokenizer):
+    """In a training run every call samples at the run's temperature whatever it asks (counted);
+    within `sampling(t)` (held-out evaluation) at `t`: temperature 0 gives the greedy completion."""
+    chat = ChatFormat(tokenizer)
+    server = OpenAIServer(engine, tokenizer, "tiny", max_model_len=4096,
+                          training={"temperature": 1.0, "top_p": 1.0, "max_tokens": 8})
+    server.start()
+    try:
+        client = openai.OpenAI(base_url=server.base_url("t"), api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "Count to ten."}]
+        prompt = chat.prompt_ids(messages, None)
+        client.chat.completions.create(model="tiny", messages=messages, temperature=0.0, max_tokens=50, seed=9)
+        run = engine.generate([prompt], max_tokens=8, temperature=1.0, top_p=1.0, stop_token_ids=[chat.eot_id], seeds=[9])[0]
+        assert server.take("t")[0].completion_ids == run.token_ids and server.overridden == 1
+        greedy = engine.generate([prompt], max_tokens=8, temperature=0.0, top_p=1.0, stop_token_ids=[chat.eot_id],
+                                 seeds=[0])[0]
+        with server.sampling(0.0):
+            for seed in (1, 2):
+                client.chat.completions.create(model="tiny", messages=messages, seed=seed)
+        assert [r.completion_ids for r in server.take("t")] == [greedy.token_ids] * 2
+        assert server.training["temperature"] == 1.0  # restored after the block
+        assert greedy.token_ids != run.token_ids  # the two settings are told apart
+    finally:
+        server.stop()
 
 
 @pytest.mark.slow
