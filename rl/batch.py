@@ -98,3 +98,20 @@ def usable_episodes(batch: list[Trajectory], min_version: int | None = None) -> 
                   # a group whose episodes all earned the same reward has zero GRPO advantage: no signal
                   "groups_with_signal": sum(len(r) > 1 for r in rewards.values()),
                   "reward_spread": max((t.reward for t in kept), default=0.0) - min((t.reward for t in kept), default=0.0)}
+
+
+def annotations(batch, rows: list[Row], plan, old, adv_of) -> dict:
+    """Per episode, token-aligned like `token_ids`: the learner's log-prob of each generated token
+    before the update and the advantage it was trained with (0.0 elsewhere: the head runs on
+    generated tokens only), for the store's learner records and the token views."""
+    logps = episode_values(rows, batch, old)
+    advs = [[0.0] * len(t.token_ids) for t in batch]
+    for micro in (m for mb in plan for m in mb):
+        adv = adv_of(micro)
+        for r, i in enumerate(micro):
+            row, a = rows[i], adv[r]
+            n = len(row.seq.token_ids)
+            advs[row.episode][row.start : row.start + n] = [float(a)] * n if a.dim() == 0 else [0.0] + a[: n - 1].tolist()
+    return {t.episode_id: {"learner_logprobs": [0.0] + logps[i],
+                           "advantages": [x if m else 0.0 for x, m in zip(advs[i], t.loss_mask)]}
+            for i, t in enumerate(batch)}

@@ -85,7 +85,11 @@ class AlgoConfig:
     dual_clip: float = 0.0
     """Dual-clip bound c > 1 on the loss of negative-advantage tokens (0: off)."""
     tis_cap: float = 2.0
-    """Cap C of the truncated importance weight min(learner/engine, C) per token (0: off)."""
+    """Upper bound C of the engine-mismatch importance weight (below); 0: no correction."""
+    rollout_is: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "geometric_mask"] = "token_truncate"
+    """How the gap between the engine that sampled and the learner's weights (bf16, async staleness, kernels) is corrected, with r = π_learner/π_engine per generated token (rl/grpo.py `rollout_is_weights`): token_truncate (TIS) weights each token min(r, C); token_mask (IcePop) weights it r inside [is_low, C] and drops it outside; sequence_truncate and sequence_mask (MIS) do that with one ratio per sequence, the product of its tokens'; geometric_mask with their geometric mean (a long trajectory's product leaves the bounds by its length alone)."""
+    is_low: float = 0.0
+    """Lower bound of that weight: truncate modes raise smaller weights to it, mask modes drop what falls below (0: none)."""
     kl_beta: float = 0.0
     """Weight of the KL penalty to the frozen starting policy (0: no reference model is loaded)."""
     kl_estimator: Literal["k1", "k3"] = "k3"
@@ -383,6 +387,7 @@ class RunConfig:
             ("algo.epochs", self.algo.epochs >= 1, "must be >= 1"),
             ("algo.dual_clip", self.algo.dual_clip == 0 or self.algo.dual_clip > 1, "must be 0 (off) or > 1"),
             ("algo.tis_cap", self.algo.tis_cap == 0 or self.algo.tis_cap >= 1, "must be 0 (off) or >= 1"),
+            ("algo.is_low", 0 <= self.algo.is_low <= 1, "must be in [0, 1]"),
             ("algo.kl_beta", self.algo.kl_beta >= 0, "must be >= 0"),
             ("algo.router_aux_coef", self.algo.router_aux_coef >= 0, "must be >= 0"),
             ("algo.gamma", 0 < self.algo.gamma <= 1, "must be in (0, 1]"),
@@ -504,10 +509,25 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     source = "defaults" if path is None else str(path)
     cfg = (RunConfig() if path is None else load_dataclass(RunConfig, path)).validate(source)
     raw = dataclasses.asdict(cfg)
-    for ov in overrides:  # one at a time, so an error names the override that caused it
+    built = []
+    for ov in overrides:  # one at a time, so a wrong key or type names the override that caused it
         apply_override(raw, ov)
-        cfg = build_dataclass(RunConfig, raw, "", f"command-line override {ov!r}").validate(f"command-line override {ov!r}")
-    return cfg
+        built.append((ov, build_dataclass(RunConfig, raw, "", f"command-line override {ov!r}")))
+    if not built:
+        return cfg
+    try:  # checked with every override in (env.id=X may need the env.kwargs=... after it)
+        return built[-1][1].validate("overrides")
+    except ConfigError as exc:
+        problem, culprit = str(exc).split(": ", 1)[1], built[-1][0]
+        for ov, partial in reversed(built[:-1]):  # the earliest override from which the problem holds
+            try:
+                partial.validate("overrides")
+            except ConfigError as earlier:
+                if str(earlier).split(": ", 1)[1] == problem:
+                    culprit = ov
+                    continue
+            break
+        raise ConfigError(f"command-line override {culprit!r}: {problem}") from None
 
 
 def to_dict(cfg) -> dict:

@@ -10,7 +10,8 @@ loss        = aggregated over generated tokens: token mean over the batch (DAPO)
 
 `logp_old` is the learner's own log-prob before the update (so several optimiser steps per batch
 stay a proper PPO-style ratio); the gap between it and the rollout engine's log-prob (fp32:
-~1e-6; bf16 or MoE routing differences: more) is corrected by truncated importance weights.
+~1e-6; bf16, MoE routing differences or async staleness: more) is corrected by importance weights,
+truncated or masked, per token or per sequence (`rollout_is_weights`).
 """
 
 from __future__ import annotations
@@ -127,10 +128,33 @@ def policy_loss(
     return loss, metrics
 
 
-def truncated_is_weights(old_logp_BT: torch.Tensor, rollout_logp_BT: torch.Tensor, cap: float) -> torch.Tensor:
-    """min(π_old / π_rollout, cap) per token (TIS): corrects for an engine that sampled from a
-    slightly different distribution than the learner's weights give (kernels, dtype, routing)."""
-    return torch.exp(old_logp_BT - rollout_logp_BT).clamp(max=cap).detach()
+def rollout_is_weights(old_logp_BT: torch.Tensor, rollout_logp_BT: torch.Tensor, mask_BT: torch.Tensor, *,
+                       mode: str = "token_truncate", low: float = 0.0, high: float = 2.0) -> torch.Tensor:
+    """Importance weights per token (B × T, detached) that correct for an engine that sampled from a
+    slightly different distribution than the learner's weights give (kernels, dtype, routing,
+    async staleness), from r = π_old / π_rollout on the generated tokens (`mask_BT`):
+
+    token_truncate (TIS)   w_t = clamp(r_t, low, high)
+    token_mask (IcePop)    w_t = r_t if low <= r_t <= high else 0   (two-sided token masking)
+    sequence_truncate      w_t = clamp(R, low, high),  R = Π_t r_t over the sequence
+    sequence_mask (MIS)    w_t = R if low <= R <= high else 0       (the whole sequence dropped)
+    geometric_mask         as sequence_mask with R = (Π_t r_t)^(1/n), the per-token geometric mean
+
+    `low` 0 is no lower bound. Tokens outside the mask get weight 1 (they are not in the loss)."""
+    mask = mask_BT.to(old_logp_BT.dtype)
+    log_r = (old_logp_BT - rollout_logp_BT) * mask
+    if mode in ("sequence_truncate", "sequence_mask"):
+        log_r = log_r.sum(-1, keepdim=True)
+    elif mode == "geometric_mask":
+        log_r = log_r.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    elif mode not in ("token_truncate", "token_mask"):
+        raise ValueError(f"unknown rollout importance-sampling mode {mode!r}")
+    r = torch.exp(log_r.clamp(max=80.0))  # a product over thousands of tokens: large, never inf·0
+    if mode.endswith("truncate"):
+        w = r.clamp(min=low if low > 0 else None, max=high)
+    else:
+        w = r.masked_fill((r < low) | (r > high), 0.0)
+    return torch.where(mask.bool(), w.expand_as(mask), torch.ones_like(mask)).detach()
 
 
 def token_logprobs(logits_BTV: torch.Tensor, ids_BT: torch.Tensor, temperature: float = 1.0):

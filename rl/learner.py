@@ -49,7 +49,7 @@ import torch
 from rl import device as devices
 from rl.config import AlgoConfig, LoraConfig
 from rl.credit import token_advantages
-from rl.grpo import group_advantages, policy_loss, truncated_is_weights
+from rl.grpo import group_advantages, policy_loss, rollout_is_weights
 from rl.logprobs import chunked_logprobs, load_causal_lm
 from rl.ppo import ValueHead, episode_targets, value_loss
 from rl.routing import balance_policy_routers, balance_terms, hf_load_metrics
@@ -59,7 +59,7 @@ from rl.shares import (
     minibatch_shares,
     padded_slots,
 )
-from rl.batch import Row, _pad, episode_values, token_versions, training_rows, usable_episodes
+from rl.batch import Row, _pad, annotations, episode_values, token_versions, training_rows, usable_episodes
 from rollout.trajectory import Trajectory
 
 
@@ -297,23 +297,6 @@ class Learner:
         return value_loss(values[r, c_], old_values[r, c_], torch.tensor(targets, device=values.device),
                           self.cfg.value_clip) / max(n_points, 1)
 
-    @staticmethod
-    def _annotations(batch, rows: list[Row], plan, old, adv_of) -> dict:
-        """Per episode, token-aligned like `token_ids`: the learner's log-prob of each generated token
-        before the update and the advantage it was trained with (0.0 elsewhere: the head runs on
-        generated tokens only), for the store's learner records and the token views."""
-        logps = episode_values(rows, batch, old)
-        advs = [[0.0] * len(t.token_ids) for t in batch]
-        for micro in (m for mb in plan for m in mb):
-            adv = adv_of(micro)
-            for r, i in enumerate(micro):
-                row, a = rows[i], adv[r]
-                n = len(row.seq.token_ids)
-                advs[row.episode][row.start : row.start + n] = [float(a)] * n if a.dim() == 0 else [0.0] + a[: n - 1].tolist()
-        return {t.episode_id: {"learner_logprobs": [0.0] + logps[i],
-                               "advantages": [x if m else 0.0 for x, m in zip(advs[i], t.loss_mask)]}
-                for i, t in enumerate(batch)}
-
     def train_step(self, batch: list[Trajectory]) -> dict:
         """One GRPO update over `batch`: one optimiser step per minibatch, `epochs` passes, gradients
         accumulated over its micro-batches (their losses add up to the minibatch's loss).
@@ -392,7 +375,7 @@ class Learner:
                         logp, old[key], adv_of(micro).to(self.device), mask,
                         clip_low=c.clip_low, clip_high=c.clip_high, aggregation=c.loss_aggregation,
                         ratio_level=c.ratio_level, max_tokens=self.max_generated_tokens, dual_clip=c.dual_clip,
-                        is_weight_BT=truncated_is_weights(old[key], rollout, c.tis_cap) if c.tis_cap else None,
+                        is_weight_BT=self._is_weights(old[key], rollout, mask),
                         kl_beta=c.kl_beta if c.kl_in == "loss" else 0.0, ref_logp_BT=ref.get(key),
                         kl_estimator=c.kl_estimator,
                         entropy_BT=ent, entropy_coef=c.entropy_coef, num_tokens=n_tokens, num_seqs=n_seqs,
@@ -423,7 +406,7 @@ class Learner:
         if n_replayed:  # token × MoE-layer decisions taken from the rollout engine's record
             out.update(routing_replay_decisions=n_replayed, router_decisions_differ=n_differ / n_replayed)
         if self.rank == 0:
-            out["annotations"] = self._annotations(batch, rows, plan, old, adv_of)
+            out["annotations"] = annotations(batch, rows, plan, old, adv_of)
         if self.world > 1:  # per-micro-batch metrics from every rank, as one learner would average them
             merged: dict[str, list[float]] = {}
             for part in all_gather_objects(stats):
@@ -445,23 +428,37 @@ class Learner:
         )
         return out
 
+    def _is_weights(self, old_BT, rollout_BT, mask_BT) -> torch.Tensor | None:
+        c = self.cfg
+        return rollout_is_weights(old_BT, rollout_BT, mask_BT, mode=c.rollout_is, low=c.is_low,
+                                  high=c.tis_cap) if c.tis_cap else None
+
     def _rollout_gap(self, seqs, plan, old) -> dict:
         """How far the engine's log-probs are from the weights about to be trained: numerical noise
-        for tokens of the current version, real policy lag for stale ones (async mode). The
-        truncated importance weights min(π_old/π_rollout, cap) correct both; the split by version
-        shows which one a gap comes from."""
-        diffs, kls, lags = [], [], []
+        for tokens of the current version, real policy lag for stale ones (async mode), split by
+        version to show which; the mismatch as KL, χ² and perplexity ratio (learner / engine); and
+        what the importance weights that correct it (`algo.rollout_is`) did: their mean, and the
+        share of tokens and sequences they dropped."""
+        logr, weights, lags, seqs_dropped, n_seqs = [], [], [], 0, 0
         for micro in (m for mb in plan for m in mb):
             _, _, mask, rollout = self._tensors([seqs[i] for i in micro])
             gen, lp = mask.bool(), old[tuple(micro)]
-            diffs.append((lp - rollout).abs()[gen])
-            d_rollout = (rollout - lp)[gen]  # k3 estimate of KL(learner ‖ engine) per token
-            kls.append(torch.exp(d_rollout) - d_rollout - 1)
+            logr.append((lp - rollout)[gen])  # log π_learner/π_engine per generated token
+            w = self._is_weights(lp, rollout, mask)
+            w = torch.ones_like(lp) if w is None else w
+            weights.append(w[gen])
+            seqs_dropped += int((((w == 0) | ~gen).all(-1) & gen.any(-1)).sum())
+            n_seqs += int(gen.any(-1).sum())
             versions = torch.tensor(_pad([token_versions(seqs[i]) for i in micro], -1))[:, 1:].to(self.device)
             lags.append((self.version - versions)[gen])
-        d, lag = torch.cat(diffs), torch.cat(lags)
+        r, w, lag = torch.cat(logr), torch.cat(weights), torch.cat(lags)
+        d = r.abs()
         out = {"rollout_logprob_diff_mean": float(d.mean()), "rollout_logprob_diff_max": float(d.max()),
-               "rollout_kl": float(torch.cat(kls).mean()), "staleness_token_mean": float(lag.float().mean())}
+               "rollout_kl": float((torch.exp(-r) + r - 1).mean()),  # k3 estimate of KL(learner ‖ engine)
+               "rollout_chi2": float(((torch.exp(r) - 1) ** 2).mean()),  # χ²(learner ‖ engine), sampled by the engine
+               "rollout_ppl_ratio": float(torch.exp(-r.mean())),  # perplexity of the tokens, learner / engine
+               "rollout_is_weight_mean": float(w.mean()), "rollout_is_dropped_tokens": float((w == 0).float().mean()),
+               "rollout_is_dropped_seqs": seqs_dropped / max(n_seqs, 1), "staleness_token_mean": float(lag.float().mean())}
         if bool((lag > 0).any()):
             out["rollout_logprob_diff_mean_stale"] = float(d[lag > 0].mean())
         if bool((lag == 0).any()):

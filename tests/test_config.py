@@ -52,6 +52,11 @@ def test_wrong_type_names_key_and_file(tmp_path):
 def test_literal_and_range_checks(tmp_path):
     with pytest.raises(ConfigError, match="algo.loss_aggregation must be one of"):
         load_config(QUICKSTART, ["algo.loss_aggregation=sum"])
+    with pytest.raises(ConfigError, match="algo.rollout_is must be one of"):
+        load_config(QUICKSTART, ["algo.rollout_is=icepop"])
+    with pytest.raises(ConfigError, match="algo.is_low must be in"):
+        load_config(QUICKSTART, ["algo.is_low=1.5"])
+    assert load_config(QUICKSTART, ["algo.rollout_is=token_mask", "algo.is_low=0.5"]).algo.is_low == 0.5
     with pytest.raises(ConfigError, match="override 'rollout.group_size=1'.*must be >= 2"):
         load_config(QUICKSTART, ["rollout.group_size=1"])
     with pytest.raises(ConfigError, match="unknown key 'nope'"):
@@ -131,6 +136,8 @@ def _one_clean_line(out: subprocess.CompletedProcess) -> str:
     ("warm_start.envs=[nope/x-v0]", "warm_start.envs", ["nope/x-v0"]),
     ("eval.env_id=tools/nothing-v0", "eval.env_id", ["tools/nothing-v0"]),
     ("env.kwargs={a: [", "env.kwargs={a: [", ["not valid YAML"]),
+    (("env.id=agents/command-v0", "env.kwargs={command: no-such-agent-binary}"), "env.id",
+     ["cannot run on this machine", "'no-such-agent-binary' is not an executable program here"]),
     ("learner.backend=nccl", "learner.backend", ["gloo"]),
     ("policy.path=/nonexistent/model", "policy.path", ["/nonexistent/model", "no config.json"]),
     # a sandboxed environment's options: the backend's name, its own options, the values it needs

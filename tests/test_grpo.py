@@ -84,12 +84,67 @@ def test_dual_clip_bounds_negative_advantage_loss_by_hand():
     assert dual.item() == pytest.approx((3 + 1.1) / 2)
 
 
+def test_rollout_importance_weights_by_hand():
+    """Every `algo.rollout_is` mode on two sequences whose learner/engine ratios are known: tokens
+    (1.25, 4, 1) and (1, 0.25, and a token outside the mask)."""
+    from rl.grpo import rollout_is_weights
+
+    old = torch.tensor([[0.5, 0.2, 0.3], [0.4, 0.1, 0.9]]).log()
+    rollout = torch.tensor([[0.4, 0.05, 0.3], [0.4, 0.4, 0.1]]).log()
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    geo = 5 ** (1 / 3)  # sequence ratios: products 5 and 0.25, geometric means 5^(1/3) and 0.5
+    cases = [
+        (dict(mode="token_truncate", high=2.0), [[1.25, 2, 1], [1, 0.25, 1]]),
+        (dict(mode="token_truncate", low=0.5, high=2.0), [[1.25, 2, 1], [1, 0.5, 1]]),
+        (dict(mode="token_mask", low=0.5, high=2.0), [[1.25, 0, 1], [1, 0, 1]]),  # IcePop: both sides dropped
+        (dict(mode="sequence_truncate", high=2.0), [[2, 2, 2], [0.25, 0.25, 1]]),
+        (dict(mode="sequence_mask", low=0.5, high=10.0), [[5, 5, 5], [0, 0, 1]]),  # MIS: the second sequence dropped
+        (dict(mode="geometric_mask", low=0.6, high=2.0), [[geo] * 3, [0, 0, 1]]),
+    ]
+    for kwargs, expected in cases:
+        w = rollout_is_weights(old, rollout, mask, **kwargs)
+        assert w.tolist() == [pytest.approx(row, rel=1e-5) for row in expected], kwargs
+    long = rollout_is_weights(torch.zeros(1, 4000), torch.full((1, 4000), -0.1), torch.ones(1, 4000), mode="sequence_mask",
+                              high=2.0)
+    assert torch.equal(long, torch.zeros(1, 4000))  # e^400 is out of bounds, not inf·0 = NaN
+    with pytest.raises(ValueError, match="unknown rollout importance-sampling mode"):
+        rollout_is_weights(old, rollout, mask, mode="tokens")
+
+
+def test_the_learner_reports_and_corrects_the_engine_mismatch(tiny_policy, tokenizer):
+    """A batch whose engine log-probs equal the learner's except on one episode, off by δ per token:
+    the KL, χ² and perplexity ratio are those of that gap, and sequence_mask drops that episode."""
+    from rl.config import AlgoConfig
+    from rl.learner import Learner
+    from rollout.trajectory import Trajectory
+
+    delta = 0.3
+    learner = Learner(tiny_policy, AlgoConfig(threads=1, minibatch_episodes=4, rollout_is="sequence_mask",
+                                              tis_cap=2.0, is_low=0.5), seed=0)
+    batch, gen = [], []
+    for i, reward in enumerate([1.0, 0.0, 0.0, 1.0]):
+        ids = tokenizer.encode(f"question {i} answer {i * 7} and more")
+        lp = [0.0] + learner.logprobs(ids)
+        mask = [0] * 3 + [1] * (len(ids) - 3)
+        off = delta if i == 0 else 0.0
+        batch.append(Trajectory(f"e{i}", 0, i // 2, "x", 0, 3, ids, mask,
+                                [x - off if m else 0.0 for x, m in zip(lp, mask)], reward=reward))
+        gen.append(sum(mask))
+    stats = learner.train_step(batch)
+    share = gen[0] / sum(gen)  # the episode's share of the generated tokens
+    assert stats["rollout_is_dropped_seqs"] == 0.25 and stats["rollout_is_dropped_tokens"] == pytest.approx(share)
+    assert stats["rollout_kl"] == pytest.approx((math.exp(-delta) + delta - 1) * share, rel=1e-3)
+    assert stats["rollout_chi2"] == pytest.approx((math.exp(delta) - 1) ** 2 * share, rel=1e-3)
+    assert stats["rollout_ppl_ratio"] == pytest.approx(math.exp(-delta * share), rel=1e-3)
+    assert stats["rollout_is_weight_mean"] == pytest.approx(1 - share, abs=1e-4)
+
+
 def test_truncated_importance_weights_and_k1_kl_by_hand():
-    from rl.grpo import truncated_is_weights
+    from rl.grpo import rollout_is_weights
 
     old = torch.tensor([[math.log(0.5), math.log(0.2)]])
     rollout = torch.tensor([[math.log(0.4), math.log(0.05)]])
-    w = truncated_is_weights(old, rollout, cap=2.0)
+    w = rollout_is_weights(old, rollout, torch.ones(1, 2), high=2.0)
     assert w.tolist()[0] == pytest.approx([1.25, 2.0])  # 0.2/0.05 = 4 is capped
     logp = old.clone()
     adv = torch.tensor([1.0])
