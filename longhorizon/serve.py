@@ -45,6 +45,9 @@ def policy_of(target: str):
         policy = ckpts[-1].parent if ckpts else initial_policy(cfg, src)
     if not (policy / "config.json").exists():
         raise FileNotFoundError(f"{target}: neither a run directory nor a checkpoint (no config.json at {policy})")
+    if (policy / "adapters.safetensors").exists():  # an engine would load it as model weights
+        raise ValueError(f"{policy} holds adapters.safetensors beside the model (a LoRA checkpoint written before "
+                         f"adapters moved to adapters/): move it to {policy / 'adapters'}/ to load the checkpoint")
     if cfg is None:  # a bare checkpoint: the engine that serves its kind
         from policy.checkpoint import is_policy_checkpoint
 

@@ -6,9 +6,10 @@
   optimizer state of a single learner;
 - a learner group's `sharded/` (torch.distributed.checkpoint): every rank's parameter and
   optimizer shards, readable by another number of ranks; rank 0 writes the full weights beside it;
-- under LoRA (rl/lora.py): the weights are the adapted model merged, and `adapters.safetensors`
+- under LoRA (rl/lora.py): the weights are the adapted model merged, and `adapters/adapters.safetensors`
   holds the adapters alone, which a resumed run puts back on its base policy (the optimizer state
-  is the adapters').
+  is the adapters'). In a directory of their own: vLLM loads every `*.safetensors` beside config.json
+  as the model's weights, and the adapters' names are not the model's.
 
 Written to `.NAME.tmp` and renamed, so a kill mid-save leaves the previous checkpoints as they were
 and never a partial one under the final name. A single learner's checkpoint does not resume on a
@@ -24,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-ADAPTERS = "adapters.safetensors"
+ADAPTERS = "adapters/adapters.safetensors"
+LEGACY_ADAPTERS = "adapters.safetensors"  # checkpoints written before (no engine could load those)
 
 def save_learner(learner, path: str, extra: dict | None = None) -> str:
     """Save `learner` (a `rl.learner.Learner`) to `path`; collective in a group (every rank calls)."""
@@ -79,6 +81,7 @@ def save_learner(learner, path: str, extra: dict | None = None) -> str:
 
             from rl.lora import adapter_state
 
+            (tmp / ADAPTERS).parent.mkdir()
             save_file(adapter_state(learner.model), tmp / ADAPTERS)
         if out.exists():
             shutil.rmtree(out)
@@ -115,7 +118,8 @@ def load_learner(learner, path: str) -> dict:
             from rl.lora import load_adapter_state
 
             learner._load(learner.base_path)
-            load_adapter_state(learner.model, load_file(Path(path) / ADAPTERS))
+            saved = Path(path) / ADAPTERS
+            load_adapter_state(learner.model, load_file(saved if saved.exists() else Path(path) / LEGACY_ADAPTERS))
         else:
             learner._load(path)
         learner.opt.load_state_dict(state["optimizer"])

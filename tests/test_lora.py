@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -214,7 +216,13 @@ def test_the_lora_quickstart_trains_through_the_whole_loop(ray_cluster, tiny_pol
     # stale engine would show the learner's whole update as a gap
     moved = rows[-1]["rollout_logprob_diff_mean_current"]
     assert moved < 0.01, rows[-1]
-    assert (tmp_path / "checkpoints" / "version-000003" / "adapters.safetensors").exists()
+    ckpt = tmp_path / "checkpoints" / "version-000003"
+    assert (ckpt / "adapters" / "adapters.safetensors").exists()
+    # what an engine loads (every *.safetensors beside config.json) is the model's weights and only them
+    from safetensors import safe_open
+
+    names = lambda d: {k for f in Path(d).glob("*.safetensors") for k in safe_open(str(f), "pt").keys()}  # noqa: E731
+    assert names(ckpt) == names(tiny_policy)
     from rl.store import TrajectoryStore
 
     versions: dict[int, set] = {}
