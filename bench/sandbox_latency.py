@@ -2,8 +2,9 @@
 
     .venv/bin/python bench/sandbox_latency.py [--calls 30] [--docker-host unix:///path/docker.sock]
 
-Two commands: `true` (pure start-up cost) and `python -c pass` (what a Python tool pays). Calls
-alternate between the variants, round-robin, so load on this noisy machine hits each alike. Prints a
+Two commands: `true` (pure start-up cost) and `python -c pass` (what a Python tool pays). bwrap runs
+both ways: one sandbox per episode whose helper starts each call (the default as root), and a fresh
+sandbox per call. Calls alternate between the variants, round-robin, so load on this noisy machine hits each alike. Prints a
 Markdown table: median and p90 milliseconds, and each backend's median over the bare subprocess's.
 The docker rows use a reachable engine (DOCKER_HOST, --docker-host, or the default socket), else a
 private dockerd the script starts and stops (root, Debian's docker.io), with gVisor's runsc when installed.
@@ -53,7 +54,8 @@ def measure(args, docker_host: str | None) -> None:
 
     runners = {"bare subprocess": None}
     sandboxes = []
-    variants = [("none", "none", {}), ("bwrap", "bwrap", {})]
+    # bwrap per episode (the default: one sandbox for the episode, a helper runs each call) and per call
+    variants = [("none", "none", {}), ("bwrap (episode)", "bwrap", {}), ("bwrap (per call)", "bwrap", {"per_episode": False})]
     if docker_host or unavailable_reason() is None:
         opts = {"docker_host": docker_host} if docker_host else {}
         variants += [("docker", "docker", opts), ("docker + gVisor", "docker", {**opts, "runtime": "runsc"})]

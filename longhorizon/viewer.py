@@ -1,7 +1,8 @@
 """`longhorizon inspect DIR --html OUT.html`: one self-contained page (no network, no server).
 
 The page holds the run's curves (mean reward, and held-out success with its 95% interval when the
-run evaluated; both with axes), the episode list with filters (text, failure kind, environment,
+run evaluated; both with axes), where each iteration's wall time went (rollout wait, learner,
+weight sync, the rest; stacked bars), the episode list with filters (text, failure kind, environment,
 policy version), and for the selected episode (its header: reward, each rubric part when the run
 scores with one, how it ended):
 - its group: every episode of the same GRPO group with its reward, advantage, failure kind, the
@@ -53,6 +54,18 @@ def episode_payload(t, tok, max_tokens: int, learner: dict | None = None) -> dic
     }
 
 
+def time_split(rows: list[dict]) -> list[dict]:
+    """Per iteration, where its wall time went: waiting for rollouts (async: only what was not done
+    yet), the learner's update, the weight sync, and the rest (store, evaluation, checkpoints)."""
+    out = []
+    for r in rows:
+        if "iteration_s" not in r:
+            continue
+        parts = {k: float(r.get(k) or 0.0) for k in ("rollout_s", "train_s", "sync_s")}
+        out.append({"iteration": r["iteration"], **parts, "other_s": max(0.0, r["iteration_s"] - sum(parts.values()))})
+    return out
+
+
 def write_html(run_dir: str | Path, out: str | Path, max_episodes: int = 500, max_tokens: int = 100_000) -> Path:
     run_dir = Path(run_dir)
     s = summary(run_dir)
@@ -84,7 +97,7 @@ def write_html(run_dir: str | Path, out: str | Path, max_episodes: int = 500, ma
     if "eval/success" in first:
         held_out.insert(0, point(-1, first))
     data = {"summary": s, "episodes": payloads, "episodes_cut": len(ids) > max_episodes, "groups": groups,
-            "held_out": held_out, "failure_kinds": FAILURE_KINDS}
+            "held_out": held_out, "failure_kinds": FAILURE_KINDS, "time_split": time_split(load_metrics(run_dir))}
     blob = json.dumps(data).replace("</", "<\\/")  # keep "</script>" out of the JSON
     page = _TEMPLATE.replace("__TITLE__", html.escape(str(run_dir))).replace("__DATA__", blob)
     out = Path(out)
@@ -115,6 +128,7 @@ pre{white-space:pre-wrap;margin:4px 0;font:12px ui-monospace,monospace}
 </style></head><body>
 <div id="left"><h1>__TITLE__</h1><div id="runsum"></div>
 <svg id="curve" width="430" height="150"></svg><svg id="heldout" width="430" height="150"></svg>
+<svg id="timesplit" width="430" height="170"></svg>
 <input id="filter" placeholder="filter: id, env, stop reason, reward>0.5 ...">
 <div class="filters"><select id="f-failure"><option value="">any failure kind</option></select>
 <select id="f-env"><option value="">any environment</option></select>
@@ -162,6 +176,24 @@ function chart(id, title, xs, series, lo, hi){
   chart('heldout', 'held-out success (95% interval; start: before RL)', h.map(p => p.iteration),
         (band.length ? [{colour: '#2a8', band: band.map(p => [p.iteration, p.hi]).concat(band.slice().reverse().map(p => [p.iteration, p.lo]))}] : [])
         .concat([{colour: '#2a8', pts: h.map(p => [p.iteration, p.success])}]), 0, 1);
+})();
+// Where each iteration's wall time went, stacked: rollout wait, learner, weight sync, the rest.
+(function timeSplit(){
+  const svg = document.getElementById('timesplit'), rows = D.time_split, W = 430, H = 150, L = 42, R = 10, T = 18, B = 26;
+  const parts = [['rollout_s', 'rollout wait', '#36c'], ['train_s', 'learner', '#e80'], ['sync_s', 'sync', '#2a8'], ['other_s', 'other', '#aaa']];
+  if (!rows.length) { svg.innerHTML = `<text x="${L}" y="${T}" font-size="11">time per iteration: nothing recorded</text>`; return; }
+  const top = Math.max(1e-9, ...rows.map(r => parts.reduce((a, p) => a + r[p[0]], 0)));
+  const bw = (W - L - R) / rows.length, Y = v => (H - B) - v / top * (H - T - B);
+  let g = `<text x="${L}" y="12" font-size="11">seconds per iteration: where the time went</text>`
+    + `<line x1="${L}" y1="${H-B}" x2="${W-R}" y2="${H-B}" stroke="#888"/><line x1="${L}" y1="${T}" x2="${L}" y2="${H-B}" stroke="#888"/>`;
+  [0, top / 2, top].forEach(v => g += `<text class="axis" x="${L-5}" y="${Y(v)+3}" text-anchor="end">${v.toFixed(1)}</text>`);
+  rows.forEach((r, i) => { let acc = 0; const x = L + i * bw + bw * 0.1;
+    parts.forEach(([k, name, c]) => { const h = r[k] / top * (H - T - B);
+      g += `<rect class="time-part" x="${x}" y="${Y(acc + r[k])}" width="${bw * 0.8}" height="${h}" fill="${c}"><title>iteration ${r.iteration}: ${name} ${r[k].toFixed(2)} s</title></rect>`;
+      acc += r[k]; });
+    if (rows.length <= 20 || i % Math.ceil(rows.length / 10) == 0) g += `<text class="axis" x="${x + bw * 0.4}" y="${H-B+12}" text-anchor="middle">${r.iteration}</text>`; });
+  g += parts.map(([k, name, c], j) => `<rect x="${L + j * 95}" y="${H}" width="9" height="9" fill="${c}"/><text class="axis" x="${L + 12 + j * 95}" y="${H + 8}">${name}</text>`).join('');
+  svg.innerHTML = g;
 })();
 function fill(id, values){ const el = document.getElementById(id);
   values.forEach(v => { const o = document.createElement('option'); o.value = o.textContent = v; el.appendChild(o); }); }

@@ -273,6 +273,10 @@ def test_html_viewer_renders_in_headless_chromium(e2e_run, stored):
     assert f'<h1 id="episode-title">{stored[0].episode_id}</h1>' in dom  # and the first episode
     assert 'id="timeline"' in dom and 'id="tokens"' in dom and 'id="group-title"' in dom
     assert 'id="colour-by"' in dom and "· advantage " in dom  # token tips carry the learner's record
+    # each iteration's wall time, split: four stacked parts per iteration, with the learner's seconds
+    parts = re.findall(r'<rect class="time-part"[^>]*><title>iteration (\d+): ([a-z ]+) ([\d.]+) s</title>', dom)
+    assert len(parts) == 4 * 2 and {p[1] for p in parts} == {"rollout wait", "learner", "sync", "other"}
+    assert all(float(p[2]) > 0 for p in parts if p[1] == "learner")
     artifacts = REPO / "runs" / "test-artifacts"
     artifacts.mkdir(parents=True, exist_ok=True)
     shot = artifacts / "viewer.png"

