@@ -19,8 +19,13 @@ the selection is taken as given while the weights p come from the current router
 a row of -1 (a token the engine recorded nothing for) keeps the router's own choice, and the
 count of replayed tokens whose own choice differs from the recorded one is reported.
 
-The expert loop visits only experts that received tokens; `naive_moe` computes every expert for
-every token and is the reference it is tested against. No expert parallelism here.
+Dispatch (`routed`): the (token, slot) rows are sorted by expert once (argsort + counts, one host
+sync per layer); when experts get few rows each and their loads are even enough that padding every
+expert to the busiest one's rows costs at most `PAD_LIMIT`× the rows, all experts run as three
+batched matmuls over an (E, C, L) buffer, else each expert runs on its contiguous slice of the
+sorted rows (no pass over the rows per expert). `naive_moe`
+computes every expert for every token and is the reference both are tested against. No expert
+parallelism here (policy/parallelize.py).
 """
 
 from __future__ import annotations
@@ -107,6 +112,14 @@ class Router(nn.Module):
         return idx, weights, scores, counts
 
 
+# Batched expert matmuls when padding every expert to the busiest one adds at most PAD_LIMIT× the rows
+# and experts get few rows each (where a loop's per-expert overhead dominates). Measured on CPU
+# (forward+backward): 256 experts × 128 rows, batched 31 ms against 97 ms looped; 64 experts × 1024
+# rows, batched 160 ms against 115 ms.
+PAD_LIMIT = 2.0
+BATCHED_MAX_ROWS = 256
+
+
 class LatentMoE(nn.Module):
     def __init__(self, dim: int, a: MoEArgs, act: Activation, eps: float = 1e-5):
         super().__init__()
@@ -128,16 +141,40 @@ class LatentMoE(nn.Module):
         h = self.act(x_NL @ self.w_gate_EFL[e].T, x_NL @ self.w_up_EFL[e].T)
         return h @ self.w_down_ELF[e].T
 
+    def routed(self, x_NL, idx_Nk, w_Nk, batched: bool | None = None):
+        """Σ_k w[n, k] · expert_{idx[n, k]}(x[n]) with the rows sorted by expert (see the module doc);
+        `batched` forces one path (None: padded batched matmuls when the padding is cheap)."""
+        N, k = idx_Nk.shape
+        E = self.a.n_routed_experts
+        e_R = idx_Nk.reshape(-1)  # R = N·k (token, slot) rows
+        order_R = torch.argsort(e_R, stable=True)
+        e_sorted_R, tok_R = e_R[order_R], order_R // k
+        w_R = w_Nk.reshape(-1)[order_R].to(x_NL.dtype)
+        counts_E = torch.bincount(e_R, minlength=E)
+        counts = counts_E.tolist()  # the one host sync
+        xs_RL = x_NL[tok_R]
+        if batched is None:
+            batched = E * max(counts) <= PAD_LIMIT * max(len(e_R), 1) and len(e_R) <= BATCHED_MAX_ROWS * E
+        if batched:
+            C = max(counts)
+            starts_E = torch.cumsum(counts_E, 0) - counts_E
+            pos_R = torch.arange(len(e_R), device=x_NL.device) - starts_E[e_sorted_R]
+            buf_ECL = x_NL.new_zeros(E, C, x_NL.shape[1]).index_put((e_sorted_R, pos_R), xs_RL)
+            h_ECF = self.act(torch.bmm(buf_ECL, self.w_gate_EFL.transpose(1, 2)),
+                             torch.bmm(buf_ECL, self.w_up_EFL.transpose(1, 2)))
+            out_RL = torch.bmm(h_ECF, self.w_down_ELF.transpose(1, 2))[e_sorted_R, pos_R]
+        else:
+            out_RL = torch.cat([self.expert(e, xs) for e, xs in enumerate(xs_RL.split(counts)) if counts[e]]
+                               or [xs_RL[:0]])
+        return torch.zeros_like(x_NL).index_add(0, tok_R, out_RL * w_R[:, None])
+
     def forward(self, x_BTD, replay_BTk: torch.Tensor | None = None):
         B, T, D = x_BTD.shape
         x = x_BTD.reshape(-1, D)
         replay = replay_BTk.reshape(-1, replay_BTk.shape[-1]) if replay_BTk is not None else None
         idx, w, scores, replayed = self.router(x, replay)
         lat = self.down(x)
-        u = torch.zeros_like(lat)
-        for e in idx.unique().tolist():
-            tok, slot = torch.where(idx == e)
-            u.index_add_(0, tok, self.expert(e, lat[tok]) * w[tok, slot, None].to(lat.dtype))
+        u = self.routed(lat, idx, w)
         y = self.up(self.latent_norm(u))
         if self.shared is not None:
             y = y + self.shared(x)
