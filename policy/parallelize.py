@@ -65,9 +65,13 @@ def dispatch_combine(x_NH: torch.Tensor, idx_Nk: torch.Tensor, w_Nk: torch.Tenso
     # only) arrived: every rank must run both all-to-alls' backward, or the others wait forever
     out = recv_x * 0
     local_e = recv_e - rank * local_experts
-    for e in local_e.unique().tolist():
-        rows = torch.where(local_e == e)[0]
-        out = out.index_add(0, rows, run_expert(e, recv_x[rows]).to(out.dtype))
+    # the rows came from every rank, each rank's sorted by expert: sorted once here, each local expert
+    # runs on its contiguous slice (no pass over the rows per expert)
+    perm = torch.argsort(local_e, stable=True)
+    counts = torch.bincount(local_e, minlength=local_experts).tolist()
+    outs = [run_expert(e, xs) for e, xs in enumerate(recv_x[perm].split(counts)) if counts[e]]
+    if outs:
+        out = out.index_add(0, perm, torch.cat(outs).to(out.dtype))
     back = dist_fn.all_to_all_single(x_NH.new_empty(len(tok), x_NH.shape[1]), out, send_sizes, recv_sizes, group=group)
     return torch.zeros_like(x_NH, dtype=back.dtype).index_add(0, tok, back * w_Nk.flatten()[order, None].to(back.dtype))
 
