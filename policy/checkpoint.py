@@ -60,7 +60,22 @@ def load_policy(path: str | Path, dtype: torch.dtype | None = None) -> Policy:
     model = Policy(args)
     ref_dtype = next(iter(state.values())).dtype
     model.to(dtype or ref_dtype)
+    keep_fp32(model)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"{path}: checkpoint does not match the config: missing {missing}, unexpected {unexpected}")
     return model
+
+
+def keep_fp32(model: torch.nn.Module) -> None:
+    """The KDA decay parameters (policy.kda.FP32_PARAMS) and the routers' selection biases back to
+    fp32 after a cast of the whole model: small, and a bf16 rounding of a decay rate or a bias that
+    only reorders near-ties is a change in what the layer does, not noise."""
+    from policy.kda import FP32_PARAMS
+
+    for name, p in model.named_parameters():
+        if name.rsplit(".", 1)[-1] in FP32_PARAMS:
+            p.data = p.data.float()
+    for name, b in model.named_buffers():
+        if name.endswith("router.bias"):
+            b.data = b.data.float()

@@ -148,6 +148,22 @@ class KDAState:
     S: torch.Tensor | None = None
 
 
+def safe_gate_bias(A_log_H: torch.Tensor, head_dim: int, g_min: float, decay=(0.90, 0.99)) -> torch.Tensor:
+    """dt_bias (H·K) for the safe gate g = g_min·σ(e^{A_log}·(f + dt_bias)) such that with f = 0 each
+    channel's per-step decay e^g is drawn log-uniformly in `decay` (as Mamba draws its dt): a layer
+    that remembers from the start. A zero bias would give e^{g_min/2} ≈ 0.08 per step, nearly
+    memoryless."""
+    H = A_log_H.shape[0]
+    lo, hi = (math.log(-math.log(d)) for d in (decay[1], decay[0]))  # -log(decay) between these, log-uniform
+    minus_g = torch.empty(H, head_dim, dtype=torch.float64).uniform_(lo, hi).exp()
+    p = (minus_g / -g_min).clamp(1e-12, 1 - 1e-12)  # σ(·) = g / g_min
+    return (torch.log(p / (1 - p)) / A_log_H.double().exp()[:, None]).reshape(-1).to(A_log_H.dtype)
+
+
+FP32_PARAMS = ("A_log", "dt_bias")
+"""KDA parameters kept in fp32 (whatever the model's dtype) and trained without weight decay."""
+
+
 class KDA(nn.Module):
     def __init__(self, dim: int, a: KDAArgs, eps: float = 1e-5):
         super().__init__()
@@ -178,7 +194,10 @@ class KDA(nn.Module):
             nn.init.normal_(w, 0.0, 1.0 / math.sqrt(self.a.conv_size))
         with torch.no_grad():
             self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
-            self.dt_bias.zero_()
+            if self.a.gate == "safe":
+                self.dt_bias.copy_(safe_gate_bias(self.A_log.float(), self.a.head_dim, self.a.g_min))
+            else:  # Kimi Linear's: softplus(f + 0), scaled by e^{A_log}
+                self.dt_bias.zero_()
 
     def decay(self, x_BTD):
         """Per-step log decay g (B, T, H, K), fp32, in the configured form."""

@@ -46,6 +46,7 @@ import time
 import numpy as np
 import torch
 
+from policy.kda import FP32_PARAMS
 from rl import device as devices
 from rl.config import AlgoConfig, LoraConfig
 from rl.credit import token_advantages
@@ -113,12 +114,15 @@ class Learner:
     def _make_optimizer(self) -> None:
         """AdamW over what trains (the model, or its adapters under LoRA, and the value head); after
         `join`, over the sharded parameters."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        params = [p for n, p in named if n.rsplit(".", 1)[-1] not in FP32_PARAMS]
         if self.value_head is not None:
             params += list(self.value_head.parameters())
+        no_decay = [p for n, p in named if n.rsplit(".", 1)[-1] in FP32_PARAMS]  # KDA's decay rates
+        groups = [{"params": params}] + ([{"params": no_decay, "weight_decay": 0.0}] if no_decay else [])
         # sharded (after `join`): DTensors and plain expert blocks mixed, which torch 2.11's multi-tensor
         # (foreach) AdamW refuses (seen on the GPU check), so the per-tensor update there
-        self.opt = torch.optim.AdamW(params, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
+        self.opt = torch.optim.AdamW(groups, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
                                      foreach=False if getattr(self, "world", 1) > 1 else None)
 
     # --- learner group (rl/learner_group.py) ---
@@ -417,7 +421,7 @@ class Learner:
         out.update({k: float(np.mean(v)) for k, v in stats.items()})
         out.update(
             policy_version=self.version,
-            trainable_params=sum(p.numel() for p in self.opt.param_groups[0]["params"]),
+            trainable_params=sum(p.numel() for g in self.opt.param_groups for p in g["params"]),
             # the learner process's peak resident memory so far (and the GPU's peak on cuda)
             learner_peak_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             **({"learner_gpu_peak_mib": torch.cuda.max_memory_allocated(self.device) / 2**20}

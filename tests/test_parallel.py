@@ -238,7 +238,8 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_ranks_and_publishes_f
     out = four.call("step", batches[1])
     assert abs(out[0]["loss"] - reference[1]["loss"]) < 1e-4
     state = four.call("state")[0]
-    assert_state_close(state, reference[1]["state"], atol=0.02 * LR)
+    # near-zero gradients of step 2 move Adam's step by their noise (see assert_state_close)
+    assert_state_close(state, reference[1]["state"], atol=0.02 * LR, grads=reference[1]["grads"])
     manifest = four.call("publish", 0.01)[0]
     assert len(manifest.buckets) > 3
     published = {n: torch.from_numpy(a.copy()) for n, a in iter_weights(manifest)}

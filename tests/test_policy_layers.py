@@ -259,3 +259,36 @@ def test_kda_chunked_gradients_equal_recurrent():
         (o.pow(2).sum() + S.sum()).backward()
         grads.append(torch.cat([t.grad.flatten() for t in inputs]))
     assert torch.allclose(grads[0], grads[1], atol=1e-9)
+
+
+def test_the_safe_gate_starts_with_memory_and_its_rates_stay_fp32_without_weight_decay(tmp_path):
+    """At initialisation the safe gate's per-step decay with f = 0 lies in [0.90, 0.99] for every
+    channel (a zero dt_bias would give e^{-2.5} ≈ 0.08: memoryless); a checkpoint loaded in bf16
+    keeps A_log, dt_bias and the routers' selection biases in fp32, and the learner trains the
+    decay rates in an optimiser group of their own without weight decay."""
+    import dataclasses
+
+    from policy.args import load_model_args
+    from policy.checkpoint import load_policy, save_policy
+    from policy.kda import KDA
+    from policy.model import Policy
+    from rl.config import AlgoConfig
+    from rl.learner import Learner
+
+    args = load_model_args("configs/policy/debug.yaml")
+    torch.manual_seed(0)
+    kda = KDA(args.dim, dataclasses.replace(args.kda, gate="safe"))
+    decay = kda.decay(torch.zeros(1, 1, args.dim)).exp()  # f = 0
+    assert 0.90 - 1e-6 <= decay.min() and decay.max() <= 0.99 + 1e-6
+    x = torch.randn(2, 64, args.dim)
+    assert kda.decay(x).exp().median() > 0.85  # with the random decay projection at init, too
+    path = save_policy(Policy(args), tmp_path / "ckpt")
+    model = load_policy(path, dtype=torch.bfloat16)
+    dtypes = {n.rsplit(".", 1)[-1]: p.dtype for n, p in model.named_parameters()}
+    assert dtypes["A_log"] == dtypes["dt_bias"] == torch.float32 and dtypes["weight"] == torch.bfloat16
+    assert all(b.dtype == torch.float32 for n, b in model.named_buffers() if n.endswith("router.bias"))
+    learner = Learner(str(path), AlgoConfig(threads=1, weight_decay=0.1))
+    rates = {id(p) for n, p in learner.model.named_parameters() if n.endswith(("A_log", "dt_bias"))}
+    main, own = learner.opt.param_groups
+    assert own["weight_decay"] == 0.0 and main["weight_decay"] == 0.1 and {id(p) for p in own["params"]} == rates
+    assert not rates & {id(p) for p in main["params"]}
