@@ -53,7 +53,7 @@ from rl.credit import token_advantages
 from rl.grpo import group_advantages, policy_loss, rollout_is_weights
 from rl.logprobs import chunked_logprobs, load_causal_lm
 from rl.ppo import ValueHead, episode_targets, value_loss
-from rl.routing import balance_policy_routers, balance_terms, hf_load_metrics
+from rl.routing import RouterStats, balance_policy_routers, balance_terms, hf_load_metrics
 from rl.shares import (
     all_gather_objects,
     all_reduce_sum,
@@ -183,10 +183,10 @@ class Learner:
                 out[:, b, pos] = torch.tensor([t.routed_experts[p] for p in pos]).transpose(0, 1)
         return out.to(self.device)
 
-    def _logprobs(self, lm, ids, attn, with_entropy: bool = False, routing_out: list | None = None,
+    def _logprobs(self, lm, ids, attn, with_entropy: bool = False, routing_out=None,
                   routing=None, replayed: list | None = None, hf_routers: list | None = None, only=None):
         """(log-probs, entropies or None, values or None), all aligned to next-token targets.
-        `routing_out` collects the policy's router scores, `hf_routers` a Hugging Face MoE's router
+        `routing_out` (a RouterStats) takes the policy's router scores, `hf_routers` a Hugging Face MoE's router
         logits and choices (both for balancing), `replayed` the routing-replay counts; `only`: the
         loss mask, to run the head on the generated tokens alone (0 elsewhere)."""
         with devices.autocast(self.device, self.precision):  # bf16: forward (and its backward) in bf16
@@ -195,8 +195,7 @@ class Learner:
             replayed.append(router_info["replayed"])
         valid = attn.reshape(-1).bool()  # padding takes no part in balancing
         if routing_out is not None and router_info is not None and router_info["scores"]:
-            # balancing runs on the CPU (a few floats per token and expert; rl/routing.py balance_policy_routers)
-            routing_out.append([s[valid].detach().float().cpu() for s in router_info["scores"]])
+            routing_out.add([s[valid] for s in router_info["scores"]])  # counted now, the scores let go
         if hf_routers is not None and router_info is not None and router_info["hf_routers"]:
             hf_routers.append((router_info["hf_routers"], valid))
         with devices.autocast(self.device, self.precision):  # the head's matmul in bf16; log-softmax in fp32
@@ -357,7 +356,7 @@ class Learner:
                 n_seqs = sum(len(m) for m in mb)
                 self.opt.zero_grad(set_to_none=True)
                 total = 0.0
-                routing: list = []
+                routing = RouterStats(self.lm)  # this step's router statistics, a micro-batch at a time
                 hf_loads: list = []  # per micro-batch, per MoE layer, tokens per expert (Hugging Face MoE)
                 mb_tokens = sum(len(seqs[i].token_ids) for m in mb for i in m)
                 for micro in slots:

@@ -109,35 +109,60 @@ def balance_terms(captured: list[tuple[torch.Tensor, torch.Tensor]], valid_N: to
 
 
 @torch.no_grad()
-def balance_policy_routers(lm, scores_per_micro: list[list[torch.Tensor]], world: int = 1) -> dict:
+class RouterStats:
+    """One optimiser step's router statistics of the project's policy, added a micro-batch at a time
+    and the scores then let go: per MoE layer the expert loads under the bias every forward of the
+    step used, and what the layer's balancing needs — its histogram (`quantile_hist`), nothing more
+    (`sign`), or every score (`quantile`: exact quantiles need them all; a long trajectory's N×E
+    scores per layer are what `quantile_hist` exists to avoid keeping)."""
+
+    def __init__(self, lm):
+        from policy.balance import QuantileHistogram
+
+        self.routers = list(lm.module.routers()) if lm.kind == "policy" else []
+        self.biases = [r.bias.detach().float().cpu() for r in self.routers]
+        self.loads = [torch.zeros(r.a.n_routed_experts, dtype=torch.long) for r in self.routers]
+        self.hists = [QuantileHistogram(r.a.n_routed_experts, r.a.top_k, r.a.hist_bins, r.a.hist_range)
+                      if r.a.balance == "quantile_hist" else None for r in self.routers]
+        self.scores: list[list[torch.Tensor]] = [[] for _ in self.routers]
+        self.seen = False
+
+    def add(self, scores_per_layer: list[torch.Tensor]) -> None:
+        """One forward's router scores (tokens × experts per MoE layer, padding left out)."""
+        self.seen = True
+        for layer, (router, raw) in enumerate(zip(self.routers, scores_per_layer)):
+            scores, bias = raw.detach().float().cpu(), self.biases[layer]  # balancing runs on the CPU
+            idx = (scores + bias).topk(router.a.top_k, dim=-1).indices
+            self.loads[layer] += torch.bincount(idx.flatten(), minlength=router.a.n_routed_experts)
+            if self.hists[layer] is not None:
+                self.hists[layer].add(scores, bias)
+            elif router.a.balance == "quantile":
+                self.scores[layer].append(scores)
+
+
+def balance_policy_routers(lm, stats: RouterStats, world: int = 1) -> dict:
     """Quantile-balancing (or sign) update of every MoE router's selection bias of the project's
-    policy (`lm`, an rl.logprobs.CausalLM) from the router scores of one optimiser step's tokens
-    (on the CPU, per micro-batch, per layer); returns the load metric.
+    policy (`lm`, an rl.logprobs.CausalLM) from one optimiser step's `stats`; returns the load metric.
 
     The update uses the scores the step's forward produced, with the bias it had; it takes effect
     from the next forward (rollouts see it after the next weight sync). In a learner group every
     rank's tokens count: loads and histograms are summed, exact quantiles see all scores."""
-    if lm.kind != "policy" or not (scores_per_micro or world > 1):
+    if lm.kind != "policy" or not (stats.seen or world > 1):
         return {}  # (in a group, a rank with only dummies still takes part in the collectives)
-    from policy.balance import QuantileHistogram, load_imbalance, quantile_bias, sign_update
+    from policy.balance import load_imbalance, quantile_bias, sign_update
     from rl.shares import all_gather_rows, all_reduce_sum
 
     loads = []
-    for layer, router in enumerate(lm.module.routers()):
-        a = router.a
-        bias = router.bias.detach().float().cpu()  # where the scores are
-        scores = torch.cat([micro[layer] for micro in scores_per_micro] or [torch.zeros(0, a.n_routed_experts)])
-        idx = (scores + bias).topk(a.top_k, dim=-1).indices
-        load = all_reduce_sum(torch.bincount(idx.flatten(), minlength=a.n_routed_experts))
+    for layer, router in enumerate(stats.routers):
+        a, bias = router.a, stats.biases[layer]
+        load = all_reduce_sum(stats.loads[layer])
         loads.append(load_imbalance(load))
         if a.balance == "quantile":
+            scores = torch.cat(stats.scores[layer] or [torch.zeros(0, a.n_routed_experts)])
             router.bias.copy_(quantile_bias(all_gather_rows(scores), bias, a.top_k))
         elif a.balance == "quantile_hist":
-            hist = QuantileHistogram(a.n_routed_experts, a.top_k, a.hist_bins, a.hist_range)
-            for micro in scores_per_micro:  # per-micro-batch counts add up (as across ranks)
-                hist.add(micro[layer], bias)
-            all_reduce_sum(hist.counts_EB)
-            router.bias.copy_(hist.bias())
+            all_reduce_sum(stats.hists[layer].counts_EB)
+            router.bias.copy_(stats.hists[layer].bias())
         elif a.balance == "sign":
             router.bias.copy_(sign_update(load, bias, a.balance_rate))
     return {"router_load_max_over_mean": max(loads)} if loads else {}

@@ -120,6 +120,45 @@ def test_router_balancing_during_rl_steps(tmp_path, balance):
     assert all(r.bias.abs().sum() > 0 for r in learner.model.routers())
 
 
+@pytest.mark.parametrize("balance", ["quantile", "quantile_hist", "sign"])
+def test_router_statistics_keep_scores_only_where_exact_quantiles_need_them(tmp_path, balance):
+    """A step's router statistics, added a micro-batch at a time, give the bias update computed from
+    all of the step's scores at once; only the exact `quantile` mode keeps the scores to do it."""
+    from policy.balance import QuantileHistogram, quantile_bias, sign_update
+    from rl.logprobs import CausalLM
+    from rl.routing import RouterStats, balance_policy_routers
+
+    args = load_model_args(REPO / "configs" / "policy" / "debug.yaml")
+    args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, balance=balance))
+    torch.manual_seed(0)
+    lm = CausalLM(Policy(args), "policy")
+    routers = lm.module.routers()
+    with torch.no_grad():
+        for r in routers:
+            r.bias.uniform_(-0.1, 0.1)
+    micro = [[torch.rand(n, args.moe.n_routed_experts) for _ in routers] for n in (30, 50, 20)]
+    stats = RouterStats(lm)
+    for m in micro:
+        stats.add(m)
+    kept = sum(t.numel() for layer in stats.scores for t in layer)
+    assert kept == (100 * args.moe.n_routed_experts * len(routers) if balance == "quantile" else 0)
+    want = []
+    for layer, r in enumerate(routers):
+        scores, bias = torch.cat([m[layer] for m in micro]), r.bias.detach().clone()
+        load = torch.bincount((scores + bias).topk(r.a.top_k, -1).indices.flatten(), minlength=r.a.n_routed_experts)
+        if balance == "quantile":
+            want.append(quantile_bias(scores, bias, r.a.top_k))
+        elif balance == "quantile_hist":
+            hist = QuantileHistogram(r.a.n_routed_experts, r.a.top_k, r.a.hist_bins, r.a.hist_range)
+            hist.add(scores, bias)
+            want.append(hist.bias())
+        else:
+            want.append(sign_update(load, bias, r.a.balance_rate))
+    assert balance_policy_routers(lm, stats)["router_load_max_over_mean"] >= 1.0
+    for r, w in zip(routers, want):
+        assert torch.allclose(r.bias, w, atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", ["policy", "hf"])
 def test_fused_pre_update_logprobs_give_the_separate_passs_update(policy_ckpt, tiny_policy, kind):
     """One optimiser step per batch: the pre-update log-probs taken from the training forward itself
