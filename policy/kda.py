@@ -98,11 +98,26 @@ def _kda_chunk(qc, kc, vc, G, bc, S, pairwise: bool = False):
     return o, S
 
 
-def kda_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV=None, chunk_size: int = 16):
+def factorisable(chunk_size: int, step_bound: float | None) -> bool | None:
+    """Whether every chunk can take the factorised form, decided before any data is seen: yes when
+    the per-step log decay is bounded by `step_bound` (the safe gate: |g_min|) and half a chunk of
+    it stays within _MAX_EXP; no when bounded but too long; None (decide per chunk, from the data)
+    for an unbounded gate."""
+    if step_bound is None:
+        return None
+    return (chunk_size - chunk_size // 2) * step_bound <= _MAX_EXP
+
+
+def kda_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV=None, chunk_size: int = 16,
+                step_bound: float | None = None):
     """Chunk-parallel form; equals `kda_recurrent` to float tolerance. Returns (o_BTHV, S_BHKV).
 
-    A chunk that needs the pairwise form is recomputed in the backward pass (activation
-    checkpointing) rather than keeping its C×C×d_k tensors for the whole sequence."""
+    `step_bound`: the largest |g| a step can have (the safe gate's |g_min|). Given, the form is
+    chosen once for every chunk (`factorisable`): no look at the data, so no host sync per chunk
+    (which also kept the loop from `torch.compile`). Without it (the softplus gate is unbounded)
+    each chunk is checked. A chunk that needs the pairwise form is recomputed in the backward pass
+    (activation checkpointing) rather than keeping its C×C×d_k tensors for the whole sequence."""
+    static = factorisable(chunk_size, step_bound)
     dt = torch.promote_types(q_BTHK.dtype, torch.float32)
     B, T, H, K = q_BTHK.shape
     V = v_BTHV.shape[-1]
@@ -117,8 +132,11 @@ def kda_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV=None, chunk_siz
     for qc, kc, vc, gc, bc in zip(*(t.split(chunk_size, dim=2) for t in (q, k, v, g, beta))):
         G = gc.cumsum(2)  # inclusive, once per chunk: decides the form and feeds it
         chunk = (qc, kc, vc, G, bc)
-        with torch.no_grad():
-            pairwise = _needs_pairwise(G)
+        if static is None:
+            with torch.no_grad():
+                pairwise = _needs_pairwise(G)
+        else:
+            pairwise = not static
         if pairwise and grad:
             o, S = torch.utils.checkpoint.checkpoint(_kda_chunk, *chunk, S, True, use_reentrant=False)
         else:
@@ -225,7 +243,8 @@ class KDA(nn.Module):
         if recurrent if recurrent is not None else T == 1:
             o, S = kda_recurrent(q, k, v, g, beta, st.S)
         else:
-            o, S = kda_chunked(q, k, v, g, beta, st.S, self.a.chunk_size)
+            bound = -self.a.g_min if self.a.gate == "safe" else None  # the softplus gate is unbounded
+            o, S = kda_chunked(q, k, v, g, beta, st.S, self.a.chunk_size, step_bound=bound)
         if state is not None:
             state.conv_q, state.conv_k, state.conv_v, state.S = cq, ck, cv, S
         o = self.o_norm(o.to(x_BTD.dtype)) * torch.sigmoid(self.g_proj(x_BTD)).view(B, T, H, K)

@@ -43,6 +43,27 @@ def test_kda_state_carries_across_calls():
     assert torch.allclose(S2, S_full, atol=1e-10)
 
 
+@pytest.mark.parametrize("chunk", [8, 16, 32])
+def test_the_form_chosen_from_the_gate_s_bound_equals_recurrent_without_looking_at_the_data(chunk, monkeypatch):
+    """With the safe gate's bound the form is fixed before the data is seen (factorised up to chunk
+    24 at |g| <= 5, pairwise beyond) and no chunk is inspected; outputs, state and gradients equal
+    the step-by-step recurrence in fp64."""
+    from policy import kda as kda_module
+
+    monkeypatch.setattr(kda_module, "_needs_pairwise", lambda G: pytest.fail("a chunk was inspected"))
+    assert kda_module.factorisable(chunk, 5.0) == (chunk <= 24) and kda_module.factorisable(chunk, None) is None
+    inputs = [t.requires_grad_(True) for t in _kda_inputs(torch.float64, T=37)]
+    grads = []
+    for fn in (kda_recurrent, lambda *a: kda_chunked(*a, chunk_size=chunk, step_bound=5.0)):
+        for t in inputs:
+            t.grad = None
+        o, S = fn(*inputs)
+        (o.pow(2).sum() + S.sum()).backward()
+        grads.append((o.detach(), S.detach(), torch.cat([t.grad.flatten() for t in inputs])))
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-9)
+
+
 def test_kda_chunked_is_stable_under_strong_decay():
     q, k, v, g, beta, S0 = _kda_inputs(torch.float32, T=128)
     o, S = kda_chunked(q, k, v, torch.full_like(g, -5.0), beta, S0, chunk_size=64)  # e^{-G} would be e^{320}
