@@ -46,8 +46,9 @@ def test_kda_state_carries_across_calls():
 @pytest.mark.parametrize("chunk", [8, 16, 32])
 def test_the_form_chosen_from_the_gate_s_bound_equals_recurrent_without_looking_at_the_data(chunk, monkeypatch):
     """With the safe gate's bound the form is fixed before the data is seen (factorised up to chunk
-    24 at |g| <= 5, pairwise beyond) and no chunk is inspected; outputs, state and gradients equal
-    the step-by-step recurrence in fp64."""
+    24 at |g| <= 5, every chunk's intra-chunk work batched; pairwise beyond) and no chunk is
+    inspected; outputs, state and gradients equal the step-by-step recurrence in fp64, outputs
+    within float tolerance in fp32 and from bf16 inputs."""
     from policy import kda as kda_module
 
     monkeypatch.setattr(kda_module, "_needs_pairwise", lambda G: pytest.fail("a chunk was inspected"))
@@ -62,6 +63,11 @@ def test_the_form_chosen_from_the_gate_s_bound_equals_recurrent_without_looking_
         grads.append((o.detach(), S.detach(), torch.cat([t.grad.flatten() for t in inputs])))
     for a, b in zip(*grads):
         assert torch.allclose(a, b, atol=1e-9)
+    # in fp32 (and from bf16 inputs) against the fp64 recurrence
+    ref_o, ref_S = kda_recurrent(*(t.detach() for t in inputs))
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.1)):
+        o, S = kda_chunked(*(t.detach().to(dtype) for t in inputs), chunk_size=chunk, step_bound=5.0)
+        assert o.dtype == torch.float32 and (o.double() - ref_o).abs().max() <= tol and (S.double() - ref_S).abs().max() <= tol
 
 
 def test_kda_chunked_is_stable_under_strong_decay():
