@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-UID = int(sys.argv[1])
+UID = -1  # the sandbox user, from the command line (main)
 FLOOD = 16  # output past this many times the kept bytes: the call is killed rather than left printing
 
 
@@ -82,6 +82,9 @@ def living() -> list[int]:
 
 
 class Capture(threading.Thread):
+    """Reads a pipe to its end, keeping its first `keep` bytes; `on_flood` once it has passed FLOOD
+    times that (envs/sandbox/_process.py reads its pipes with it too)."""
+
     def __init__(self, fd: int, keep: int, on_flood):
         super().__init__(daemon=True)
         self.fd, self.keep, self.on_flood = fd, keep, on_flood
@@ -104,7 +107,6 @@ class Capture(threading.Thread):
             if not flooded and self.total > FLOOD * self.keep:
                 flooded = True
                 self.on_flood()
-        os.close(self.fd)
 
     def text(self) -> str:
         return b"".join(self.chunks).decode("utf-8", errors="replace")
@@ -179,6 +181,8 @@ def run(req: dict) -> dict:
     done.wait()
     out.join(2)
     err.join(2)
+    for fd in (out_r, err_r):
+        os.close(fd)
     code = os.waitstatus_to_exitcode(status[0])
     result = {"exit_code": 128 - code if code < 0 else code, "stdout": out.text(), "stderr": err.text(),
               "truncated": out.total > out.kept or err.total > err.kept, "timed_out": timed_out,
@@ -194,6 +198,8 @@ def run(req: dict) -> dict:
 
 
 def main() -> None:
+    global UID
+    UID = int(sys.argv[1])
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     for line in sys.stdin:
         if line.strip():

@@ -15,39 +15,9 @@ import threading
 import time
 from typing import Callable
 
+from envs.sandbox._helper import FLOOD as _FLOOD_FACTOR
+from envs.sandbox._helper import Capture
 from envs.sandbox.base import Limits, SandboxResult
-
-_FLOOD_FACTOR = 16
-
-
-class _Capture(threading.Thread):
-    def __init__(self, stream, keep: int, on_flood: Callable[[], None]):
-        super().__init__(daemon=True)
-        self.stream, self.keep, self.on_flood = stream, keep, on_flood
-        self.chunks: list[bytes] = []
-        self.kept = 0
-        self.total = 0
-
-    def run(self):
-        flooded = False
-        while True:
-            try:
-                data = self.stream.read1(65536)
-            except (OSError, ValueError):
-                break
-            if not data:
-                break
-            self.total += len(data)
-            if self.kept < self.keep:
-                piece = data[: self.keep - self.kept]
-                self.chunks.append(piece)
-                self.kept += len(piece)
-            if not flooded and self.total > _FLOOD_FACTOR * self.keep:
-                flooded = True
-                self.on_flood()
-
-    def text(self) -> str:
-        return b"".join(self.chunks).decode("utf-8", errors="replace")
 
 
 def rlimit_setter(limits: Limits, *, processes: int | None = None) -> Callable[[], None]:
@@ -92,8 +62,8 @@ def run_process(argv: list[str], *, limits: Limits, backend: str, cwd: str | Non
         flooded.set()
         _kill_group(proc.pid)
 
-    out = _Capture(proc.stdout, limits.output_bytes, on_flood)
-    err = _Capture(proc.stderr, limits.output_bytes, on_flood)
+    out = Capture(proc.stdout.fileno(), limits.output_bytes, on_flood)
+    err = Capture(proc.stderr.fileno(), limits.output_bytes, on_flood)
     out.start()
     err.start()
     if stdin is not None:
