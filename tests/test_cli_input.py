@@ -78,7 +78,7 @@ def test_inspect_stop_filter_names_the_stop_reasons(run_dir):
     (["inspect", "{run}", "--bogus"], "unrecognized arguments: --bogus"),
     (["envs", "play", "tools/calculator-v0", "max_turns=0"], "max_turns must be an integer >= 1"),
     (["envs", "check", "tools/shell-v0", "backend=bwrp"], "unknown sandbox backend 'bwrp'"),
-    (["envs", "show", "tools/shell-v0", "timeout=3"], "does not take 'timeout'; its options: extra_ro, env (the environment's own: backend, max_turns, timeout_s)"),
+    (["envs", "show", "tools/shell-v0", "timeout=3"], "does not take 'timeout'; its options: extra_ro, env, per_episode (the environment's own: backend, max_turns, timeout_s)"),
 ])
 def test_subcommand_mistakes_end_in_one_line(run_dir, argv, words):
     line = one_line(cli(*[a.format(run=run_dir) for a in argv]))
