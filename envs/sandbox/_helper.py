@@ -22,6 +22,7 @@ import threading
 import time
 
 UID = -1  # the sandbox user, from the command line (main)
+TMP_AT_START: set = set()  # what /tmp held when the sandbox started (bwrap's mount points: never swept)
 FLOOD = 16  # output past this many times the kept bytes: the call is killed rather than left printing
 
 
@@ -34,7 +35,7 @@ def as_user() -> None:
 def sweep() -> None:
     """Kill every process of the sandbox user and empty /tmp, from a child that becomes that user
     (kill(-1) then reaches exactly the user's processes in this pid namespace, not the helper)."""
-    if not living() and not os.listdir("/tmp"):  # the common case: nothing left, no fork needed
+    if not living() and not left_in_tmp():  # the common case: nothing left, no fork needed
         return
     pid = os.fork()
     if pid == 0:
@@ -49,21 +50,39 @@ def sweep() -> None:
                 if not living():
                     break
                 time.sleep(0.002)
-            for root, dirs, files in os.walk("/tmp", topdown=False):
-                for name in files:
-                    try:
-                        os.unlink(os.path.join(root, name))
-                    except OSError:
-                        pass
-                for name in dirs:
-                    try:
-                        path = os.path.join(root, name)
-                        os.unlink(path) if os.path.islink(path) else os.rmdir(path)
-                    except OSError:
-                        pass
+            for name in left_in_tmp():
+                remove_tree(os.path.join("/tmp", name), os.lstat("/tmp").st_dev)
         finally:
             os._exit(0)
     os.waitpid(pid, 0)
+
+
+def left_in_tmp() -> list[str]:
+    """What the calls put in /tmp (not what the sandbox started with: bwrap's mount points for a
+    toolchain that lives under the host's /tmp)."""
+    return sorted(set(os.listdir("/tmp")) - TMP_AT_START)
+
+
+def remove_tree(path: str, dev: int) -> None:
+    """`path` and everything under it on /tmp's own file system (never into a mount)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return
+    if st.st_dev != dev:
+        return
+    if os.path.isdir(path) and not os.path.islink(path):
+        for name in os.listdir(path):
+            remove_tree(os.path.join(path, name), dev)
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
+    else:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def living() -> list[int]:
@@ -198,8 +217,9 @@ def run(req: dict) -> dict:
 
 
 def main() -> None:
-    global UID
+    global UID, TMP_AT_START
     UID = int(sys.argv[1])
+    TMP_AT_START = set(os.listdir("/tmp"))
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     for line in sys.stdin:
         if line.strip():
