@@ -25,7 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from rl.store import TrajectoryStore, stored_failure, stored_turns
-from rollout.trajectory import FAILURE_KINDS, STOP_REASONS, TURN_FAILURES, Turn
+from rollout.trajectory import FAILURE_KINDS, STOP_REASONS, TURN_FAILURES, Turn, first_difference
 
 SUMMARY_COLUMNS = ["episode_id", "iteration", "reward", "policy_versions", "num_turns",
                    "num_generated", "milestones", "stop_reason"]
@@ -193,9 +193,7 @@ def compare_group(eps: list, advantages: dict) -> tuple[str, list[dict]]:
     eps = sorted(eps, key=lambda t: (-t.reward, t.episode_id))
     best, rows = eps[0], []
     for t in eps:
-        first = next((i for i, (a, b) in enumerate(zip(t.token_ids, best.token_ids)) if a != b), None)
-        if first is None and len(t.token_ids) != len(best.token_ids):
-            first = min(len(t.token_ids), len(best.token_ids))
+        first = first_difference(t.token_ids, best.token_ids)
         turn = None if first is None else next((i for i, tu in enumerate(t.turns) if first < tu.obs_end),
                                                max(len(t.turns) - 1, 0))
         rows.append({"episode_id": t.episode_id, "reward": t.reward, "failure": t.failure,

@@ -28,7 +28,7 @@ from envs.tool_calls import parse_tool_calls
 from rewards.milestones import solved
 from rollout.chat import ChatFormat
 from rollout.openai_api import CallRecord
-from rollout.trajectory import EpisodeTask, Trajectory, Turn, failure_kind
+from rollout.trajectory import EpisodeTask, Trajectory, Turn, failure_kind, first_difference
 
 def extends(prev: CallRecord, rec: CallRecord) -> bool:
     """`rec`'s prompt starts with `prev`'s prompt and completion, token for token."""
@@ -45,11 +45,6 @@ def chains(records: list[CallRecord]) -> list[list[CallRecord]]:
         else:
             out.append([rec])
     return out
-
-
-def _departure(seq: list[int], prompt: list[int]) -> int:
-    """Where `prompt` stops following `seq`."""
-    return next((i for i, (a, b) in enumerate(zip(seq, prompt)) if a != b), min(len(seq), len(prompt)))
 
 
 def assemble(task: EpisodeTask, env_id: str, records: list[CallRecord], result: AgentResult | None, error: str,
@@ -78,7 +73,7 @@ def assemble(task: EpisodeTask, env_id: str, records: list[CallRecord], result: 
             observation = chat.tok.decode(t.token_ids[end:obs_end])
             if id(rec) in following:  # what the next call was prompted with, from where it departs
                 nxt = following[id(rec)].prompt_ids
-                observation = chat.tok.decode(nxt[_departure(rec.prompt_ids + rec.completion_ids, nxt):])
+                observation = chat.tok.decode(nxt[first_difference(rec.prompt_ids + rec.completion_ids, nxt):])
             text = chat.decode(rec.completion_ids)
             calls, bad = parse_tool_calls(text)
             t.turns.append(Turn(start, end, obs_end, text, observation, len(calls), len(bad),

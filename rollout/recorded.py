@@ -23,7 +23,7 @@ import threading
 
 from rollout.engines.base import Generation
 from rollout.openai_api import RequestError
-from rollout.trajectory import Trajectory
+from rollout.trajectory import Trajectory, first_difference
 
 
 def recorded_calls(t: Trajectory) -> list[tuple[list[int], Generation]]:
@@ -64,7 +64,7 @@ class RecordedEngine:
         if nxt is None:
             return f"call {len(self.calls)} was never made in the recorded episode ({len(self.calls)} calls)"
         want = self.calls[nxt][0]
-        at = next((i for i, (a, b) in enumerate(zip(want, prompt)) if a != b), min(len(want), len(prompt)))
+        at = first_difference(want, prompt)  # not None: an equal prompt would have been answered
         show = (lambda ids: repr(self.detok(ids)[:80])) if self.detok else (lambda ids: str(ids[:8]))
         return (f"call {nxt}'s prompt departs from the record at token {at} of {len(want)}: "
                 f"recorded {show(want[at:])}, replayed {show(prompt[at:])}")

@@ -102,6 +102,13 @@ def failure_kind(stop_reason: str, turns: list["Turn"], succeeded: bool, infra_e
     return "out_of_tokens" if stop_reason == "max_tokens" else "out_of_turns"
 
 
+def first_difference(a: list, b: list) -> int | None:
+    """Where two token sequences first differ (the shorter one's length when one extends the
+    other), or None when they are equal."""
+    at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return at if at is not None or len(a) == len(b) else min(len(a), len(b))
+
+
 @dataclass
 class Trajectory:
     episode_id: str
