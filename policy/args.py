@@ -11,6 +11,10 @@ from typing import Literal
 from typed_yaml import load_dataclass, require
 
 
+SUB_CHUNK = 16
+"""KDA's chunks are cut into sub-chunks of this many steps (see policy/kda.py)."""
+
+
 @dataclass
 class KDAArgs:
     n_heads: int = 2
@@ -26,7 +30,8 @@ class KDAArgs:
     gate_rank: int = 0
     """Rank of the output gate projection; 0 = full rank (K3), > 0 low rank (Kimi Linear)."""
     chunk_size: int = 16
-    """Chunk length of the parallel training form (16 keeps the safe gate on the factorised path)."""
+    """Chunk length of the parallel training form: <= 16 or a multiple of 16 (sub-chunks of 16). Longer
+    chunks mean fewer steps of the sequential state recurrence and larger matmuls within a chunk."""
 
 
 @dataclass
@@ -151,6 +156,8 @@ class ModelArgs:
              "exceeds the experts in moe.topk_groups groups"),
             ("attn_res_block", self.attn_res_block >= 1, "must be >= 1"),
             ("kda.g_min", self.kda.g_min < 0, "must be < 0"),
+            ("kda.chunk_size", self.kda.chunk_size >= 1 and (self.kda.chunk_size <= SUB_CHUNK or self.kda.chunk_size % SUB_CHUNK == 0),
+             f"must be <= {SUB_CHUNK} or a multiple of {SUB_CHUNK}"),
         ]
         require(checks, source)
         return self

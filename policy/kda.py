@@ -12,13 +12,19 @@ parallel training form (WY representation): inside a chunk with G = cumsum(g),
     O = (Q ⊙ e^G) S + tril((Q ⊙ e^G)(K ⊙ e^{−G})ᵀ) V_new
     S ← Diag(e^{G_last}) S + (K ⊙ e^{G_last − G})ᵀ V_new
 
-The products K⊙e^{−G} overflow for strong decay over a chunk (g ≥ −5 per step, 64 steps:
-e^{320}); we never form them: within half a chunk of its middle the factors stay below e^{60}
-(the factorised form, plain matmuls), and past that the pairwise form builds e^{G_t − G_i} (t ≥ i,
-so ≤ 1) directly, a (C × C × d_k) tensor per head and chunk, one chunk after another. With the
-safe gate's bound the factorised form holds for every chunk up to 24 steps and is known before
-the data is seen: all chunks' intra-chunk work then runs batched and only the state recurrence
-goes chunk by chunk (`_kda_factorised_all`).
+Everything but the last line depends on the chunk alone, so it runs for all chunks at once
+(`_intra`); only the state goes chunk after chunk, as S ← M S + b with M = Diag(e^{G_last}) − K_out W
+(one small matmul per chunk, `_scan`). The backward pass runs that recurrence in reverse
+(dS ← Mᵀ dS + c) and recomputes the intra-chunk work segment by segment: autograd keeps only the
+inputs and the state at each chunk's start (`_KDAChunked`), not the ~20 intermediates per token of
+the chunk form.
+
+The products K ⊙ e^{−G} overflow for strong decay over a chunk (g ≥ −5 per step, 64 steps:
+e^{320}); we never form them. A chunk is cut into sub-chunks of ≤ 16 steps: between sub-chunks the
+C×C products factorise around the end of the earlier one (both factors e^{≤0}); within one they
+factorise around its middle, which stays below e^{60} for the safe gate (8 steps × 5), else
+(an unbounded gate with a large span, checked once per call) the pairwise form builds e^{G_t − G_i}
+(t ≥ i, so ≤ 1) directly, s × s × d_k per sub-chunk.
 
 Not covered: variable-length packing inside one batch row (sequences are separate rows), and
 fused kernels (the CUDA/Triton ones in flash-linear-attention are not usable on CPU).
@@ -31,10 +37,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 
-from policy.args import KDAArgs
+from policy.args import SUB_CHUNK, KDAArgs
 from policy.norm import RMSNorm, upcast
 
 
@@ -54,139 +59,182 @@ def kda_recurrent(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV=None):
     return torch.stack(outs, 1), S
 
 
-# Largest exponent the factorised form may meet (fp32 overflows past e^88).
+# Largest exponent a factorised product may meet (fp32 overflows past e^88).
 _MAX_EXP = 60.0
-
-
-def _needs_pairwise(G_BHLK: torch.Tensor) -> bool:
-    """True when the chunk's decay span around its middle is too large to factorise in fp32.
-    G is non-increasing along the chunk, so the extremes sit at its two ends."""
-    Gm = G_BHLK[:, :, G_BHLK.shape[2] // 2]
-    return float(torch.maximum(G_BHLK[:, :, 0] - Gm, Gm - G_BHLK[:, :, -1]).max()) > _MAX_EXP
-
-
-def _decay_products(qc, kc, G, pairwise: bool):
-    """The chunk's C×C decay-weighted products, for t >= i:
-    KK_ti = Σ_c k_tc k_ic e^{G_tc − G_ic} and QK_ti = Σ_c q_tc k_ic e^{G_tc − G_ic}.
-
-    Factorised around the chunk's middle G_m as (x ⊙ e^{G−G_m})(k ⊙ e^{G_m−G})ᵀ: plain matmuls.
-    The pairwise form builds e^{G_t − G_i} (≤ 1) explicitly, for spans too large to factorise
-    (strong decay over long chunks, the unbounded softplus gate): C×C×d_k per head."""
-    if not pairwise:
-        Gm = G[:, :, G.shape[2] // 2 :][:, :, :1]
-        k_down = kc * (Gm - G).exp()
-        up = (G - Gm).exp()
-        return (kc * up) @ k_down.transpose(2, 3), (qc * up) @ k_down.transpose(2, 3)
-    L = qc.shape[2]
-    incl = torch.ones(L, L, dtype=torch.bool, device=qc.device).tril()
-    decay = (G[:, :, :, None, :] - G[:, :, None, :, :]).masked_fill(~incl[:, :, None], -math.inf).exp()
-    return (torch.einsum("bhtk,bhik,bhtik->bhti", kc, kc, decay),
-            torch.einsum("bhtk,bhik,bhtik->bhti", qc, kc, decay))
-
-
-def _kda_chunk(qc, kc, vc, G, bc, S, pairwise: bool = False):
-    """One chunk (heads first: B H L ·) from state S, with G the chunk's inclusive cumulative log
-    decay; returns (o, new S)."""
-    L, K = qc.shape[2], qc.shape[3]
-    kk, qk = _decay_products(qc, kc, G, pairwise)
-    causal = torch.ones(L, L, dtype=torch.bool, device=qc.device).tril()
-    A = (kk * bc[..., None]).tril(-1)
-    eye = torch.eye(L, dtype=qc.dtype, device=qc.device)
-    rhs = bc[..., None] * torch.cat([kc * G.exp(), vc], dim=-1)
-    X = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
-    W, U = X[..., :K], X[..., K:]
-    V_new = U - W @ S
-    o = (qc * G.exp()) @ S + qk.masked_fill(~causal, 0.0) @ V_new
-    G_last = G[:, :, -1:, :]  # B H 1 K
-    S = G_last.transpose(2, 3).exp() * S + (kc * (G_last - G).exp()).transpose(2, 3) @ V_new
-    return o, S
-
-
-def _kda_factorised_all(q, k, v, g, beta, S, C: int):
-    """Every chunk in the factorised form at once (heads first: B H T ·): the intra-chunk work —
-    decay products, the triangular solve, W and U — is batched over all chunks, and only the state
-    recurrence runs chunk after chunk (two small matmuls in, one out). The tail is padded with
-    steps that change nothing (k = v = q = 0, β = 0, g = 0). Returns (o, S)."""
-    B, H, T, K = q.shape
-    V = v.shape[-1]
-    pad = (-T) % C
-    if pad:
-        q, k, v, g = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v, g))
-        beta = F.pad(beta, (0, pad))
-    N = (T + pad) // C
-    qc, kc, gc = (t.reshape(B, H, N, C, K) for t in (q, k, g))
-    vc, bc = v.reshape(B, H, N, C, V), beta.reshape(B, H, N, C)
-    G = gc.cumsum(3)
-    Gm = G[:, :, :, C // 2 : C // 2 + 1]
-    up, k_down = (G - Gm).exp(), kc * (Gm - G).exp()
-    kk, qk = (kc * up) @ k_down.transpose(3, 4), (qc * up) @ k_down.transpose(3, 4)
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    A = (kk * bc[..., None]).tril(-1)
-    eye = torch.eye(C, dtype=q.dtype, device=q.device)
-    X = torch.linalg.solve_triangular(eye + A, bc[..., None] * torch.cat([kc * G.exp(), vc], -1), upper=False,
-                                      unitriangular=True)
-    W, U = X[..., :K], X[..., K:]
-    Qg, QK = qc * G.exp(), qk.masked_fill(~causal, 0.0)
-    G_last = G[:, :, :, -1:]
-    carry, K_out = G_last.transpose(3, 4).exp(), (kc * (G_last - G).exp()).transpose(3, 4)  # B H N K 1, B H N K C
-    outs = []
-    for n in range(N):  # the only sequential part: the state from chunk to chunk
-        V_new = U[:, :, n] - W[:, :, n] @ S
-        outs.append(Qg[:, :, n] @ S + QK[:, :, n] @ V_new)
-        S = carry[:, :, n] * S + K_out[:, :, n] @ V_new
-    return torch.cat(outs, 2)[:, :, :T], S
+# Tokens per segment of the chunk form (forward and the backward's recompute): bounds the
+# intra-chunk intermediates alive at once, whatever the sequence length.
+_SEGMENT_TOKENS = 8192
 
 
 def factorisable(chunk_size: int, step_bound: float | None) -> bool | None:
-    """Whether every chunk can take the factorised form, decided before any data is seen: yes when
-    the per-step log decay is bounded by `step_bound` (the safe gate: |g_min|) and half a chunk of
-    it stays within _MAX_EXP; no when bounded but too long; None (decide per chunk, from the data)
-    for an unbounded gate."""
+    """Whether every sub-chunk's diagonal block can take the factorised form, decided before any
+    data is seen: yes when the per-step log decay is bounded by `step_bound` (the safe gate: |g_min|)
+    and half a sub-chunk of it stays within _MAX_EXP; no when bounded but too strong; None (decided
+    from the data, once per call) for an unbounded gate."""
     if step_bound is None:
         return None
-    return (chunk_size - chunk_size // 2) * step_bound <= _MAX_EXP
+    s = min(chunk_size, SUB_CHUNK)
+    return (s - s // 2) * step_bound <= _MAX_EXP
+
+
+def _diag_span(g_BTHK: torch.Tensor, s: int) -> float:
+    """Largest exponent the factorised diagonal blocks would meet on this data (one host sync)."""
+    B, T, H, K = g_BTHK.shape
+    G = F.pad(g_BTHK.detach(), (0, 0, 0, 0, 0, (-T) % s)).reshape(B, -1, s, H, K).cumsum(2)
+    Gm = G[:, :, s // 2]
+    return float(torch.maximum(G[:, :, 0] - Gm, Gm - G[:, :, -1]).max())
+
+
+def _chunks(x_BTH_, C: int) -> torch.Tensor:
+    """(B, T, H[, ·]) → (N, B, H, C[, ·]), contiguous; the tail padded with steps that change nothing
+    (q = k = v = 0, β = 0, g = 0)."""
+    B, T, H = x_BTH_.shape[:3]
+    x = x_BTH_.reshape(B, T, H, -1)
+    x = F.pad(x, (0, 0, 0, 0, 0, (-T) % C)).reshape(B, -1, C, H, x.shape[-1]).permute(1, 0, 3, 2, 4).contiguous()
+    return x if x_BTH_.dim() == 4 else x.squeeze(-1)
+
+
+def _unchunk(y_NBHC_: torch.Tensor, T: int) -> torch.Tensor:
+    N, B, H, C = y_NBHC_.shape[:4]
+    return y_NBHC_.permute(1, 0, 3, 2, 4).reshape(B, N * C, H, -1)[:, :T]
+
+
+def _products(x, k, G, s: int, pairwise: bool) -> torch.Tensor:
+    """The chunks' C×C decay-weighted products Σ_c x_tc k_ic e^{G_tc − G_ic}, valid for t ≥ i
+    (the rest is left unspecified); x may carry extra leading dims (k and q stacked).
+
+    Between sub-chunks, (x_t e^{G_t − G_e})(k_i e^{G_e − G_i}) with e the last step of i's sub-chunk:
+    both exponents ≤ 0. Within a sub-chunk, factorised around its middle (exponents ≤ _MAX_EXP when
+    `factorisable`) or, `pairwise`, with e^{G_t − G_i} built for each pair (s × s × d_k)."""
+    C = G.shape[-2]
+    m = C // s
+    xs, ks, Gs = (t.unflatten(-2, (m, s)) for t in (x, k, G))  # (..., m, s, K)
+    if pairwise:
+        incl = torch.ones(s, s, dtype=torch.bool, device=G.device).tril()
+        decay = (Gs[..., :, None, :] - Gs[..., None, :, :]).masked_fill(~incl[:, :, None], -math.inf).exp()
+        D = torch.einsum("...tk,...ik,...tik->...ti", xs, ks, decay)
+    else:
+        Gm = Gs[..., s // 2 : s // 2 + 1, :]
+        D = (xs * (Gs - Gm).exp()) @ (ks * (Gm - Gs).exp()).transpose(-1, -2)  # (..., m, s, s)
+    if m == 1:
+        return D.squeeze(-3)
+    cols = []
+    for b in range(m):  # column sub-chunk b: zeros above, its diagonal block, the later rows below
+        parts = [D.new_zeros(*D.shape[:-3], b * s, s)] if b else []
+        parts.append(D[..., b, :, :])
+        if b < m - 1:
+            Ge = Gs[..., b, -1:, :]
+            rows = x[..., (b + 1) * s :, :] * (G[..., (b + 1) * s :, :] - Ge).exp()
+            parts.append(rows @ (ks[..., b, :, :] * (Ge - Gs[..., b, :, :]).exp()).transpose(-1, -2))
+        cols.append(torch.cat(parts, -2))
+    return torch.cat(cols, -1)
+
+
+def _intra(q, k, v, g, beta, s: int, pairwise: bool):
+    """What each chunk contributes on its own, for all chunks at once (layout N B H C ·):
+    W, U (C × d_k, C × d_v), Q⊙e^G, the causal decayed QK (C × C), the chunk's decay e^{G_last}
+    (d_k) and K_out = (K ⊙ e^{G_last − G})ᵀ (d_k × C)."""
+    C, K = q.shape[-2:]
+    G = g.cumsum(-2)
+    kk, qk = _products(torch.stack([k, q]), k, G, s, pairwise).unbind(0)
+    A = (kk * beta[..., None]).tril(-1)  # unitriangular: the solve takes I + A's unit diagonal as read
+    X = torch.linalg.solve_triangular(A, beta[..., None] * torch.cat([k * G.exp(), v], -1), upper=False,
+                                      unitriangular=True)
+    G_last = G[..., -1:, :]
+    return (X[..., :K], X[..., K:], q * G.exp(), qk.tril(), G_last.squeeze(-2).exp(),
+            (k * (G_last - G).exp()).transpose(-1, -2))
+
+
+def _transition(W, carry, K_out):
+    """M with S_next = M S + K_out U: Diag(e^{G_last}) − K_out W, per chunk."""
+    return torch.diag_embed(carry) - K_out @ W
+
+
+def _scan(M, b, S):
+    """The state at each chunk's start and after the last: S_{n+1} = M_n S_n + b_n (N+1, B, H, K, V)."""
+    N = M.shape[0]
+    out = S.new_empty(N + 1, *S.shape)
+    out[0] = S
+    M3, b3, out3 = M.flatten(1, 2), b.flatten(1, 2), out.flatten(1, 2)  # (·, B·H, ·, ·): one bmm a step
+    for n in range(N):
+        torch.baddbmm(b3[n], M3[n], out3[n], out=out3[n + 1])
+    return out
+
+
+def _segments(T: int, C: int):
+    step = max(C, _SEGMENT_TOKENS // C * C)
+    return [(t0, min(t0 + step, T)) for t0 in range(0, T, step)]
+
+
+class _KDAChunked(torch.autograd.Function):
+    """The chunk form with a hand-written backward for the state recurrence. Saves the inputs and the
+    state at each segment's start; the backward recomputes, a segment at a time, the intra-chunk
+    work (autograd runs through `_intra` alone) and the chunks' states (d_k·d_v per chunk and head:
+    at head dim 128 and chunk 64 that alone would be twice q's width per token)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, S0, C: int, s: int, pairwise: bool):
+        T = q.shape[1]
+        outs, starts, S = [], [], S0
+        for t0, t1 in _segments(T, C):
+            W, U, Qg, QK, carry, K_out = _intra(*(_chunks(t[:, t0:t1], C) for t in (q, k, v, g, beta)), s, pairwise)
+            S_all = _scan(_transition(W, carry, K_out), K_out @ U, S)
+            S_in = S_all[:-1]
+            outs.append(_unchunk(Qg @ S_in + QK @ (U - W @ S_in), t1 - t0))
+            starts.append(S)
+            S = S_all[-1]
+        ctx.save_for_backward(q, k, v, g, beta, torch.stack(starts))
+        ctx.args = (C, s, pairwise)
+        return torch.cat(outs, 1), S.clone()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dO_BTHV, dS_BHKV):
+        q, k, v, g, beta, starts = ctx.saved_tensors
+        C, s, pairwise = ctx.args
+        inputs = (q, k, v, g, beta)
+        grads = [torch.zeros_like(t) for t in inputs]
+        dS = dS_BHKV.contiguous()
+        segments = _segments(q.shape[1], C)
+        for i in reversed(range(len(segments))):
+            t0, t1 = segments[i]
+            with torch.enable_grad():
+                leaves = [_chunks(t[:, t0:t1], C).requires_grad_() for t in inputs]
+                outs = W, U, Qg, QK, carry, K_out = _intra(*leaves, s, pairwise)
+            M = _transition(W, carry, K_out)
+            S = _scan(M, K_out @ U, starts[i])[:-1]  # the chunks' states again, from the segment's start
+            dO = _chunks(dO_BTHV[:, t0:t1], C)
+            c = Qg.transpose(-1, -2) @ dO - W.transpose(-1, -2) @ (QK.transpose(-1, -2) @ dO)
+            dS_all = _scan(M.transpose(-1, -2).flip(0), c.flip(0), dS).flip(0)  # dS_n = M_nᵀ dS_{n+1} + c_n
+            dS_next, dS = dS_all[1:], dS_all[0]
+            V_new = U - W @ S
+            dV_new = QK.transpose(-1, -2) @ dO + K_out.transpose(-1, -2) @ dS_next
+            douts = (-dV_new @ S.transpose(-1, -2), dV_new, dO @ S.transpose(-1, -2), dO @ V_new.transpose(-1, -2),
+                     (dS_next * S).sum(-1), dS_next @ V_new.transpose(-1, -2))
+            for grad, leaf_grad in zip(grads, torch.autograd.grad(outs, leaves, douts)):
+                grad[:, t0:t1] = _unchunk(leaf_grad.unsqueeze(-1) if leaf_grad.dim() == 4 else leaf_grad, t1 - t0
+                                          ).reshape(grad[:, t0:t1].shape)
+        return (*grads, dS if ctx.needs_input_grad[5] else None, None, None, None)
 
 
 def kda_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV=None, chunk_size: int = 16,
                 step_bound: float | None = None):
     """Chunk-parallel form; equals `kda_recurrent` to float tolerance. Returns (o_BTHV, S_BHKV).
 
-    `step_bound`: the largest |g| a step can have (the safe gate's |g_min|). Given, the form is
-    chosen once for every chunk (`factorisable`): no look at the data, so no host sync per chunk
-    (which also kept the loop from `torch.compile`). Without it (the softplus gate is unbounded)
-    each chunk is checked. A chunk that needs the pairwise form is recomputed in the backward pass
-    (activation checkpointing) rather than keeping its C×C×d_k tensors for the whole sequence."""
-    static = factorisable(chunk_size, step_bound)
+    `chunk_size` ≤ 16 or a multiple of 16 (sub-chunks of 16). `step_bound`: the largest |g| a step
+    can have (the safe gate's |g_min|); given, the diagonal blocks' form is chosen once
+    (`factorisable`) without looking at the data; without it (the softplus gate is unbounded) the
+    data's largest span decides, with one host sync per call."""
+    if chunk_size < 1 or (chunk_size > SUB_CHUNK and chunk_size % SUB_CHUNK):
+        raise ValueError(f"chunk_size {chunk_size}: must be <= {SUB_CHUNK} or a multiple of {SUB_CHUNK}")
     dt = torch.promote_types(q_BTHK.dtype, torch.float32)
-    B, T, H, K = q_BTHK.shape
-    V = v_BTHV.shape[-1]
-    # heads first: (B, H, T, ·)
-    q, k, v, g = (t.to(dt).transpose(1, 2) for t in (q_BTHK, k_BTHK, v_BTHV, g_BTHK))
-    beta = beta_BTH.to(dt).transpose(1, 2)
-    S = torch.zeros(B, H, K, V, dtype=dt, device=q.device) if S_BHKV is None else S_BHKV.to(dt)
-    if static:  # every chunk factorised: their intra-chunk work batched, the state chunk by chunk
-        o, S = _kda_factorised_all(q, k, v, g, beta, S, chunk_size)
-        return o.transpose(1, 2), S
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, S))
-    outs = []
-    # split, not slice: the backward of a slice writes into a zero tensor of the full length, which
-    # would make the backward quadratic in the number of chunks
-    for qc, kc, vc, gc, bc in zip(*(t.split(chunk_size, dim=2) for t in (q, k, v, g, beta))):
-        G = gc.cumsum(2)  # inclusive, once per chunk: decides the form and feeds it
-        chunk = (qc, kc, vc, G, bc)
-        if static is None:
-            with torch.no_grad():
-                pairwise = _needs_pairwise(G)
-        else:
-            pairwise = not static
-        if pairwise and grad:
-            o, S = torch.utils.checkpoint.checkpoint(_kda_chunk, *chunk, S, True, use_reentrant=False)
-        else:
-            o, S = _kda_chunk(*chunk, S, pairwise)
-        outs.append(o)
-    return torch.cat(outs, 2).transpose(1, 2), S
-
-
+    q, k, v, g, beta = (t.to(dt) for t in (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH))
+    B, T, H, K = q.shape
+    S = q.new_zeros(B, H, K, v.shape[-1]) if S_BHKV is None else S_BHKV.to(dt)
+    s = min(chunk_size, SUB_CHUNK)
+    static = factorisable(chunk_size, step_bound)
+    pairwise = (not static) if static is not None else _diag_span(g, s) > _MAX_EXP
+    return _KDAChunked.apply(q, k, v, g, beta, S, chunk_size, s, pairwise)
 def causal_conv(x_BTC, weight_C1W, state_BCW=None):
     """Depthwise causal conv + SiLU; returns the output and the last W−1 inputs (the conv state)."""
     B, T, C = x_BTC.shape

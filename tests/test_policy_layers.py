@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from policy.args import KDAArgs, MLAArgs, MoEArgs
 from policy.balance import QuantileHistogram, load_imbalance, quantile_bias, sign_update
-from policy.kda import KDA, KDAState, kda_chunked, kda_recurrent
+from policy.kda import KDA, KDAState, _diag_span, kda_chunked, kda_recurrent
 from policy.mla import GatedMLA, MLACache
 from policy.moe import Activation, LatentMoE, Router, naive_moe, situ_glu, swiglu
 
@@ -43,31 +43,75 @@ def test_kda_state_carries_across_calls():
     assert torch.allclose(S2, S_full, atol=1e-10)
 
 
-@pytest.mark.parametrize("chunk", [8, 16, 32])
-def test_the_form_chosen_from_the_gate_s_bound_equals_recurrent_without_looking_at_the_data(chunk, monkeypatch):
-    """With the safe gate's bound the form is fixed before the data is seen (factorised up to chunk
-    24 at |g| <= 5, every chunk's intra-chunk work batched; pairwise beyond) and no chunk is
-    inspected; outputs, state and gradients equal the step-by-step recurrence in fp64, outputs
-    within float tolerance in fp32 and from bf16 inputs."""
-    from policy import kda as kda_module
-
-    monkeypatch.setattr(kda_module, "_needs_pairwise", lambda G: pytest.fail("a chunk was inspected"))
-    assert kda_module.factorisable(chunk, 5.0) == (chunk <= 24) and kda_module.factorisable(chunk, None) is None
-    inputs = [t.requires_grad_(True) for t in _kda_inputs(torch.float64, T=37)]
-    grads = []
-    for fn in (kda_recurrent, lambda *a: kda_chunked(*a, chunk_size=chunk, step_bound=5.0)):
+def _grads_against_recurrent(fn, inputs):
+    """(o, S, every input's gradient) of fn and of the recurrence, for one loss over o and S."""
+    out = []
+    for f in (kda_recurrent, fn):
         for t in inputs:
             t.grad = None
-        o, S = fn(*inputs)
+        o, S = f(*inputs)
         (o.pow(2).sum() + S.sum()).backward()
-        grads.append((o.detach(), S.detach(), torch.cat([t.grad.flatten() for t in inputs])))
-    for a, b in zip(*grads):
+        out.append((o.detach(), S.detach(), torch.cat([t.grad.flatten() for t in inputs])))
+    return out
+
+
+@pytest.mark.parametrize("chunk", [8, 16, 32, 64])
+def test_the_form_chosen_from_the_gate_s_bound_equals_recurrent_without_looking_at_the_data(chunk, monkeypatch):
+    """With the safe gate's bound (|g| <= 5) every sub-chunk's diagonal block is factorised, decided
+    before the data is seen (no span is computed); chunks longer than 16 are cut into sub-chunks;
+    the sequence is cut into segments (here of 16 tokens, so several) for the forward and the
+    backward's recompute. Outputs, state and the gradients of every input (the initial state
+    included) equal the step-by-step recurrence in fp64; outputs within float tolerance in fp32 and
+    from bf16 inputs."""
+    from policy import kda as kda_module
+
+    monkeypatch.setattr(kda_module, "_diag_span", lambda *a: pytest.fail("the data was inspected"))
+    monkeypatch.setattr(kda_module, "_SEGMENT_TOKENS", 16)
+    assert kda_module.factorisable(chunk, 5.0) and kda_module.factorisable(chunk, None) is None
+    inputs = [t.requires_grad_(True) for t in _kda_inputs(torch.float64, T=37)]
+    for a, b in zip(*_grads_against_recurrent(lambda *a: kda_chunked(*a, chunk_size=chunk, step_bound=5.0), inputs)):
         assert torch.allclose(a, b, atol=1e-9)
-    # in fp32 (and from bf16 inputs) against the fp64 recurrence
     ref_o, ref_S = kda_recurrent(*(t.detach() for t in inputs))
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.1)):
         o, S = kda_chunked(*(t.detach().to(dtype) for t in inputs), chunk_size=chunk, step_bound=5.0)
         assert o.dtype == torch.float32 and (o.double() - ref_o).abs().max() <= tol and (S.double() - ref_S).abs().max() <= tol
+
+
+@pytest.mark.parametrize("bound", [None, 20.0])
+def test_strong_unbounded_decay_takes_the_pairwise_diagonal_blocks_and_equals_recurrent(bound, monkeypatch):
+    """Decay up to 20 per step (the softplus gate has no bound) would overflow the factorised
+    diagonal blocks (8 steps × 20 > 60): without a bound the data's span is measured once per call
+    and picks the pairwise form; with a bound too large it is picked statically. Either way outputs,
+    state and gradients equal the recurrence."""
+    from policy import kda as kda_module
+
+    spans = []
+    monkeypatch.setattr(kda_module, "_diag_span", lambda *a: spans.append(_diag_span(*a)) or spans[-1])
+    q, k, v, _, beta, S0 = _kda_inputs(torch.float64, T=45)
+    g = -20 * torch.rand(q.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    inputs = [t.requires_grad_(True) for t in (q, k, v, g, beta, S0)]
+    fn = lambda *a: kda_chunked(*a, chunk_size=32, step_bound=bound)  # noqa: E731
+    for a, b in zip(*_grads_against_recurrent(fn, inputs)):
+        assert torch.isfinite(b).all() and torch.allclose(a, b, atol=1e-9)
+    assert (len(spans) == 1 and spans[0] > 60) if bound is None else spans == []
+
+
+def test_the_chunk_form_saves_only_its_inputs_and_a_state_per_segment(monkeypatch):
+    """Autograd keeps, for the chunk form, its five inputs and the state at each segment's start:
+    nothing per token beyond the inputs; the intermediates and the chunks' states are recomputed in
+    backward."""
+    from policy import kda as kda_module
+
+    monkeypatch.setattr(kda_module, "_SEGMENT_TOKENS", 64)
+    q, k, v, g, beta, _ = (t.requires_grad_(True) for t in _kda_inputs(torch.float32, B=1, T=256, H=2, K=16, V=16))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.untyped_storage().nbytes()) or t, lambda t: t):
+        o, S = kda_chunked(q, k, v, g, beta, chunk_size=16, step_bound=5.0)
+    inputs_bytes = sum(t.numel() * 4 for t in (q, k, v, g, beta))
+    states_bytes = (256 // 64) * 2 * 16 * 16 * 4
+    assert sum(saved) == inputs_bytes + states_bytes, (sum(saved), inputs_bytes, states_bytes)
+    (o.sum() + S.sum()).backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v, g, beta))
 
 
 def test_kda_chunked_is_stable_under_strong_decay():
@@ -319,3 +363,15 @@ def test_the_safe_gate_starts_with_memory_and_its_rates_stay_fp32_without_weight
     main, own = learner.opt.param_groups
     assert own["weight_decay"] == 0.0 and main["weight_decay"] == 0.1 and {id(p) for p in own["params"]} == rates
     assert not rates & {id(p) for p in main["params"]}
+
+
+def test_a_chunk_size_that_cannot_be_cut_into_sub_chunks_is_refused(tmp_path):
+    from policy.args import load_model_args
+    from typed_yaml import ConfigError
+
+    with pytest.raises(ValueError, match="chunk_size 24"):
+        kda_chunked(*_kda_inputs(torch.float32), chunk_size=24)
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text("kda: {chunk_size: 24}\n")
+    with pytest.raises(ConfigError, match="kda.chunk_size must be <= 16 or a multiple of 16"):
+        load_model_args(cfg)
