@@ -49,7 +49,7 @@ BENCHES = [
           ["bench/weight_sync.py"], ["--hidden", "128", "--layers", "2", "--repeats", "2"], 1200,
           dict(kind="bar", x=["what"], y=["seconds"], ylabel="seconds")),
     Bench(4, "Learner step time and peak memory vs trajectory length: policy/ (KDA + MLA) vs a softmax stack",
-          ["bench/policy_long_context.py"], ["--lengths", "1024", "2048"], 3600,
+          ["bench/policy_long_context.py"], ["--lengths", "1024", "2048", "--k3-lengths", "1024"], 5400,
           dict(kind="line", x=["tokens"], y=["hybrid MiB", "softmax MiB"], ylabel="peak MiB",
                y2=["hybrid s", "softmax s"], y2label="seconds")),
     Bench(5, "Sandboxed tool-call latency per backend vs a bare subprocess",

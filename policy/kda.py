@@ -41,6 +41,7 @@ from torch import nn
 
 from policy.args import SUB_CHUNK, KDAArgs
 from policy.norm import RMSNorm, upcast
+from policy.recompute import recompute
 
 
 def kda_recurrent(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV=None):
@@ -61,9 +62,10 @@ def kda_recurrent(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV=None):
 
 # Largest exponent a factorised product may meet (fp32 overflows past e^88).
 _MAX_EXP = 60.0
-# Tokens per segment of the chunk form (forward and the backward's recompute): bounds the
-# intra-chunk intermediates alive at once, whatever the sequence length.
-_SEGMENT_TOKENS = 8192
+# Elements (batch × tokens × heads × d_k) per segment of the chunk form, forward and the backward's
+# recompute: bounds the intra-chunk intermediates alive at once, whatever the sequence length
+# (8K tokens at the debug flavour's 2 × 16, 1K at K3's head dim 128 with 2 heads).
+_SEGMENT_ELEMENTS = 1 << 18
 
 
 def factorisable(chunk_size: int, step_bound: float | None) -> bool | None:
@@ -161,8 +163,9 @@ def _scan(M, b, S):
     return out
 
 
-def _segments(T: int, C: int):
-    step = max(C, _SEGMENT_TOKENS // C * C)
+def _segments(T: int, C: int, width: int):
+    """Token ranges [t0, t1) of whole chunks, `width` = batch × heads × max(d_k, d_v) per token."""
+    step = max(C, _SEGMENT_ELEMENTS // width // C * C)
     return [(t0, min(t0 + step, T)) for t0 in range(0, T, step)]
 
 
@@ -174,9 +177,9 @@ class _KDAChunked(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, S0, C: int, s: int, pairwise: bool):
-        T = q.shape[1]
+        B, T, H, K = q.shape
         outs, starts, S = [], [], S0
-        for t0, t1 in _segments(T, C):
+        for t0, t1 in _segments(T, C, B * H * max(K, v.shape[-1])):
             W, U, Qg, QK, carry, K_out = _intra(*(_chunks(t[:, t0:t1], C) for t in (q, k, v, g, beta)), s, pairwise)
             S_all = _scan(_transition(W, carry, K_out), K_out @ U, S)
             S_in = S_all[:-1]
@@ -195,7 +198,8 @@ class _KDAChunked(torch.autograd.Function):
         inputs = (q, k, v, g, beta)
         grads = [torch.zeros_like(t) for t in inputs]
         dS = dS_BHKV.contiguous()
-        segments = _segments(q.shape[1], C)
+        B, T, H, K = q.shape
+        segments = _segments(T, C, B * H * max(K, v.shape[-1]))
         for i in reversed(range(len(segments))):
             t0, t1 = segments[i]
             with torch.enable_grad():
@@ -316,26 +320,43 @@ class KDA(nn.Module):
             return -A * F.softplus(f)
         return self.a.g_min * torch.sigmoid(A * f)
 
-    def forward(self, x_BTD, state: KDAState | None = None, recurrent: bool | None = None):
-        """`state` is read and updated in place when given (decoding); `recurrent` forces a form
-        (default: recurrent for a single token, chunked otherwise)."""
+    def inputs(self, x_BTD, conv_states=(None, None, None)):
+        """The recurrence's inputs: q, k (L2-normalised, q scaled), v (B, T, H, K), β (B, T, H) and g,
+        then the three new conv states."""
         B, T, _ = x_BTD.shape
         H, K = self.a.n_heads, self.a.head_dim
-        st = state or KDAState()
-        q, cq = causal_conv(self.q_proj(x_BTD), self.q_conv, st.conv_q)
-        k, ck = causal_conv(self.k_proj(x_BTD), self.k_conv, st.conv_k)
-        v, cv = causal_conv(self.v_proj(x_BTD), self.v_conv, st.conv_v)
+        (q, cq), (k, ck), (v, cv) = (causal_conv(proj(x_BTD), w, c) for proj, w, c in
+                                     zip((self.q_proj, self.k_proj, self.v_proj), (self.q_conv, self.k_conv, self.v_conv),
+                                         conv_states))
         q = F.normalize(upcast(q.view(B, T, H, K)), dim=-1, eps=1e-6) * K**-0.5
         k = F.normalize(upcast(k.view(B, T, H, K)), dim=-1, eps=1e-6)
-        v = v.view(B, T, H, K)
         beta = torch.sigmoid(upcast(self.beta_proj(x_BTD)))
-        g = self.decay(x_BTD)
+        return q, k, v.view(B, T, H, K), beta, self.decay(x_BTD), cq, ck, cv
+
+    def output(self, o_BTHK, x_BTD):
+        """W_o [sigmoid(W_gate x) ⊙ RMSNorm_head(o)]."""
+        B, T, H, K = o_BTHK.shape
+        o = self.o_norm(o_BTHK.to(x_BTD.dtype)) * torch.sigmoid(self.g_proj(x_BTD)).view(B, T, H, K)
+        return self.o_proj(o.reshape(B, T, H * K))
+
+    def forward(self, x_BTD, state: KDAState | None = None, recurrent: bool | None = None):
+        """`state` is read and updated in place when given (decoding); `recurrent` forces a form
+        (default: recurrent for a single token, chunked otherwise). Training (no state, gradients
+        on) keeps x and the recurrence's inputs only: the projections, convs, norms and gates on
+        either side of the recurrence are recomputed in backward (they would keep ~12 times q's
+        width per token, against 4 for the recurrence's own inputs)."""
+        T = x_BTD.shape[1]
+        train = state is None and torch.is_grad_enabled()
+        st = state or KDAState()
+        if train:
+            q, k, v, beta, g = recompute(lambda x: self.inputs(x)[:5], (x_BTD,), list(self.parameters()))
+        else:
+            q, k, v, beta, g, *convs = self.inputs(x_BTD, (st.conv_q, st.conv_k, st.conv_v))
         if recurrent if recurrent is not None else T == 1:
             o, S = kda_recurrent(q, k, v, g, beta, st.S)
         else:
             bound = -self.a.g_min if self.a.gate == "safe" else None  # the softplus gate is unbounded
             o, S = kda_chunked(q, k, v, g, beta, st.S, self.a.chunk_size, step_bound=bound)
         if state is not None:
-            state.conv_q, state.conv_k, state.conv_v, state.S = cq, ck, cv, S
-        o = self.o_norm(o.to(x_BTD.dtype)) * torch.sigmoid(self.g_proj(x_BTD)).view(B, T, H, K)
-        return self.o_proj(o.reshape(B, T, H * K))
+            (state.conv_q, state.conv_k, state.conv_v), state.S = convs, S
+        return recompute(self.output, (o, x_BTD), list(self.parameters())) if train else self.output(o, x_BTD)

@@ -33,14 +33,52 @@ from policy.args import ModelArgs, VisionArgs
 from policy.kda import KDA, KDAState
 from policy.mla import GatedMLA, MLACache
 from policy.moe import GLU, Activation, LatentMoE
-from policy.norm import RMSNorm, rms_norm, upcast
+from policy.norm import RMSNorm
 
 
 def attn_res_mix(w_D: torch.Tensor, sources: list[torch.Tensor], eps: float) -> torch.Tensor:
-    V_SBTD = upcast(torch.stack(sources))
-    logits_SBT = torch.einsum("sbtd,d->sbt", rms_norm(V_SBTD, eps), upcast(w_D))
-    alpha = torch.softmax(logits_SBT, dim=0)
-    return torch.einsum("sbt,sbtd->btd", alpha, V_SBTD).to(sources[-1].dtype)
+    """AttnRes: Σ_s α_s V_s with α = softmax_s(w · RMSNorm(V_s)) per token, over the earlier blocks'
+    outputs and the running prefix (math in fp32, result in the sources' dtype)."""
+    return _AttnResMix.apply(w_D, eps, *sources)
+
+
+class _AttnResMix(torch.autograd.Function):
+    """`attn_res_mix` with a hand-written backward. Autograd would keep, for every mix, the stacked
+    sources, their normalised copy and the logits (~3 × sources × width per token, in fp32); this
+    keeps the sources themselves (alive anyway: later layers read the same blocks, so each is kept
+    once however many mixes read it) and two numbers per source and token (1/rms and α)."""
+
+    @staticmethod
+    def forward(ctx, w_D, eps: float, *sources):
+        dt = torch.promote_types(sources[-1].dtype, torch.float32)
+        w = w_D.to(dt)
+        inv_rms, logits = [], []
+        for V in sources:
+            Vf = V.to(dt)
+            inv_rms.append(torch.rsqrt(Vf.pow(2).mean(-1) + eps))
+            logits.append(inv_rms[-1] * (Vf @ w))
+        alpha_SBT = torch.softmax(torch.stack(logits), 0)
+        out = sum(a[..., None] * V.to(dt) for a, V in zip(alpha_SBT, sources))
+        ctx.save_for_backward(w_D, torch.stack(inv_rms), alpha_SBT, *sources)
+        return out.to(sources[-1].dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout_BTD):
+        w_D, r_SBT, alpha_SBT, *sources = ctx.saved_tensors
+        dt = r_SBT.dtype
+        w, g = w_D.to(dt), dout_BTD.to(dt)
+        D = g.shape[-1]
+        dalpha = torch.stack([(g * V.to(dt)).sum(-1) for V in sources])
+        dlogit = alpha_SBT * (dalpha - (alpha_SBT * dalpha).sum(0, keepdim=True))  # softmax backward
+        dw, dsources = torch.zeros_like(w), []
+        for V, a, r, dl in zip(sources, alpha_SBT, r_SBT, dlogit):
+            Vf = V.to(dt)
+            c = dl * r  # logit = r (V·w):  d/dV = r w − r³ (V·w) V / D,  d/dw = r V
+            dw += (c[..., None] * Vf).flatten(0, -2).sum(0)
+            dV = a[..., None] * g + c[..., None] * w - (c * r.square() * (Vf @ w) / D)[..., None] * Vf
+            dsources.append(dV.to(V.dtype))
+        return dw.to(w_D.dtype), None, *dsources
 
 
 class Block(nn.Module):

@@ -39,8 +39,31 @@ from policy.norm import RMSNorm, upcast
 
 
 def situ_glu(g: torch.Tensor, u: torch.Tensor, b1: float = 4.0, b2: float = 25.0) -> torch.Tensor:
-    gf, uf = upcast(g), upcast(u)
-    return (b1 * torch.tanh(gf / b1) * torch.sigmoid(gf) * (b2 * torch.tanh(uf / b2))).to(g.dtype)
+    """b1·tanh(g/b1)·sigmoid(g) · b2·tanh(u/b2) in fp32, cast back to g's dtype."""
+    return _SiTUGLU.apply(g, u, b1, b2)
+
+
+class _SiTUGLU(torch.autograd.Function):
+    """SiTU-GLU with a hand-written backward: saves g and u (in their own dtype) where autograd
+    would keep six fp32 intermediates of the same width."""
+
+    @staticmethod
+    def forward(ctx, g, u, b1: float, b2: float):
+        gf, uf = upcast(g), upcast(u)
+        ctx.save_for_backward(g, u)
+        ctx.b = (b1, b2)
+        return (b1 * torch.tanh(gf / b1) * torch.sigmoid(gf) * (b2 * torch.tanh(uf / b2))).to(g.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        g, u = ctx.saved_tensors
+        b1, b2 = ctx.b
+        gf, uf, dyf = upcast(g), upcast(u), upcast(dy)
+        t1, sg, t2 = torch.tanh(gf / b1), torch.sigmoid(gf), torch.tanh(uf / b2)
+        gate = b1 * t1 * sg
+        dgate = (1 - t1.square()) * sg + gate * (1 - sg)  # d/dg [b1 tanh(g/b1) σ(g)]
+        return (dyf * b2 * t2 * dgate).to(g.dtype), (dyf * gate * (1 - t2.square())).to(u.dtype), None, None
 
 
 def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -66,7 +66,7 @@ def test_the_form_chosen_from_the_gate_s_bound_equals_recurrent_without_looking_
     from policy import kda as kda_module
 
     monkeypatch.setattr(kda_module, "_diag_span", lambda *a: pytest.fail("the data was inspected"))
-    monkeypatch.setattr(kda_module, "_SEGMENT_TOKENS", 16)
+    monkeypatch.setattr(kda_module, "_SEGMENT_ELEMENTS", 16 * 2 * 3 * 8)  # B=2, H=3, K=8: 16 tokens
     assert kda_module.factorisable(chunk, 5.0) and kda_module.factorisable(chunk, None) is None
     inputs = [t.requires_grad_(True) for t in _kda_inputs(torch.float64, T=37)]
     for a, b in zip(*_grads_against_recurrent(lambda *a: kda_chunked(*a, chunk_size=chunk, step_bound=5.0), inputs)):
@@ -102,7 +102,7 @@ def test_the_chunk_form_saves_only_its_inputs_and_a_state_per_segment(monkeypatc
     backward."""
     from policy import kda as kda_module
 
-    monkeypatch.setattr(kda_module, "_SEGMENT_TOKENS", 64)
+    monkeypatch.setattr(kda_module, "_SEGMENT_ELEMENTS", 64 * 2 * 16)  # 64 tokens
     q, k, v, g, beta, _ = (t.requires_grad_(True) for t in _kda_inputs(torch.float32, B=1, T=256, H=2, K=16, V=16))
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.untyped_storage().nbytes()) or t, lambda t: t):
@@ -185,6 +185,40 @@ def test_situ_glu_bounded_matches_swiglu_near_zero_and_keeps_gradients():
     ux = torch.tensor([-150.0, -60.0, 60.0, 150.0], requires_grad=True)
     situ_glu(gx, ux, b1, b2).sum().backward()
     assert (gx.grad != 0).all() and (ux.grad != 0).all()
+
+
+def test_situ_glu_s_backward_equals_autograd_of_its_formula_and_saves_only_its_inputs():
+    """The hand-written backward equals autograd through the formula (fp64, including saturated
+    inputs); from bf16 inputs it saves g and u alone, in bf16."""
+    gen = torch.Generator().manual_seed(0)
+    g = (torch.randn(64, 40, generator=gen, dtype=torch.float64) * 30).requires_grad_()
+    u = (torch.randn(64, 40, generator=gen, dtype=torch.float64) * 80).requires_grad_()
+    dy = torch.randn(64, 40, generator=gen, dtype=torch.float64)
+    ref = 4.0 * torch.tanh(g / 4.0) * torch.sigmoid(g) * (25.0 * torch.tanh(u / 25.0))
+    want = torch.autograd.grad(ref, (g, u), dy)
+    out = situ_glu(g, u, 4.0, 25.0)
+    got = torch.autograd.grad(out, (g, u), dy)
+    assert torch.allclose(out, ref, atol=1e-12) and all(torch.allclose(a, b, atol=1e-10) for a, b in zip(got, want))
+    gb, ub = (t.detach().bfloat16().requires_grad_() for t in (g, u))
+    _, saved = _saved_bytes(lambda: situ_glu(gb, ub, 4.0, 25.0))
+    assert saved == 2 * 64 * 40 * 2
+
+
+def test_rms_norm_s_backward_equals_autograd_of_its_formula_and_saves_x_and_one_number_a_row():
+    from policy.norm import rms_norm
+
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 7, 40, generator=gen, dtype=torch.float64) * 5).requires_grad_()
+    w = torch.randn(40, generator=gen, dtype=torch.float64).requires_grad_()
+    dy = torch.randn(3, 7, 40, generator=gen, dtype=torch.float64)
+    ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+    want = torch.autograd.grad(ref, (x, w), dy)
+    out = rms_norm(x, w, 1e-5)
+    got = torch.autograd.grad(out, (x, w), dy)
+    assert torch.allclose(out, ref, atol=1e-12) and all(torch.allclose(a, b, atol=1e-10) for a, b in zip(got, want))
+    xb = x.detach().bfloat16().requires_grad_()
+    out, saved = _saved_bytes(lambda: rms_norm(xb, w, 1e-5))
+    assert out.dtype == torch.bfloat16 and saved == 3 * 7 * 40 * 2 + 40 * 8 + 3 * 7 * 4
 
 
 def _moe(dtype=torch.float64, **kw):
@@ -375,3 +409,63 @@ def test_a_chunk_size_that_cannot_be_cut_into_sub_chunks_is_refused(tmp_path):
     cfg.write_text("kda: {chunk_size: 24}\n")
     with pytest.raises(ConfigError, match="kda.chunk_size must be <= 16 or a multiple of 16"):
         load_model_args(cfg)
+
+
+def _saved_bytes(fn):
+    """(result, bytes of the distinct storages autograd saved while running fn)."""
+    seen = {}
+    with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) and t, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+def test_the_kda_layer_recomputes_its_projections_in_training_with_the_same_gradients():
+    """Training (no decoding state) keeps x and the recurrence's inputs and recomputes the
+    projections, convs, norms and output gate in backward: same output and parameter gradients as
+    the path that keeps everything (taken when a state is passed), in fp64, and under half the saved
+    bytes."""
+    torch.manual_seed(0)
+    layer = KDA(32, KDAArgs(n_heads=2, head_dim=16, chunk_size=16)).double()
+    x = torch.randn(2, 40, 32, dtype=torch.float64, requires_grad=True)
+    results = []
+    for state in (None, KDAState()):
+        layer.zero_grad()
+        x.grad = None
+        y, saved = _saved_bytes(lambda: layer(x, state))
+        y.pow(2).sum().backward()
+        results.append((y.detach(), torch.cat([p.grad.flatten() for p in layer.parameters()] + [x.grad.flatten()]), saved))
+    (y0, g0, kept), (y1, g1, plain) = results
+    assert torch.allclose(y0, y1, atol=1e-12) and torch.allclose(g0, g1, atol=1e-10)
+    assert kept < plain / 2, (kept, plain)
+
+
+def _attn_res_mix_naive(w_D, sources, eps):
+    """AttnRes as written in the paper: stack, RMS-normalise, score, softmax over sources, mix."""
+    V = torch.stack(sources).to(torch.promote_types(sources[-1].dtype, torch.float32))
+    alpha = torch.softmax(torch.einsum("sbtd,d->sbt", V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps), w_D.to(V.dtype)), 0)
+    return torch.einsum("sbt,sbtd->btd", alpha, V).to(sources[-1].dtype)
+
+
+@pytest.mark.parametrize("n_sources", [1, 2, 4])
+def test_the_attn_res_mix_equals_the_naive_one_and_keeps_only_its_sources(n_sources):
+    """The hand-written backward of the AttnRes mix gives the naive mix's output and gradients (for
+    the pseudo-query and every source) in fp64, within bf16 tolerance from bf16 sources; it saves
+    the sources themselves plus two numbers per source and token, not stacked normalised copies."""
+    from policy.model import attn_res_mix
+
+    g = torch.Generator().manual_seed(n_sources)
+    w = torch.randn(24, generator=g, dtype=torch.float64, requires_grad=True)
+    sources = [(torch.randn(2, 9, 24, generator=g, dtype=torch.float64) * (i + 1)).requires_grad_() for i in range(n_sources)]
+    grads = []
+    for mix in (_attn_res_mix_naive, attn_res_mix):
+        for t in [w, *sources]:
+            t.grad = None
+        out, saved = _saved_bytes(lambda: mix(w, sources, 1e-5))
+        (out * torch.linspace(-1, 1, 24, dtype=torch.float64)).pow(2).sum().backward()
+        grads.append((out.detach(), torch.cat([t.grad.flatten() for t in [w, *sources]]), saved))
+    (o_ref, g_ref, _), (o, gr, saved) = grads
+    assert torch.allclose(o, o_ref, atol=1e-12) and torch.allclose(gr, g_ref, atol=1e-10)
+    assert saved == 24 * 8 + n_sources * 2 * 9 * 24 * 8 + 2 * n_sources * 2 * 9 * 8
+    bf = [s.detach().bfloat16() for s in sources]
+    assert (attn_res_mix(w.detach(), bf, 1e-5).double() - _attn_res_mix_naive(w.detach(), bf, 1e-5).double()).abs().max() < 0.05
