@@ -69,6 +69,9 @@ BENCHES = [
     Bench(9, "LoRA RL vs full fine-tuning on the real policy: sync bytes, learner memory, step time",
           ["bench/lora_vs_full.py"], ["--iterations", "1"], 1800,
           dict(kind="bar", x=["run"], y=["MiB per sync"], ylabel="MiB per weight sync")),
+    Bench(10, "Learner tokens/s per step on the real policy: fp32 vs bf16 mixed precision, against this machine's matmul throughput",
+          ["bench/learner_throughput.py"], ["--episodes", "8", "--tokens", "256"], 1800,
+          dict(kind="bar", x=["precision"], y=["tokens / s"], ylabel="learner tokens / s")),
 ]
 
 GPU_HEADING = "## GPU checks (run by hand on a lent GPU machine)"
