@@ -70,7 +70,7 @@ BENCHES = [
           ["bench/lora_vs_full.py"], ["--iterations", "1"], 1800,
           dict(kind="bar", x=["run"], y=["MiB per sync"], ylabel="MiB per weight sync")),
     Bench(10, "Learner tokens/s per step on the real policy: fp32 vs bf16 mixed precision, against this machine's matmul throughput",
-          ["bench/learner_throughput.py"], ["--episodes", "8", "--tokens", "256"], 1800,
+          ["bench/learner_throughput.py"], ["--episodes", "8"], 1800,
           dict(kind="bar", x=["precision"], y=["tokens / s"], ylabel="learner tokens / s")),
 ]
 
