@@ -97,8 +97,11 @@ def _chunks(x_BTH_, C: int) -> torch.Tensor:
 
 
 def _unchunk(y_NBHC_: torch.Tensor, T: int) -> torch.Tensor:
-    N, B, H, C = y_NBHC_.shape[:4]
-    return y_NBHC_.permute(1, 0, 3, 2, 4).reshape(B, N * C, H, -1)[:, :T]
+    """`_chunks` undone: (N, B, H, C[, ·]) → (B, T, H[, ·]), the padding dropped."""
+    y = y_NBHC_ if y_NBHC_.dim() == 5 else y_NBHC_[..., None]
+    N, B, H, C = y.shape[:4]
+    x = y.permute(1, 0, 3, 2, 4).reshape(B, N * C, H, -1)[:, :T]
+    return x if y_NBHC_.dim() == 5 else x.squeeze(-1)
 
 
 def _products(x, k, G, s: int, pairwise: bool) -> torch.Tensor:
@@ -178,8 +181,9 @@ class _KDAChunked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, S0, C: int, s: int, pairwise: bool):
         B, T, H, K = q.shape
+        segments = _segments(T, C, B * H * max(K, v.shape[-1]))
         outs, starts, S = [], [], S0
-        for t0, t1 in _segments(T, C, B * H * max(K, v.shape[-1])):
+        for t0, t1 in segments:
             W, U, Qg, QK, carry, K_out = _intra(*(_chunks(t[:, t0:t1], C) for t in (q, k, v, g, beta)), s, pairwise)
             S_all = _scan(_transition(W, carry, K_out), K_out @ U, S)
             S_in = S_all[:-1]
@@ -187,19 +191,17 @@ class _KDAChunked(torch.autograd.Function):
             starts.append(S)
             S = S_all[-1]
         ctx.save_for_backward(q, k, v, g, beta, torch.stack(starts))
-        ctx.args = (C, s, pairwise)
+        ctx.args = (C, s, pairwise, segments)
         return torch.cat(outs, 1), S.clone()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dO_BTHV, dS_BHKV):
         q, k, v, g, beta, starts = ctx.saved_tensors
-        C, s, pairwise = ctx.args
+        C, s, pairwise, segments = ctx.args
         inputs = (q, k, v, g, beta)
         grads = [torch.zeros_like(t) for t in inputs]
         dS = dS_BHKV.contiguous()
-        B, T, H, K = q.shape
-        segments = _segments(T, C, B * H * max(K, v.shape[-1]))
         for i in reversed(range(len(segments))):
             t0, t1 = segments[i]
             with torch.enable_grad():
@@ -216,8 +218,7 @@ class _KDAChunked(torch.autograd.Function):
             douts = (-dV_new @ S.transpose(-1, -2), dV_new, dO @ S.transpose(-1, -2), dO @ V_new.transpose(-1, -2),
                      (dS_next * S).sum(-1), dS_next @ V_new.transpose(-1, -2))
             for grad, leaf_grad in zip(grads, torch.autograd.grad(outs, leaves, douts)):
-                grad[:, t0:t1] = _unchunk(leaf_grad.unsqueeze(-1) if leaf_grad.dim() == 4 else leaf_grad, t1 - t0
-                                          ).reshape(grad[:, t0:t1].shape)
+                grad[:, t0:t1] = _unchunk(leaf_grad, t1 - t0)
         return (*grads, dS if ctx.needs_input_grad[5] else None, None, None, None)
 
 
@@ -239,6 +240,8 @@ def kda_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV=None, chunk_siz
     static = factorisable(chunk_size, step_bound)
     pairwise = (not static) if static is not None else _diag_span(g, s) > _MAX_EXP
     return _KDAChunked.apply(q, k, v, g, beta, S, chunk_size, s, pairwise)
+
+
 def causal_conv(x_BTC, weight_C1W, state_BCW=None):
     """Depthwise causal conv + SiLU; returns the output and the last W−1 inputs (the conv state)."""
     B, T, C = x_BTC.shape
