@@ -123,7 +123,7 @@ class Learner:
         # sharded (after `join`): DTensors and plain expert blocks mixed, which torch 2.11's multi-tensor
         # (foreach) AdamW refuses (seen on the GPU check), so the per-tensor update there
         self.opt = torch.optim.AdamW(groups, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
-                                     foreach=False if getattr(self, "world", 1) > 1 else None)
+                                     **({"foreach": False} if getattr(self, "world", 1) > 1 else {"fused": True}))
 
     # --- learner group (rl/learner_group.py) ---
     def address(self) -> str:

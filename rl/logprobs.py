@@ -19,6 +19,7 @@ import torch
 import torch.utils.checkpoint
 
 from policy.norm import upcast
+from rl.hf_experts import ROWS
 
 
 def _chunk_logprobs(h_BCD, head_weight, head_bias, ids_BC, temperature: float, with_entropy: bool, banned_V=None):
@@ -49,8 +50,14 @@ def chunked_logprobs(hidden_BTD, head: torch.nn.Linear, ids_BT, *, temperature: 
     targets = ids_BT[:, 1:]
     if only_BT is not None:
         sel_BT = only_BT.bool()
-        lp_1N, ent_1N = _logprobs_of(h[sel_BT][None], head, targets[sel_BT][None], temperature, chunk_tokens,
-                                     with_entropy, banned)
+        h_ND, t_N = h[sel_BT], targets[sel_BT]
+        n = len(t_N)
+        pad = -(-n // ROWS) * ROWS - n  # rows to a multiple of ROWS: one oneDNN kernel per few shapes (rl/hf_experts.py)
+        if pad:
+            h_ND = torch.cat([h_ND, h_ND.new_zeros(pad, h_ND.shape[-1])])
+            t_N = torch.cat([t_N, t_N.new_zeros(pad)])
+        lp_1N, ent_1N = _logprobs_of(h_ND[None], head, t_N[None], temperature, chunk_tokens, with_entropy, banned)
+        lp_1N, ent_1N = lp_1N[:, :n], (ent_1N[:, :n] if with_entropy else None)
         zeros_BT = torch.zeros(targets.shape, dtype=lp_1N.dtype, device=h.device)
         return (zeros_BT.masked_scatter(sel_BT, lp_1N[0]),
                 zeros_BT.masked_scatter(sel_BT, ent_1N[0]) if with_entropy else None)
@@ -174,4 +181,8 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype) -> CausalLM:
         return CausalLM(load_policy(path, dtype=dtype), "policy")
     from transformers import AutoModelForCausalLM
 
-    return CausalLM(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), "hf")
+    from rl.hf_experts import use_autocast_experts
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    use_autocast_experts(model)  # fused experts in bf16 under bf16 autocast (rl/hf_experts.py)
+    return CausalLM(model, "hf")

@@ -1,0 +1,158 @@
+"""Hugging Face MoE experts under bf16 autocast: the expert matmuls in bf16, not fp32.
+
+transformers runs a fused-experts module (Mixtral's and Qwen3-MoE's `mlp.experts`, whose experts
+are stacked in 3-D `gate_up_proj` / `down_proj`) through `torch._grouped_mm`, which autocast does
+not cover, so transformers casts the activations to the weights' dtype. Under bf16 mixed precision
+the weights are the fp32 master copy, so the experts — most of an MoE's FLOPs — ran in fp32 while
+every `nn.Linear` ran in bf16: on the real policy a bf16 learner step was 1.02× the fp32 one
+(bench row 10), and the profile put 12 of its 30 s in fp32 grouped matmuls.
+
+`use_autocast_experts` gives such a model an experts implementation that, inside autocast, casts
+the stacked weights to the autocast dtype for the call (as autocast does for a linear layer's
+weight; autograd carries the gradient back to the fp32 weights) and then runs transformers' own
+grouped-mm forward. Outside autocast it is that forward unchanged, so fp32 training, evaluation
+and checkpoints see no difference.
+
+Not covered: experts stored per expert in `nn.Linear`s (autocast already covers them), and the
+expert-parallel path (policy/parallelize.py runs its experts through `nn.functional.linear`, which
+autocast covers).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+KEY = "longhorizon_autocast_grouped_mm"
+_WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
+# Expert blocks are padded to a multiple of this many rows. A bf16 matmul on CPU goes through
+# oneDNN, which compiles a kernel for each new shape (cached by shape); an expert's token count
+# changes every call, so unpadded blocks compiled a kernel nearly every call: a 381 × 3072 by
+# 3072 × 576 bf16 matmul took 13.8 ms in the real policy's step, against 3.7 ms for its FLOPs
+# at fp32 speed. 128 rows bound the shapes to a few dozen per layer width for ≤ 4K-token
+# micro-batches, at ≤ 127 padding rows per expert.
+ROWS = 128
+
+
+class _Cached(torch.autograd.Function):
+    """`low`, a cast of `weight` made earlier, standing in for `weight.to(low.dtype)`: the backward
+    hands the gradient to `weight` in its own dtype, as the cast's backward would."""
+
+    @staticmethod
+    def forward(ctx, weight, low):
+        ctx.dtype = weight.dtype
+        return low.view_as(low)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.to(ctx.dtype), None
+
+
+# id(weight) -> (weight, its version when cast, the cast): one cast per weight and optimizer step,
+# shared by every micro-batch and every recomputed forward of that step (an in-place update bumps
+# the version). The weight is held weakly, so a dropped model frees its casts.
+_CASTS: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+
+def cast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`weight.to(dtype)` for the forward, with the cast reused until `weight` changes in place."""
+    with torch.no_grad():
+        hit = _CASTS.get(id(weight))
+        if hit is None or hit[0]() is not weight or hit[1] != weight._version or hit[2].dtype != dtype:
+            if hit is None or hit[0]() is not weight:
+                weakref.finalize(weight, _CASTS.pop, id(weight), None)
+            hit = (weakref.ref(weight), weight._version, weight.detach().to(dtype))
+            _CASTS[id(weight)] = hit
+    return _Cached.apply(weight, hit[2]) if weight.requires_grad and torch.is_grad_enabled() else hit[2]
+
+
+class _CastWeights:
+    """An experts module seen with its stacked weights in `dtype`; every other attribute (the
+    activation, the layout flags, the biases) is the module's own."""
+
+    def __init__(self, module: torch.nn.Module, dtype: torch.dtype):
+        self._module = module
+        for name in _WEIGHTS:
+            w = getattr(module, name, None)
+            if isinstance(w, torch.Tensor):
+                self.__dict__[name] = cast(w, dtype)
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
+def _plain_layout(module) -> bool:
+    """Mixtral's and Qwen3-MoE's layout: [gate; up] stacked in `gate_up_proj` (E × 2I × H),
+    `down_proj` E × H × I, no biases, not expert-parallel."""
+    return (getattr(module, "has_gate", False) and getattr(module, "is_concatenated", True)
+            and not getattr(module, "is_transposed", False) and not getattr(module, "has_bias", False)
+            and not getattr(module, "_is_expert_parallel", False))
+
+
+def sorted_experts_forward(self, hidden_ND, top_k_index_Nk, top_k_weights_Nk):
+    """Σ_k w[n,k] · down_e(act(gate_e(x_n)) · up_e(x_n)), e = top_k_index[n,k], with the (token,
+    slot) pairs sorted by expert once and one `linear` per expert on its contiguous block.
+
+    Inside autocast the stacked weights come from `cast` (once per optimizer step). `linear`'s
+    backward writes each expert's weight gradient in the weight's own layout (out × in), where
+    `torch._grouped_mm` on a transposed weight returns it transposed and the cast back to fp32
+    then strides through memory (29 ms for one layer's gate_up_proj in the real policy's step)."""
+    device = hidden_ND.device.type
+    gate_up, down = self.gate_up_proj, self.down_proj
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        gate_up, down = cast(gate_up, dtype), cast(down, dtype)
+        x_ND = hidden_ND.to(dtype)
+    else:
+        x_ND = hidden_ND
+    k = top_k_index_Nk.shape[-1]
+    flat_S = top_k_index_Nk.reshape(-1)
+    order_S = torch.argsort(flat_S, stable=True)
+    counts = torch.bincount(flat_S, minlength=self.num_experts).tolist()  # one host sync
+    token_S = order_S // k
+    # each expert's block padded to a multiple of ROWS rows: oneDNN builds a kernel per matmul shape,
+    # and unpadded blocks have a new row count every call (see ROWS)
+    padded = [-(-c // ROWS) * ROWS for c in counts]
+    starts = [sum(padded[:e]) for e in range(len(padded))]
+    slot_S = torch.cat([torch.arange(s, s + c, device=hidden_ND.device) for s, c in zip(starts, counts)])
+    x_PH = x_ND.new_zeros(sum(padded), x_ND.shape[-1]).index_copy(0, slot_S, x_ND[token_S])
+    # unbind, not gate_up[e]: indexing's backward writes a zero tensor of all E experts per expert
+    gate_up, down = gate_up.unbind(0), down.unbind(0)
+    outs = []
+    for e, x_CH in enumerate(x_PH.split(padded)):
+        if padded[e]:
+            gate, up = torch.nn.functional.linear(x_CH, gate_up[e]).chunk(2, dim=-1)
+            outs.append(torch.nn.functional.linear(self.act_fn(gate) * up, down[e]))
+    y_SH = torch.cat(outs)[slot_S] * top_k_weights_Nk.reshape(-1)[order_S, None]
+    out_NH = torch.zeros(hidden_ND.shape, dtype=y_SH.dtype, device=hidden_ND.device)
+    return out_NH.index_add_(0, token_S, y_SH).to(hidden_ND.dtype)
+
+
+def autocast_grouped_mm_forward(self, hidden_states, top_k_index, top_k_weights):
+    """`sorted_experts_forward` inside autocast for the plain layout; transformers' grouped-mm
+    forward otherwise (with the weights cast inside autocast)."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    device = hidden_states.device.type
+    if torch.is_autocast_enabled(device):
+        if _plain_layout(self):
+            return sorted_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+        dtype = torch.get_autocast_dtype(device)
+        if self.down_proj.dtype != dtype:
+            self = _CastWeights(self, dtype)
+    return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def use_autocast_experts(model: torch.nn.Module) -> bool:
+    """Switch `model`'s fused experts (if it has any that transformers dispatches) to
+    `autocast_grouped_mm_forward`; returns whether it did."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    config = getattr(model, "config", None)
+    if getattr(config, "_experts_implementation", None) != "grouped_mm" or not hasattr(model, "set_experts_implementation"):
+        return False  # no dispatched experts, or another implementation chosen on purpose
+    if KEY not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(KEY, autocast_grouped_mm_forward)
+    model.set_experts_implementation(KEY)
+    return True

@@ -1,0 +1,126 @@
+"""Hugging Face MoE experts under bf16 autocast (rl/hf_experts.py): the sorted, padded per-expert
+path against transformers' own per-expert loop, the bf16 operands it promises, and the cast cache."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rl import hf_experts
+from rl.hf_experts import KEY, ROWS, cast, sorted_experts_forward
+
+
+def _experts(dtype=torch.float64, experts: int = 4, seed: int = 0):
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    cfg = MixtralConfig(hidden_size=24, intermediate_size=40, num_local_experts=experts, num_experts_per_tok=2)
+    cfg._experts_implementation = "eager"  # the module's own forward: transformers' per-expert loop
+    torch.manual_seed(seed)
+    ex = MixtralExperts(cfg)
+    with torch.no_grad():
+        for p in ex.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    return ex.to(dtype)
+
+
+def _routing(n: int, experts: int, k: int = 2, skip: int | None = 3, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    allowed = torch.tensor([e for e in range(experts) if e != skip])  # one expert gets no token
+    idx_Nk = torch.stack([allowed[torch.randperm(len(allowed), generator=g)[:k]] for _ in range(n)])
+    w_Nk = torch.rand(n, k, generator=g, dtype=torch.float64).softmax(-1)
+    return idx_Nk, w_Nk
+
+
+def test_sorted_experts_forward_equals_the_per_expert_loop_in_fp64():
+    ex = _experts()
+    idx_Nk, w_Nk = _routing(37, 4)
+    x_ref = torch.randn(37, 24, dtype=torch.float64, requires_grad=True)
+    x = x_ref.detach().clone().requires_grad_()
+    ref = ex(x_ref, idx_Nk, w_Nk)
+    grads_ref = torch.autograd.grad(ref.pow(2).sum(), [x_ref, ex.gate_up_proj, ex.down_proj])
+    ex.has_gate, ex.is_concatenated = True, True
+    out = sorted_experts_forward(ex, x, idx_Nk, w_Nk)
+    grads = torch.autograd.grad(out.pow(2).sum(), [x, ex.gate_up_proj, ex.down_proj])
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, rtol=1e-12, atol=1e-12)
+    assert float(grads[1][3].abs().sum()) == 0.0  # the expert no token chose gets a zero gradient
+
+
+class _MatmulDtypes(TorchDispatchMode):
+    """Records the operand dtypes, the first operand's rows and the second's storage of every
+    matmul dispatched."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten._grouped_mm.default, torch.ops.aten.addmm.default):
+            a, b = (args[1], args[2]) if func is torch.ops.aten.addmm.default else (args[0], args[1])
+            self.seen.append((a.dtype, b.dtype, a.shape[0], b.untyped_storage().data_ptr()))
+        return func(*args, **(kwargs or {}))
+
+
+def test_under_bf16_autocast_the_experts_multiply_in_bf16_on_padded_blocks(tiny_policy):
+    """The model's experts run bf16 matmuls on blocks of a multiple of ROWS rows (where transformers
+    cast the activations up to the fp32 weights), close to the fp32 forward, with fp32 gradients."""
+    from rl.logprobs import load_causal_lm
+
+    lm = load_causal_lm(tiny_policy, torch.float32)
+    model = lm.module
+    assert model.config._experts_implementation == KEY
+    experts = [m for m in model.modules() if hasattr(m, "gate_up_proj")]
+    ids = torch.randint(3, 400, (2, 45), generator=torch.Generator().manual_seed(0))
+    ref = model(ids).logits
+    with torch.autocast("cpu", dtype=torch.bfloat16), _MatmulDtypes() as rec:
+        out = model(ids).logits
+    weights = {cast(getattr(m, n), torch.bfloat16).untyped_storage().data_ptr()
+               for m in experts for n in ("gate_up_proj", "down_proj")}  # the casts the forward used
+    expert_mms = [s for s in rec.seen if s[3] in weights]
+    assert len(expert_mms) >= 2 * len(experts)
+    assert all(a == b == torch.bfloat16 for a, b, *_ in expert_mms)
+    assert all(rows % ROWS == 0 for _, _, rows, _ in expert_mms)
+    torch.testing.assert_close(out.float().softmax(-1), ref.softmax(-1), atol=2e-2, rtol=0)
+    out.float().logsumexp(-1).sum().backward()
+    for m in experts:
+        assert m.gate_up_proj.grad.dtype == torch.float32 and float(m.gate_up_proj.grad.abs().sum()) > 0
+
+
+def test_the_cast_is_made_once_per_version_of_the_weight():
+    w = torch.nn.Parameter(torch.randn(4, 8, 6))
+    a, b = cast(w, torch.bfloat16), cast(w, torch.bfloat16)
+    assert a.data_ptr() == b.data_ptr()  # shared by micro-batches and recomputed forwards
+    (a.float().sum() + b.float().sum()).backward()
+    torch.testing.assert_close(w.grad, torch.full_like(w, 2.0))  # the gradient reaches the fp32 weight
+    with torch.no_grad():
+        w.add_(1.0)  # what an optimizer step does
+    c = cast(w, torch.bfloat16)
+    torch.testing.assert_close(c.float(), w.detach().to(torch.bfloat16).float())
+    key = id(w)
+    del w, a, b, c
+    assert key not in hf_experts._CASTS  # a dropped weight frees its cast
+
+
+def test_the_choice_is_not_saved_with_the_checkpoint(tiny_policy, tmp_path):
+    from rl.logprobs import load_causal_lm
+
+    lm = load_causal_lm(tiny_policy, torch.float32)
+    lm.module.save_pretrained(tmp_path)
+    assert KEY not in json.dumps(json.loads((tmp_path / "config.json").read_text()))
+
+
+def test_outside_autocast_the_forward_is_transformers_own(tiny_policy):
+    """fp32 training, evaluation and scoring are unchanged: the same logits bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    from rl.logprobs import load_causal_lm
+
+    ours = load_causal_lm(tiny_policy, torch.float32).module
+    theirs = AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.float32)
+    assert theirs.config._experts_implementation == "grouped_mm"
+    ids = torch.randint(3, 400, (1, 30), generator=torch.Generator().manual_seed(1))
+    assert torch.equal(ours(ids).logits, theirs(ids).logits)
