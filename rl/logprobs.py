@@ -34,6 +34,59 @@ def _chunk_logprobs(h_BCD, head_weight, head_bias, ids_BC, temperature: float, w
     return logp, ent
 
 
+def _scaled_logits(h_BCD, weight, bias, temperature: float, banned_V):
+    """fp32 (at least) logits / temperature, banned tokens at -inf: a fresh tensor this code owns."""
+    logits = torch.nn.functional.linear(h_BCD, weight, bias)
+    z = upcast(logits)
+    if temperature != 1.0:
+        z = z.div_(temperature)
+    if banned_V is not None:
+        z = z.masked_fill_(banned_V, -torch.inf)
+    return z
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """log softmax(h·Wᵀ + b / T)[ids] for one chunk of positions, keeping only h's chunk and one
+    log-sum-exp per position for the backward, which recomputes the logits and turns them into
+    the gradient in place: g·(onehot − softmax)/T, then the two matmuls. The autograd path
+    (`_chunk_logprobs` under a checkpoint) made about twice the passes over the chunk's
+    positions × vocabulary: a second log-softmax in the recompute, its backward, the division's
+    and the upcast's backwards, and a zero-filled gradient for the gather. Matmuls run in the
+    dtype the forward's linear ran in (bf16 under autocast). Tested against `_chunk_logprobs` in fp64."""
+
+    @staticmethod
+    def forward(ctx, h_BCD, weight, bias, ids_BC, temperature: float, banned_V):
+        z_BCV = _scaled_logits(h_BCD, weight, bias, temperature, banned_V)
+        lse_BC = torch.logsumexp(z_BCV, dim=-1)
+        logp_BC = z_BCV.gather(-1, ids_BC[..., None]).squeeze(-1) - lse_BC
+        low = torch.get_autocast_dtype(h_BCD.device.type) if torch.is_autocast_enabled(h_BCD.device.type) else h_BCD.dtype
+        ctx.temperature, ctx.low, ctx.has_bias = temperature, low, bias is not None
+        ctx.save_for_backward(h_BCD, weight, bias if bias is not None else weight.new_empty(0), ids_BC, lse_BC,
+                              banned_V if banned_V is not None else ids_BC.new_empty(0, dtype=torch.bool))
+        return logp_BC
+
+    @staticmethod
+    def backward(ctx, g_BC):
+        h_BCD, weight, bias, ids_BC, lse_BC, banned_V = ctx.saved_tensors
+        low, temperature = ctx.low, ctx.temperature
+        h_low, w_low = h_BCD.to(low), weight.to(low)
+        b_low = bias.to(low) if ctx.has_bias else None
+        z_BCV = _scaled_logits(h_low, w_low, b_low, temperature, banned_V if banned_V.numel() else None)
+        g_BC = g_BC.to(z_BCV.dtype)
+        d_BCV = z_BCV.sub_(lse_BC[..., None]).exp_().mul_(-g_BC[..., None])  # −g·softmax, in place
+        d_BCV.scatter_add_(-1, ids_BC[..., None], g_BC[..., None])  # + g at the target
+        if temperature != 1.0:
+            d_BCV.div_(temperature)
+        d_BCV = d_BCV.to(low)
+        grad_h = (d_BCV @ w_low).to(h_BCD.dtype) if ctx.needs_input_grad[0] else None
+        grad_w = grad_b = None
+        if ctx.needs_input_grad[1]:
+            grad_w = (d_BCV.flatten(0, -2).T @ h_low.flatten(0, -2)).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = d_BCV.flatten(0, -2).sum(0).to(bias.dtype)
+        return grad_h, grad_w, grad_b, None, None, None
+
+
 def chunked_logprobs(hidden_BTD, head: torch.nn.Linear, ids_BT, *, temperature: float = 1.0,
                      chunk_tokens: int = 1024, with_entropy: bool = False, banned_ids: list[int] | None = None,
                      only_BT=None):
@@ -69,6 +122,9 @@ def _logprobs_of(h, head, targets, temperature, chunk_tokens, with_entropy, bann
     lps, ents = [], []
     for h_c, t_c in zip(h.split(chunk_tokens, dim=1), targets.split(chunk_tokens, dim=1)):
         args = (h_c, head.weight, head.bias, t_c, temperature, with_entropy, banned)
+        if not with_entropy:  # the usual case (no entropy bonus): one function, its own backward
+            lps.append(_HeadLogprobs.apply(h_c, head.weight, head.bias, t_c, temperature, banned))
+            continue
         if recompute:
             lp, ent = torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:

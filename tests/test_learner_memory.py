@@ -30,6 +30,12 @@ def test_chunked_logprobs_equal_full_logits(chunk):
     g_ref = torch.autograd.grad((ref * 1.3).sum() + ref_ent.sum(), (h, head.weight))
     g_got = torch.autograd.grad((got * 1.3).sum() + ent.sum(), (h, head.weight))
     assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(g_ref, g_got))
+    # without entropies: the fused head (`_HeadLogprobs`), the same numbers and gradients
+    ref = token_logprobs(head(h), ids, temperature=0.7)
+    lp, none = chunked_logprobs(h, head, ids, temperature=0.7, chunk_tokens=chunk)
+    assert none is None and torch.allclose(lp, ref, atol=1e-12)
+    g_ref = torch.autograd.grad((ref * 1.3).sum(), (h, head.weight))
+    assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(g_ref, torch.autograd.grad((lp * 1.3).sum(), (h, head.weight))))
 
     # the head on the generated positions only: the same numbers there, 0 elsewhere, the same
     # gradients of any loss masked to them
@@ -184,3 +190,44 @@ def test_fused_pre_update_logprobs_give_the_separate_passs_update(policy_ckpt, t
         assert torch.allclose(p, q, atol=1e-5)
     # two minibatches need the weights' log-probs from before the first step: never fused
     assert not fused.fuses_old_logprobs(2)
+
+
+@pytest.mark.parametrize("temperature,bias,banned", [(0.7, True, True), (1.0, False, False)])
+def test_the_fused_head_equals_the_autograd_head(temperature, bias, banned):
+    """The head's log-probs without an entropy bonus go through `_HeadLogprobs` (its own backward):
+    outputs and the gradients of h, the head's weight and bias equal the autograd reference in fp64,
+    a frozen head gets no weight gradient, and under bf16 autocast it stays within bf16 rounding."""
+    from rl.logprobs import _chunk_logprobs, _HeadLogprobs
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=bias).double()
+    h = torch.randn(2, 9, 8, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, 11, (2, 9))
+    ban = torch.zeros(11, dtype=torch.bool)
+    if banned:
+        ban[[3, 7]] = True
+        ids[ids == 3] = 4
+        ids[ids == 7] = 5
+    ban = ban if banned else None
+    ref, _ = _chunk_logprobs(h, head.weight, head.bias, ids, temperature, False, ban)
+    got = _HeadLogprobs.apply(h, head.weight, head.bias, ids, temperature, ban)
+    torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
+    g = torch.randn(2, 9, dtype=torch.float64)
+    wrt = [h, head.weight] + ([head.bias] if bias else [])
+    for a, b in zip(torch.autograd.grad((ref * g).sum(), wrt), torch.autograd.grad((got * g).sum(), wrt)):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-12)
+    head.weight.requires_grad_(False)  # a frozen head (LoRA): no weight gradient is computed
+    out = _HeadLogprobs.apply(h, head.weight, head.bias, ids, temperature, ban)
+    out.sum().backward()
+    assert head.weight.grad is None and h.grad is not None
+    head32 = torch.nn.Linear(8, 11, bias=bias)
+    h32 = h.detach().float().requires_grad_()
+    ref32 = _HeadLogprobs.apply(h32, head32.weight, head32.bias, ids, temperature, ban)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = _HeadLogprobs.apply(h32, head32.weight, head32.bias, ids, temperature, ban)
+    assert low.dtype == torch.float32
+    torch.testing.assert_close(low, ref32, rtol=0, atol=5e-2)
+    grad_low = torch.autograd.grad(low.sum(), head32.weight)[0]
+    grad32 = torch.autograd.grad(ref32.sum(), head32.weight)[0]
+    assert grad_low.dtype == torch.float32
+    torch.testing.assert_close(grad_low, grad32, rtol=0, atol=5e-2)
