@@ -160,9 +160,13 @@ class LatentMoE(nn.Module):
             nn.init.normal_(w, 0.0, fan_in**-0.5)
         self.act = act
 
-    def expert(self, e: int, x_NL):
-        h = self.act(x_NL @ self.w_gate_EFL[e].T, x_NL @ self.w_up_EFL[e].T)
-        return h @ self.w_down_ELF[e].T
+    def expert(self, e: int, x_NL, weights=None):
+        """Expert `e` on rows `x_NL`; `weights`: the three stacks already unbound (`routed` passes
+        them: indexing a stack per expert makes its backward write a zero tensor of all E experts
+        per expert)."""
+        gate, up, down = weights or (self.w_gate_EFL[e], self.w_up_EFL[e], self.w_down_ELF[e])
+        h = self.act(x_NL @ gate.T, x_NL @ up.T)
+        return h @ down.T
 
     def routed(self, x_NL, idx_Nk, w_Nk, batched: bool | None = None):
         """Σ_k w[n, k] · expert_{idx[n, k]}(x[n]) with the rows sorted by expert (see the module doc);
@@ -187,7 +191,8 @@ class LatentMoE(nn.Module):
                              torch.bmm(buf_ECL, self.w_up_EFL.transpose(1, 2)))
             out_RL = torch.bmm(h_ECF, self.w_down_ELF.transpose(1, 2))[e_sorted_R, pos_R]
         else:
-            out_RL = torch.cat([self.expert(e, xs) for e, xs in enumerate(xs_RL.split(counts)) if counts[e]]
+            per_expert = list(zip(self.w_gate_EFL.unbind(0), self.w_up_EFL.unbind(0), self.w_down_ELF.unbind(0)))
+            out_RL = torch.cat([self.expert(e, xs, per_expert[e]) for e, xs in enumerate(xs_RL.split(counts)) if counts[e]]
                                or [xs_RL[:0]])
         return torch.zeros_like(x_NL).index_add(0, tok_R, out_RL * w_R[:, None])
 

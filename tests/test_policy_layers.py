@@ -262,7 +262,7 @@ def test_both_dispatch_paths_equal_the_dense_reference_with_gradients(batched):
 
     calls = []
     original = moe_module.LatentMoE.expert
-    moe_module.LatentMoE.expert = lambda self, e, x: calls.append(e) or original(self, e, x)
+    moe_module.LatentMoE.expert = lambda self, e, x, weights=None: calls.append(e) or original(self, e, x, weights)
     try:
         moe.routed(lat, skewed, w)  # expert 0 takes every token: 8 × 40 padded rows > 2 × 80
     finally:
