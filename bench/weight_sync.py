@@ -5,7 +5,8 @@ copy of the same bytes, measured in the same run.
 
 The sync is the real path (`rl/sync.py`): the learner publishes its state dict into Ray's object
 store in buckets, every rollout worker fetches them and its vLLM engine reloads in place
-(including vLLM's post-load repacking of the CPU MoE weights). The limit is what the bytes alone
+(the CPU MoE experts packed straight into the engine's kernel tensors, the rest through vLLM's
+reload). The limit is what the bytes alone
 cost: one `memcpy` of the whole state dict into a preallocated buffer per worker (each engine
 must end up with its own copy). Sync and copy alternate, so load on this noisy machine hits both
 alike. Prints a Markdown table; `--json` prints the numbers.
@@ -73,12 +74,32 @@ def main() -> None:
             np.copyto(d, src)
         copies.append(time.perf_counter() - t0)
 
+    # the engine's reload alone, in this process (the workers gone, so nothing competes for the
+    # cores): vLLM's layerwise reload of every tensor against the direct expert path (vllm_ext.py)
+    named = ray.get(learner.weights.remote())
+    for w in workers + [learner]:
+        ray.kill(w)
+    from rollout.engines.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(str(path), max_model_len=1024, kv_cache_gib=1.0)
+    reload = {False: [], True: []}
+    for direct in (False, True):  # warm both
+        engine.llm.collective_rpc("lh_reload_weights", args=(iter(named),), kwargs={"direct_experts": direct})
+    for _ in range(args.repeats):
+        for direct in (False, True):
+            t0 = time.perf_counter()
+            engine.llm.collective_rpc("lh_reload_weights", args=(iter(named),), kwargs={"direct_experts": direct})
+            reload[direct].append(time.perf_counter() - t0)
+    layerwise, direct = statistics.median(reload[False]), statistics.median(reload[True])
+    one_copy = statistics.median(copies) / args.workers
+
     wall = statistics.median(s["sync_wall_s"] for s in syncs)
     publish = statistics.median(s["sync_publish_s"] for s in syncs)
     load = statistics.median(s["sync_load_s_max"] for s in syncs)
     copy = statistics.median(copies)
     result = {"bytes": nbytes, "workers": args.workers, "buckets": syncs[0]["sync_buckets"],
               "sync_s": wall, "publish_s": publish, "load_s_max": load, "memcpy_s": copy, "ratio": wall / copy,
+              "reload_layerwise_s": layerwise, "reload_direct_s": direct, "memcpy_one_s": one_copy,
               "versions": {"torch": torch.__version__, "vllm": vllm.__version__, "ray": ray.__version__,
                            "python": platform.python_version()}, "repeats": args.repeats}
     if args.json:
@@ -94,6 +115,10 @@ def main() -> None:
     print(f"| sync: publish into the object store | {publish:.3f} | {publish / copy:.1f}× |")
     print(f"| sync: slowest worker's fetch + in-place reload | {load:.3f} | {load / copy:.1f}× |")
     print(f"| sync, end to end (driver's wall clock) | {wall:.3f} | {wall / copy:.1f}× |")
+    print(f"\nThe engine's reload alone (one engine in this process, the workers gone; against one copy, "
+          f"{one_copy:.3f} s): vLLM's layerwise reload of every tensor {layerwise:.3f} s ({layerwise / one_copy:.1f}×), "
+          f"the experts loaded straight into their packed tensors {direct:.3f} s ({direct / one_copy:.1f}×): "
+          f"{layerwise / direct:.2f}× faster.")
 
 
 if __name__ == "__main__":

@@ -102,3 +102,46 @@ def test_reload_bugs_are_caught_and_load_weights_avoids_them(engine, hf_model, p
     # back to the checkpoint's weights for the other tests of this session
     engine.load_weights(list(hf_model.state_dict().items()), version=0)
     assert gen_error(engine, hf_model, prompt) < TOL
+
+
+def _checkpoint_tensors(path, moved: float = 0.0, seed: int = 0) -> list:
+    """The checkpoint's tensors as a sync sends them (per-expert, checkpoint names), optionally moved."""
+    from safetensors.torch import load_file
+
+    g = torch.Generator().manual_seed(seed)
+    return [(n, (t + torch.randn(t.shape, generator=g) * moved).numpy()) for n, t in load_file(f"{path}/model.safetensors").items()]
+
+
+def _packed_experts(worker) -> list:
+    from rollout.engines.vllm_ext import _fused_moe_modules
+
+    return [(m.w13_weight.detach().clone(), m.w2_weight.detach().clone())
+            for m, _ in _fused_moe_modules(worker.model_runner.get_model())]
+
+
+def test_direct_expert_loading_packs_what_vllms_own_reload_packs(engine, hf_model, tiny_policy, prompt):
+    """Expert tensors go straight into the packed kernel tensors (rollout/engines/vllm_ext.py): the
+    packed bytes and the log-probs equal those of vLLM's layerwise reload of the same weights, and a
+    version missing some of a layer's expert tensors fails the load, naming the layer."""
+    moved = _checkpoint_tensors(tiny_policy, moved=0.02)
+    n_experts = sum(".experts." in n for n, _ in moved)
+    assert n_experts > 0
+    try:
+        out = engine.llm.collective_rpc("lh_reload_weights", args=(iter(moved),), kwargs={"direct_experts": False})[0]
+        assert out == {"tensors": len(moved), "direct": 0}
+        engine.llm.reset_prefix_cache()
+        ref_packed, ref = engine.llm.collective_rpc(_packed_experts)[0], engine.score(prompt)
+        engine.load_weights(_checkpoint_tensors(tiny_policy), version=1)  # back, through the direct path
+        assert gen_error(engine, hf_model, prompt) < TOL
+        out = engine.llm.collective_rpc("lh_reload_weights", args=(iter(moved),))[0]
+        assert out == {"tensors": len(moved), "direct": n_experts}
+        engine.llm.reset_prefix_cache()
+        packed, got = engine.llm.collective_rpc(_packed_experts)[0], engine.score(prompt)
+        assert all(torch.equal(a, b) for pa, pb in zip(packed, ref_packed) for a, b in zip(pa, pb))
+        assert got == ref and max(abs(a - b) for a, b in zip(got, engine.score(prompt))) == 0.0
+        partial = [(n, a) for n, a in moved if not n.endswith("experts.1.up_proj.weight")]
+        with pytest.raises(Exception, match=r"layers\.\d+\.mlp\.experts received \d+ of its \d+ expert tensors"):
+            engine.llm.collective_rpc("lh_reload_weights", args=(iter(partial),))
+    finally:  # back to the checkpoint's weights for the other tests of this session
+        engine.load_weights(_checkpoint_tensors(tiny_policy), version=0)
+    assert gen_error(engine, hf_model, prompt) < TOL
