@@ -20,6 +20,7 @@ autocast covers).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 
 import torch
@@ -49,21 +50,36 @@ class _Cached(torch.autograd.Function):
         return grad.to(ctx.dtype), None
 
 
-# id(weight) -> (weight, its version when cast, the cast): one cast per weight and optimizer step,
-# shared by every micro-batch and every recomputed forward of that step (an in-place update bumps
-# the version). The weight is held weakly, so a dropped model frees its casts.
+# id(weight) -> (weight, its version when cast, the cast), kept only inside `casts_cached()`: the
+# learner opens it around one optimizer step's micro-batches, whose weights do not change, so every
+# micro-batch and recomputed forward shares one cast. Not across steps: fused AdamW updates the
+# weights without bumping their version counter, so a cache kept by version alone served the
+# first step's weights forever. The version check still catches in-place changes inside the scope.
 _CASTS: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+_SCOPES = 0
+
+
+@contextlib.contextmanager
+def casts_cached():
+    """Within this block (nestable) each weight is cast once; leaving the outermost block drops the casts."""
+    global _SCOPES
+    _SCOPES += 1
+    try:
+        yield
+    finally:
+        _SCOPES -= 1
+        if not _SCOPES:
+            _CASTS.clear()
 
 
 def cast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`weight.to(dtype)` for the forward, with the cast reused until `weight` changes in place."""
+    """`weight.to(dtype)` for the forward; inside `casts_cached()` made once and reused."""
     with torch.no_grad():
-        hit = _CASTS.get(id(weight))
+        hit = _CASTS.get(id(weight)) if _SCOPES else None
         if hit is None or hit[0]() is not weight or hit[1] != weight._version or hit[2].dtype != dtype:
-            if hit is None or hit[0]() is not weight:
-                weakref.finalize(weight, _CASTS.pop, id(weight), None)
             hit = (weakref.ref(weight), weight._version, weight.detach().to(dtype))
-            _CASTS[id(weight)] = hit
+            if _SCOPES:
+                _CASTS[id(weight)] = hit
     return _Cached.apply(weight, hit[2]) if weight.requires_grad and torch.is_grad_enabled() else hit[2]
 
 
@@ -156,3 +172,9 @@ def use_autocast_experts(model: torch.nn.Module) -> bool:
         ALL_EXPERTS_FUNCTIONS.register(KEY, autocast_grouped_mm_forward)
     model.set_experts_implementation(KEY)
     return True
+
+
+def casts_cached_over(items):
+    """`items`, iterated inside `casts_cached()` (the learner's micro-batches of one optimizer step)."""
+    with casts_cached():
+        yield from items

@@ -51,6 +51,7 @@ from rl import device as devices
 from rl.config import AlgoConfig, LoraConfig
 from rl.credit import token_advantages
 from rl.grpo import group_advantages, policy_loss, rollout_is_weights
+from rl.hf_experts import casts_cached_over
 from rl.logprobs import chunked_logprobs, load_causal_lm
 from rl.ppo import ValueHead, episode_targets, value_loss
 from rl.routing import RouterStats, balance_policy_routers, balance_terms, hf_load_metrics
@@ -359,7 +360,7 @@ class Learner:
                 routing = RouterStats(self.lm)  # this step's router statistics, a micro-batch at a time
                 hf_loads: list = []  # per micro-batch, per MoE layer, tokens per expert (Hugging Face MoE)
                 mb_tokens = sum(len(seqs[i].token_ids) for m in mb for i in m)
-                for micro in slots:
+                for micro in casts_cached_over(slots):  # one bf16 cast of the experts per optimizer step
                     if micro is None:
                         self._dummy(backward=True)
                         continue

@@ -9,7 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rl import hf_experts
-from rl.hf_experts import KEY, ROWS, cast, sorted_experts_forward
+from rl.hf_experts import KEY, ROWS, cast, casts_cached, sorted_experts_forward
 
 
 def _experts(dtype=torch.float64, experts: int = 4, seed: int = 0):
@@ -76,10 +76,10 @@ def test_under_bf16_autocast_the_experts_multiply_in_bf16_on_padded_blocks(tiny_
     experts = [m for m in model.modules() if hasattr(m, "gate_up_proj")]
     ids = torch.randint(3, 400, (2, 45), generator=torch.Generator().manual_seed(0))
     ref = model(ids).logits
-    with torch.autocast("cpu", dtype=torch.bfloat16), _MatmulDtypes() as rec:
+    with casts_cached(), torch.autocast("cpu", dtype=torch.bfloat16), _MatmulDtypes() as rec:
         out = model(ids).logits
-    weights = {cast(getattr(m, n), torch.bfloat16).untyped_storage().data_ptr()
-               for m in experts for n in ("gate_up_proj", "down_proj")}  # the casts the forward used
+        weights = {cast(getattr(m, n), torch.bfloat16).untyped_storage().data_ptr()
+                   for m in experts for n in ("gate_up_proj", "down_proj")}  # the casts the forward used
     expert_mms = [s for s in rec.seen if s[3] in weights]
     assert len(expert_mms) >= 2 * len(experts)
     assert all(a == b == torch.bfloat16 for a, b, *_ in expert_mms)
@@ -90,19 +90,52 @@ def test_under_bf16_autocast_the_experts_multiply_in_bf16_on_padded_blocks(tiny_
         assert m.gate_up_proj.grad.dtype == torch.float32 and float(m.gate_up_proj.grad.abs().sum()) > 0
 
 
-def test_the_cast_is_made_once_per_version_of_the_weight():
+def test_the_cast_is_shared_within_an_optimizer_step_and_never_across():
+    """Inside `casts_cached()` (one optimizer step's micro-batches) a weight is cast once and the
+    gradient reaches the fp32 weight; after it, an update made by fused AdamW, which leaves the
+    version counter alone, is what the next cast sees."""
     w = torch.nn.Parameter(torch.randn(4, 8, 6))
-    a, b = cast(w, torch.bfloat16), cast(w, torch.bfloat16)
-    assert a.data_ptr() == b.data_ptr()  # shared by micro-batches and recomputed forwards
-    (a.float().sum() + b.float().sum()).backward()
+    opt = torch.optim.AdamW([w], lr=0.1, fused=True)
+    with casts_cached():
+        a, b = cast(w, torch.bfloat16), cast(w, torch.bfloat16)
+        assert a.data_ptr() == b.data_ptr()  # shared by micro-batches and recomputed forwards
+        (a.float().sum() + b.float().sum()).backward()
+    assert not hf_experts._CASTS  # dropped with the scope
     torch.testing.assert_close(w.grad, torch.full_like(w, 2.0))  # the gradient reaches the fp32 weight
-    with torch.no_grad():
-        w.add_(1.0)  # what an optimizer step does
-    c = cast(w, torch.bfloat16)
-    torch.testing.assert_close(c.float(), w.detach().to(torch.bfloat16).float())
-    key = id(w)
-    del w, a, b, c
-    assert key not in hf_experts._CASTS  # a dropped weight frees its cast
+    version = w._version
+    opt.step()
+    assert w._version == version  # why a cache keyed by version alone would serve stale weights
+    with casts_cached():
+        c = cast(w, torch.bfloat16)
+    torch.testing.assert_close(c.float(), w.detach().to(torch.bfloat16).float(), rtol=0, atol=0)
+    assert cast(w, torch.bfloat16).data_ptr() != cast(w, torch.bfloat16).data_ptr()  # outside: no cache
+
+
+def test_a_bf16_learner_forwards_its_updated_experts(tiny_policy, monkeypatch):
+    """Every cast a bf16 learner step multiplies with is of the weights as that step found them:
+    the second step's, after the first step's (fused AdamW) update, not the first's."""
+    from rl.config import AlgoConfig
+    from rl.learner import Learner
+    from test_learner_device import _batch
+
+    learner = Learner(tiny_policy, AlgoConfig(threads=1, minibatch_episodes=4, lr=0.05), precision="bf16")
+    batch = _batch()
+    learner.train_step(batch)
+    assert not hf_experts._CASTS
+    experts = [m for m in learner.model.modules() if hasattr(m, "gate_up_proj")]
+    now = {id(m.gate_up_proj): m.gate_up_proj.detach().to(torch.bfloat16) for m in experts}
+    seen, real_cast = [], hf_experts.cast
+
+    def spy(weight, dtype):
+        out = real_cast(weight, dtype)
+        if id(weight) in now:
+            seen.append(torch.equal(out.detach(), now[id(weight)]))
+        return out
+
+    monkeypatch.setattr(hf_experts, "cast", spy)
+    learner.train_step(batch)
+    assert seen and all(seen)
+    assert any(not torch.equal(m.gate_up_proj.detach().to(torch.bfloat16), now[id(m.gate_up_proj)]) for m in experts)
 
 
 def test_the_choice_is_not_saved_with_the_checkpoint(tiny_policy, tmp_path):
