@@ -7,11 +7,14 @@ the weights are the fp32 master copy, so the experts — most of an MoE's FLOPs 
 every `nn.Linear` ran in bf16: on the real policy a bf16 learner step was 1.02× the fp32 one
 (bench row 10), and the profile put 12 of its 30 s in fp32 grouped matmuls.
 
-`use_autocast_experts` gives such a model an experts implementation that, inside autocast, casts
-the stacked weights to the autocast dtype for the call (as autocast does for a linear layer's
-weight; autograd carries the gradient back to the fp32 weights) and then runs transformers' own
-grouped-mm forward. Outside autocast it is that forward unchanged, so fp32 training, evaluation
-and checkpoints see no difference.
+`use_autocast_experts` gives such a model an experts implementation that, inside autocast, runs
+`sorted_experts_forward`: the (token, slot) pairs sorted by expert once, each expert's block padded
+to a multiple of `ROWS` rows, one `linear` per expert with its weights cast to the autocast dtype
+(as autocast does for a linear layer's weight; autograd carries the gradient back to the fp32
+weights). Inside `casts_cached()` — the learner opens it around one optimizer step's micro-batches —
+each weight is cast once. Layouts it does not know (biases, transposed or interleaved stacks, expert
+parallelism) keep transformers' grouped-mm forward, with the weights cast. Outside autocast it is
+transformers' forward unchanged, so fp32 training, evaluation and checkpoints see no difference.
 
 Not covered: experts stored per expert in `nn.Linear`s (autocast already covers them), and the
 expert-parallel path (policy/parallelize.py runs its experts through `nn.functional.linear`, which
