@@ -346,10 +346,18 @@ def test_a_run_trains_the_samples_of_a_rewriting_template(ray_cluster, thinking_
     assert all(r.ok for r in results) and [r.turns_checked for r in results] == calls, results
     first = next(t for t in stored if t.sample_starts)
     turn = first.turns[0]
-    changed = dataclasses.replace(first, token_ids=first.token_ids[:turn.gen_start] + [first.token_ids[turn.gen_start] ^ 1]
-                                  + first.token_ids[turn.gen_start + 1:])  # the first call answered otherwise
-    bad = replay_episode(changed, kwargs, tokenizer=tok)
-    assert not bad.ok and bad.turns_checked == 1 and "call 1's prompt departs from the record at token" in bad.divergence
+
+    def answered_otherwise(pos: int):  # the first call's answer with one token changed
+        ids = list(first.token_ids)
+        ids[pos] ^= 1
+        return replay_episode(dataclasses.replace(first, token_ids=ids), kwargs, tokenizer=tok)
+
+    # the change must be one the agent sees: this template drops what precedes `</think>` (and leading
+    # newlines) from the history, so a change there rightly replays fine. The last token before the
+    # stop token is kept unless it closes the think block, so the search from the end ends at once.
+    replays = (answered_otherwise(pos) for pos in range(turn.gen_end - 2, turn.gen_start - 1, -1))
+    bad = next((r for r in replays if not r.ok), None)
+    assert bad is not None and bad.turns_checked == 1 and "call 1's prompt departs from the record at token" in bad.divergence
     # inspect and the viewer show the samples: where each starts, its prompt as prompt, not observation
     import io
     import re
