@@ -91,12 +91,12 @@ def main() -> None:
             engine.llm.collective_rpc("lh_reload_weights", args=(iter(named),), kwargs={"direct_experts": direct})
             reload[direct].append(time.perf_counter() - t0)
     layerwise, direct = statistics.median(reload[False]), statistics.median(reload[True])
-    one_copy = statistics.median(copies) / args.workers
 
     wall = statistics.median(s["sync_wall_s"] for s in syncs)
     publish = statistics.median(s["sync_publish_s"] for s in syncs)
     load = statistics.median(s["sync_load_s_max"] for s in syncs)
     copy = statistics.median(copies)
+    one_copy = copy / args.workers
     result = {"bytes": nbytes, "workers": args.workers, "buckets": syncs[0]["sync_buckets"],
               "sync_s": wall, "publish_s": publish, "load_s_max": load, "memcpy_s": copy, "ratio": wall / copy,
               "reload_layerwise_s": layerwise, "reload_direct_s": direct, "memcpy_one_s": one_copy,

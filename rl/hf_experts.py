@@ -39,6 +39,11 @@ _WEIGHTS = ("gate_up_proj", "up_proj", "down_proj")
 ROWS = 128
 
 
+def padded_rows(n: int) -> int:
+    """`n` rounded up to a multiple of ROWS."""
+    return -(-n // ROWS) * ROWS
+
+
 class _Cached(torch.autograd.Function):
     """`low`, a cast of `weight` made earlier, standing in for `weight.to(low.dtype)`: the backward
     hands the gradient to `weight` in its own dtype, as the cast's backward would."""
@@ -132,7 +137,7 @@ def sorted_experts_forward(self, hidden_ND, top_k_index_Nk, top_k_weights_Nk):
     token_S = order_S // k
     # each expert's block padded to a multiple of ROWS rows: oneDNN builds a kernel per matmul shape,
     # and unpadded blocks have a new row count every call (see ROWS)
-    padded = [-(-c // ROWS) * ROWS for c in counts]
+    padded = [padded_rows(c) for c in counts]
     starts = [sum(padded[:e]) for e in range(len(padded))]
     slot_S = torch.cat([torch.arange(s, s + c, device=hidden_ND.device) for s, c in zip(starts, counts)])
     x_PH = x_ND.new_zeros(sum(padded), x_ND.shape[-1]).index_copy(0, slot_S, x_ND[token_S])

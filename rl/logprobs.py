@@ -19,13 +19,11 @@ import torch
 import torch.utils.checkpoint
 
 from policy.norm import upcast
-from rl.hf_experts import ROWS
+from rl.hf_experts import padded_rows
 
 
 def _chunk_logprobs(h_BCD, head_weight, head_bias, ids_BC, temperature: float, with_entropy: bool, banned_V=None):
-    logits = upcast(torch.nn.functional.linear(h_BCD, head_weight, head_bias)) / temperature
-    if banned_V is not None:
-        logits = logits.masked_fill(banned_V, -torch.inf)
+    logits = _scaled_logits(h_BCD, head_weight, head_bias, temperature, banned_V)
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, ids_BC[..., None]).squeeze(-1)
     ent = torch.zeros_like(logp)
@@ -105,7 +103,7 @@ def chunked_logprobs(hidden_BTD, head: torch.nn.Linear, ids_BT, *, temperature: 
         sel_BT = only_BT.bool()
         h_ND, t_N = h[sel_BT], targets[sel_BT]
         n = len(t_N)
-        pad = -(-n // ROWS) * ROWS - n  # rows to a multiple of ROWS: one oneDNN kernel per few shapes (rl/hf_experts.py)
+        pad = padded_rows(n) - n  # rows to a multiple of ROWS: one oneDNN kernel per few shapes (rl/hf_experts.py)
         if pad:
             h_ND = torch.cat([h_ND, h_ND.new_zeros(pad, h_ND.shape[-1])])
             t_N = torch.cat([t_N, t_N.new_zeros(pad)])

@@ -15,9 +15,9 @@ Direct expert loading (`_DirectExperts`): the CPU fused-MoE experts are most of 
 and vLLM's layerwise reload moved each of them four times: into a freshly allocated
 checkpoint-layout tensor, back into the kernel tensor's storage, then our repack into another fresh
 tensor, and the repack's result into the layer. Here every expert's checkpoint tensors (gate, up,
-down) go straight into the packed kernel tensors the engine computes with: the down projection is
-packed from the fetched array itself, gate and up through one small per-expert staging buffer
-(`prepack_moe_weight` takes its output buffer, and packs each expert on its own). The other
+down) are copied once into a checkpoint-layout staging pair reused layer after layer, and a complete
+layer is packed at once straight into the kernel tensors the engine computes with
+(`prepack_moe_weight` takes its output buffer). The other
 tensors take vLLM's path. Only for layers the direct path understands (unquantized CPU experts
 without intermediate padding, not zentorch); a layer that receives only some of its experts'
 tensors fails the load, naming the layer. `direct_experts=False` keeps vLLM's path for every
