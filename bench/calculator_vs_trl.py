@@ -1,0 +1,301 @@
+"""Wall time to a held-out success target on a multi-step tool task with the real policy: our loop
+against TRL's `GRPOTrainer` running its own multi-turn tool loop.
+
+    .venv/bin/python bench/calculator_vs_trl.py [--target 0.7] [--max-steps 12] [--eval-every 2]
+        [--episodes 100] [--init WARM_START_DIR] [--plot PNG] [--json]
+
+Task: `tools/calculator-v0` (a word problem `a·b − c`; tools `calculator` and `submit`; reward = its
+sparse milestones, 0.25 for the product and 1 for the right answer). Policy: SmolLM2-135M-Instruct
+upcycled into a 4-expert top-1 MoE, after the demo's supervised warm start on the scripted expert
+(`configs/demo/calculator.yaml`: 40 demonstrations, 5 steps; the pretrained model has never seen
+the tool-call format). Both sides start from that one checkpoint and train all of its parameters in
+fp32 with the settings of `configs/demo/calculator.yaml`: 3 tasks × 8 episodes per step, one optimizer
+step each, learning rate 1e-5, temperature 0.8, at most 4 model turns of at most 64 new tokens,
+token-mean loss, no KL, no router loss (TRL's crashes `generate` on this model: transformers' Mixtral
+aux loss under a KV cache), and the same training tasks in the same order (our seeds, TRL's dataset).
+The tools reach TRL through `envs/trl_adapter.py`: the prompt is token for token ours (checked
+here), and tool results and rewards are the environment's own.
+
+Ours: the full loop in one process's local Ray (a vLLM rollout worker, the learner actor, in-place
+weight sync every step), its GRPO with milestone credit. TRL: `GRPOTrainer(environment_factory=...)`
+with Hugging Face `generate` (TRL runs vLLM only on CUDA), its tool loop batching the episodes that
+called a tool, one process.
+
+Held-out success: every `--eval-every` steps, `--episodes` held-out seeds (the ones `longhorizon
+eval` uses) played by one evaluator for both sides (rl/evaluate.py on a vLLM engine; ours on its
+rollout worker, TRL's checkpoint in a child process), with the Wilson 95% interval. Evaluation,
+TRL's checkpoint save and start-up are outside the clock. Time to target: training wall seconds
+until a held-out success of at least `--target`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+CONFIG = REPO / "configs" / "demo" / "calculator.yaml"
+ENV = "tools/calculator-v0"
+
+
+def base_config(overrides: list[str] = ()):
+    from rl.config import load_config
+
+    return load_config(CONFIG, ["algo.router_aux_coef=0", *overrides])
+
+
+def make_warm_start(out: Path) -> str:
+    """The demo's warm-started checkpoint (made once in `out`, reused by both sides)."""
+    from rich.console import Console
+
+    from rl.trainer import Trainer
+
+    trainer = Trainer(base_config(), out, console=Console(stderr=True))
+    return trainer.policy_path()
+
+
+# --- held-out evaluation (the same for both sides) ---
+def held_out(policy: str, episodes: int) -> dict:
+    """`episodes` held-out episodes of `policy` on a fresh vLLM engine, as the run's rollout worker plays them."""
+    from transformers import AutoTokenizer
+
+    from rl.evaluate import evaluate
+    from rollout.chat import ChatFormat
+    from rollout.engines import make_engine
+
+    cfg = base_config()
+    r = cfg.rollout
+    engine = make_engine(r.engine, policy, seed=cfg.seed, max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,
+                         enforce_eager=r.enforce_eager, max_batch=r.max_batch)
+    chat = ChatFormat(AutoTokenizer.from_pretrained(policy))
+    summary, _ = evaluate(engine, chat, ENV, episodes, env_kwargs=dict(cfg.env.kwargs), max_turns=r.max_turns,
+                          max_new_tokens=r.max_new_tokens, max_episode_tokens=r.max_episode_tokens,
+                          temperature=cfg.eval.temperature or r.temperature, top_p=r.top_p, seed=cfg.seed)
+    return {"success": summary["success"], "ci95": list(summary["ci95"]), "reward": summary["reward_mean"]}
+
+
+def held_out_in_child(policy: str, episodes: int) -> dict:
+    cmd = [sys.executable, __file__, "--child", "eval", "--policy", policy, "--episodes", str(episodes)]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1800)
+    if r.returncode != 0:
+        raise RuntimeError(f"held-out evaluation of {policy} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+# --- the two loops ---
+def run_ours(init: str, a, run_dir: str) -> dict:
+    from rich.console import Console
+
+    from rl.trainer import Trainer
+
+    t0 = time.perf_counter()
+    cfg = base_config([f"policy.path={init}", "policy.pretrained=''", "warm_start.demos=0", "eval.every=0",
+                       f"eval.episodes={a.episodes}", f"iterations={a.max_steps}", "checkpoint_every=100000"])
+    trainer = Trainer(cfg, run_dir, console=Console(stderr=True, quiet=True))
+    trainer.start()
+    startup = time.perf_counter() - t0
+    steps, train_s, hit = [], 0.0, None
+    try:
+        for it in range(a.max_steps):
+            t = time.perf_counter()
+            row = trainer.iteration(it)
+            train_s += time.perf_counter() - t
+            step = {"step": it + 1, "train_s": train_s, "reward": row["mean_reward"]}
+            if (it + 1) % a.eval_every == 0:
+                ev = trainer.evaluate()
+                step.update(success=ev["eval/success"], ci95=[ev["eval/ci95_low"], ev["eval/ci95_high"]])
+            steps.append(step)
+            print(f"ours: {step}", file=sys.stderr, flush=True)
+            if step.get("success", -1) >= a.target:
+                hit = train_s
+                break
+    finally:
+        trainer.close()
+    return {"startup_s": startup, "seconds": hit, "steps": steps, "train_s": train_s}
+
+
+def run_trl(init: str, a, run_dir: str) -> dict:
+    os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.chat_template_utils import qwen3_template
+
+    import envs
+    from envs.trl_adapter import trl_environment, trl_prompts
+    from rl.episodes import iteration_tasks
+    from rollout.chat import ChatFormat
+
+    t0 = time.perf_counter()
+    cfg = base_config()
+    r, algo = cfg.rollout, cfg.algo
+    torch.manual_seed(cfg.seed)
+    torch.set_num_threads(algo.threads or os.cpu_count())
+    tok = AutoTokenizer.from_pretrained(init)
+    # our template's <tool_call> JSON blocks are Qwen's: TRL parses them with its Qwen response template
+    tok.response_template = qwen3_template
+    tok.padding_side = "left"
+    # the same training tasks in the same order: the seeds of our groups, each once (TRL repeats a prompt per generation)
+    seeds = [t.seed for it in range(a.max_steps) for t in iteration_tasks(cfg, it)[:: r.group_size]]
+    data = trl_prompts(ENV, seeds, **cfg.env.kwargs)
+    environment = trl_environment(ENV, **cfg.env.kwargs)
+    env = envs.make(ENV, **cfg.env.kwargs)
+    obs, info = env.reset(seed=seeds[0])
+    ours_prompt = ChatFormat(tok).prompt_ids([{"role": "user", "content": obs}], info["tools"])
+    probe = environment()
+    tools = [getattr(probe, s.name) for s in envs.env_class(ENV).tools]
+    trl_prompt = tok.apply_chat_template(data["prompt"][0], tools=tools, add_generation_prompt=True, tokenize=True,
+                                         return_dict=False)
+    if list(trl_prompt) != ours_prompt:
+        raise RuntimeError("TRL's first prompt differs from our loop's: the comparison would not be like for like")
+    model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32)
+    model.config.output_router_logits = False  # see the docstring: no router loss on either side
+
+    state = {"begin": None, "train_s": 0.0, "hit": None, "steps": []}
+
+    class Watch(TrainerCallback):
+        def on_step_begin(self, args, st, control, **kw):
+            state["begin"] = time.perf_counter()
+
+        def on_step_end(self, args, st, control, model=None, **kw):
+            state["train_s"] += time.perf_counter() - state["begin"]
+            step = {"step": st.global_step, "train_s": state["train_s"]}
+            if st.global_step % a.eval_every == 0:
+                ckpt = Path(run_dir) / f"step-{st.global_step}"
+                model.save_pretrained(ckpt)
+                tok.save_pretrained(ckpt)
+                ev = held_out_in_child(str(ckpt), a.episodes)
+                step.update(success=ev["success"], ci95=ev["ci95"])
+                if ev["success"] >= a.target and state["hit"] is None:
+                    state["hit"] = state["train_s"]
+                    control.should_training_stop = True
+            state["steps"].append(step)
+
+        def on_log(self, args, st, control, logs=None, **kw):
+            if logs and "reward" in logs and state["steps"]:
+                state["steps"][-1]["reward"] = float(logs["reward"])
+                print(f"trl: {state['steps'][-1]}", file=sys.stderr, flush=True)
+
+    groups = r.groups_per_iteration
+    args = GRPOConfig(
+        output_dir=run_dir, per_device_train_batch_size=groups * r.group_size, num_generations=r.group_size,
+        gradient_accumulation_steps=1, max_completion_length=r.max_episode_tokens - len(ours_prompt),
+        generation_kwargs={"max_new_tokens": r.max_new_tokens}, max_tool_calling_iterations=r.max_turns - 1,
+        learning_rate=algo.lr, beta=0.0, loss_type="dapo", temperature=r.temperature, top_p=r.top_p,
+        num_iterations=1, max_steps=a.max_steps, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
+        bf16=False, seed=cfg.seed, shuffle_dataset=False, lr_scheduler_type="constant", warmup_steps=0,
+        weight_decay=algo.weight_decay, max_grad_norm=algo.max_grad_norm, router_aux_loss_coef=0.0,
+        disable_tqdm=True, log_completions=False,
+    )
+    trainer = GRPOTrainer(model=model, args=args, processing_class=tok, train_dataset=Dataset.from_dict(data),
+                          environment_factory=environment, callbacks=[Watch()])
+    startup = time.perf_counter() - t0
+    trainer.train()
+    return {"startup_s": startup, "seconds": state["hit"], "steps": state["steps"], "train_s": state["train_s"]}
+
+
+def measure(side: str, init: str, a) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        cmd = [sys.executable, __file__, "--child", side, "--policy", init, "--run-dir", str(Path(d) / "run"),
+               "--target", str(a.target), "--max-steps", str(a.max_steps), "--eval-every", str(a.eval_every),
+               "--episodes", str(a.episodes)]
+        r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=REPO, timeout=7200)
+    if r.returncode != 0:
+        raise RuntimeError(f"{side} failed (its stderr is above)")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def plot(runs: dict, start: dict, target: float, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for side, res in runs.items():
+        pts = [(0.0, start["success"], *start["ci95"])] + [
+            (s["train_s"], s["success"], *s["ci95"]) for s in res["steps"] if "success" in s]
+        x, y, lo, hi = zip(*pts)
+        line, = ax.plot(x, y, marker="o", label=f"{side}: held-out success")
+        ax.fill_between(x, lo, hi, alpha=0.15, color=line.get_color())
+        rs = [(s["train_s"], s["reward"]) for s in res["steps"] if "reward" in s]
+        if rs:
+            ax.plot(*zip(*rs), linestyle="--", color=line.get_color(), alpha=0.6, label=f"{side}: train reward")
+    ax.axhline(target, color="grey", linestyle=":", label="target")
+    ax.set_xlabel("training wall seconds (start-up and evaluation excluded)")
+    ax.set_ylabel("held-out success / train reward")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--target", type=float, default=0.7)
+    ap.add_argument("--max-steps", type=int, default=12)
+    ap.add_argument("--eval-every", type=int, default=2)
+    ap.add_argument("--episodes", type=int, default=100, help="held-out episodes per evaluation")
+    ap.add_argument("--init", help="a warm-started checkpoint to start both from (default: made here, as the demo does)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--plot", help="write held-out success against training wall time to this PNG")
+    ap.add_argument("--child", choices=["ours", "trl", "eval"], help=argparse.SUPPRESS)
+    ap.add_argument("--policy", help=argparse.SUPPRESS)
+    ap.add_argument("--run-dir", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child == "eval":
+        print(json.dumps(held_out(a.policy, a.episodes)))
+        return
+    if a.child:
+        fn = run_ours if a.child == "ours" else run_trl
+        print(json.dumps(fn(a.policy, a, a.run_dir)))
+        return
+
+    import torch
+    import trl
+    import vllm
+
+    with tempfile.TemporaryDirectory() as d:
+        t = time.perf_counter()
+        init = a.init or make_warm_start(Path(d) / "warm")
+        warm_s = time.perf_counter() - t
+        start = held_out_in_child(init, a.episodes)
+        print(f"start: held-out success {start['success']:.3f} {start['ci95']}", file=sys.stderr, flush=True)
+        runs = {side: measure(side, init, a) for side in ("ours", "trl")}
+    if a.plot:
+        plot(runs, start, a.target, a.plot)
+    versions = {"torch": torch.__version__, "vllm": vllm.__version__, "trl": trl.__version__,
+                "python": platform.python_version()}
+    if a.json:
+        print(json.dumps({"start": start, "runs": runs, "warm_start_s": warm_s, "versions": versions}))
+        return
+    o, t = runs["ours"], runs["trl"]
+    fmt = lambda x: f"{x:.0f}" if x is not None else f"not reached in {a.max_steps} steps"
+    ratio = f"{t['seconds'] / o['seconds']:.2f}×" if o["seconds"] and t["seconds"] else "-"
+
+    def last(res):
+        ev = [s for s in res["steps"] if "success" in s][-1:]
+        return f"{ev[0]['success']:.2f} [{ev[0]['ci95'][0]:.2f}, {ev[0]['ci95'][1]:.2f}]" if ev else "-"
+
+    print(f"# time to held-out success ≥ {a.target} on {ENV} ({a.episodes} held-out episodes every {a.eval_every} "
+          f"steps), SmolLM2-135M upcycled to 4 experts top-1, fp32, from one warm start (held-out success "
+          f"{start['success']:.2f} [{start['ci95'][0]:.2f}, {start['ci95'][1]:.2f}]); 3×8 episodes of ≤ 4 turns per step")
+    print(f"# torch {torch.__version__}, vllm {vllm.__version__}, trl {trl.__version__}\n")
+    print("| loop | seconds to target | steps | s / step | held-out success at the end | start-up s | TRL s / ours s |")
+    print("| --- | ---: | ---: | ---: | --- | ---: | ---: |")
+    for name, res, r in (("ours (Ray + vLLM + learner + sync)", o, ratio), ("TRL GRPOTrainer (HF generate, its tool loop)", t, "1.00×")):
+        n = len(res["steps"])
+        print(f"| {name} | {fmt(res['seconds'])} | {n} | {res['train_s'] / max(1, n):.1f} | {last(res)} | "
+              f"{res['startup_s']:.1f} | {r} |")
+
+
+if __name__ == "__main__":
+    main()
