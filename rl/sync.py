@@ -105,6 +105,8 @@ class PendingSync:
             # sync_s: what delivering the version cost (publish + the slowest load), in either mode;
             # sync_wall_s also counts the wait behind rollouts queued before the loads (async mode)
             out.update({"sync_s": self.publish_s + load_max, "sync_load_s_max": load_max,
+                        # waiting for this node's other CPU engines to load first (rollout.serial_cpu_loads)
+                        "sync_load_wait_s_max": max(r.get("load_wait_s", 0.0) for _, r in loads),
                         "sync_bytes": loads[0][1]["bytes"], "sync_buckets": loads[0][1]["buckets"]})
         return out
 

@@ -38,6 +38,8 @@ class RolloutConfig:
     """Rollout engine: vLLM (Hugging Face architectures, and the `policy/` model through the project's plugin, rollout/engines/vllm_plugin.py), or the native engine (rollout/engines/native.py: the `policy/` model only; records routed experts for routing replay, keeps a prefix cache across turns)."""
     max_batch: int = 32
     """Native engine: most sequences decoded together (continuous batching)."""
+    serial_cpu_loads: bool = True
+    """Weight sync on CPU: the rollout workers of one node load a new version one after another (a node-wide file lock), since each engine's threads use every core and loads at once contend; false loads them all at once. GPU engines always load in parallel."""
     enforce_eager: bool = True
     """Skip torch.compile in vLLM (compiling costs ~25 s per model on a cold cache)."""
     iteration_token_budget: int = 0

@@ -8,6 +8,7 @@ EnvWorker actors (`envs/worker.py`), one slot per episode, spread over the actor
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import time
@@ -144,12 +145,33 @@ class RolloutWorker:
         the engine loads them; returns the new version, seconds, bytes and buckets received. An adapter
         manifest (LoRA) is added to the base weights this worker started from."""
         t0 = time.perf_counter()
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), self._node_load_turn():
             # Arrays from Ray's object store are read-only views; vLLM copies them into its params.
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            waited = time.perf_counter() - t0
             self.engine.load_weights(self._served(iter_weights(manifest), manifest.adapter), manifest.version)
-        return {"version": self.engine.version, "load_s": time.perf_counter() - t0,
+        return {"version": self.engine.version, "load_s": time.perf_counter() - t0, "load_wait_s": waited,
                 "bytes": manifest.nbytes, "buckets": len(manifest.buckets)}
+
+    @contextlib.contextmanager
+    def _node_load_turn(self):
+        """On CPU, one engine of this node loads at a time. Every CPU engine's OpenMP threads run on
+        all of the node's cores (rollout/engines/vllm_engine.py), so two loading at once contend:
+        two workers on 2 cores took 0.75 s for a load one alone does in 0.13 s. One after the other
+        costs the sum of the single loads instead. A file lock, so workers of any run on the node
+        take turns and a dead holder releases it with its process; GPU engines load in parallel."""
+        if self.cfg.gpus_per_worker > 0 or not self.cfg.serial_cpu_loads:
+            yield
+            return
+        import fcntl
+        import tempfile
+
+        with open(os.path.join(tempfile.gettempdir(), "longhorizon-cpu-weight-load.lock"), "a") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh, fcntl.LOCK_UN)
 
     def _served(self, named, adapter: bool):
         """What the engine loads: the received tensors, or (LoRA) the base weights this worker started
