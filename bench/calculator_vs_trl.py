@@ -2,14 +2,15 @@
 against TRL's `GRPOTrainer` running its own multi-turn tool loop.
 
     .venv/bin/python bench/calculator_vs_trl.py [--target 0.7] [--max-steps 12] [--eval-every 2]
-        [--episodes 100] [--init WARM_START_DIR] [--plot PNG] [--json]
+        [--episodes 100] [--precision fp32|bf16] [--init WARM_START_DIR] [--plot PNG] [--json]
 
 Task: `tools/calculator-v0` (a word problem `a·b − c`; tools `calculator` and `submit`; reward = its
 sparse milestones, 0.25 for the product and 1 for the right answer). Policy: SmolLM2-135M-Instruct
 upcycled into a 4-expert top-1 MoE, after the demo's supervised warm start on the scripted expert
 (`configs/demo/calculator.yaml`: 40 demonstrations, 5 steps; the pretrained model has never seen
 the tool-call format). Both sides start from that one checkpoint and train all of its parameters in
-fp32 with the settings of `configs/demo/calculator.yaml`: 3 tasks × 8 episodes per step, one optimizer
+fp32 (`--precision bf16`: both under bf16 autocast, weights and optimizer state in fp32; the engines
+stay fp32) with the settings of `configs/demo/calculator.yaml`: 3 tasks × 8 episodes per step, one optimizer
 step each, learning rate 1e-5, temperature 0.8, at most 4 model turns of at most 64 new tokens,
 token-mean loss, no KL, no router loss (TRL's crashes `generate` on this model: transformers' Mixtral
 aux loss under a KV cache), and the same training tasks in the same order (our seeds, TRL's dataset).
@@ -98,7 +99,8 @@ def run_ours(init: str, a, run_dir: str) -> dict:
 
     t0 = time.perf_counter()
     cfg = base_config([f"policy.path={init}", "policy.pretrained=''", "warm_start.demos=0", "eval.every=0",
-                       f"eval.episodes={a.episodes}", f"iterations={a.max_steps}", "checkpoint_every=100000"])
+                       f"eval.episodes={a.episodes}", f"iterations={a.max_steps}", "checkpoint_every=100000",
+                       f"learner.precision={a.precision}"])
     trainer = Trainer(cfg, run_dir, console=Console(stderr=True, quiet=True))
     trainer.start()
     startup = time.perf_counter() - t0
@@ -192,7 +194,7 @@ def run_trl(init: str, a, run_dir: str) -> dict:
         generation_kwargs={"max_new_tokens": r.max_new_tokens}, max_tool_calling_iterations=r.max_turns - 1,
         learning_rate=algo.lr, beta=0.0, loss_type="dapo", temperature=r.temperature, top_p=r.top_p,
         num_iterations=1, max_steps=a.max_steps, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
-        bf16=False, seed=cfg.seed, shuffle_dataset=False, lr_scheduler_type="constant", warmup_steps=0,
+        bf16=a.precision == "bf16", seed=cfg.seed, shuffle_dataset=False, lr_scheduler_type="constant", warmup_steps=0,
         weight_decay=algo.weight_decay, max_grad_norm=algo.max_grad_norm, router_aux_loss_coef=0.0,
         disable_tqdm=True, log_completions=False,
     )
@@ -207,7 +209,7 @@ def measure(side: str, init: str, a) -> dict:
     with tempfile.TemporaryDirectory() as d:
         cmd = [sys.executable, __file__, "--child", side, "--policy", init, "--run-dir", str(Path(d) / "run"),
                "--target", str(a.target), "--max-steps", str(a.max_steps), "--eval-every", str(a.eval_every),
-               "--episodes", str(a.episodes)]
+               "--episodes", str(a.episodes), "--precision", a.precision]
         r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=REPO, timeout=7200)
     if r.returncode != 0:
         raise RuntimeError(f"{side} failed (its stderr is above)")
@@ -244,6 +246,7 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=12)
     ap.add_argument("--eval-every", type=int, default=2)
     ap.add_argument("--episodes", type=int, default=100, help="held-out episodes per evaluation")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="both learners' precision")
     ap.add_argument("--init", help="a warm-started checkpoint to start both from (default: made here, as the demo does)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--plot", help="write held-out success against training wall time to this PNG")
@@ -286,7 +289,7 @@ def main() -> None:
         return f"{ev[0]['success']:.2f} [{ev[0]['ci95'][0]:.2f}, {ev[0]['ci95'][1]:.2f}]" if ev else "-"
 
     print(f"# time to held-out success ≥ {a.target} on {ENV} ({a.episodes} held-out episodes every {a.eval_every} "
-          f"steps), SmolLM2-135M upcycled to 4 experts top-1, fp32, from one warm start (held-out success "
+          f"steps), SmolLM2-135M upcycled to 4 experts top-1, {a.precision} learners, from one warm start (held-out success "
           f"{start['success']:.2f} [{start['ci95'][0]:.2f}, {start['ci95'][1]:.2f}]); 3×8 episodes of ≤ 4 turns per step")
     print(f"# torch {torch.__version__}, vllm {vllm.__version__}, trl {trl.__version__}\n")
     print("| loop | seconds to target | steps | s / step | held-out success at the end | start-up s | TRL s / ours s |")
