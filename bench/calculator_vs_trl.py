@@ -66,20 +66,11 @@ def make_warm_start(out: Path) -> str:
 # --- held-out evaluation (the same for both sides) ---
 def held_out(policy: str, episodes: int) -> dict:
     """`episodes` held-out episodes of `policy` on a fresh vLLM engine, as the run's rollout worker plays them."""
-    from transformers import AutoTokenizer
-
-    from rl.evaluate import evaluate
-    from rollout.chat import ChatFormat
-    from rollout.engines import make_engine
+    from rl.evaluate import evaluate_policy
 
     cfg = base_config()
-    r = cfg.rollout
-    engine = make_engine(r.engine, policy, seed=cfg.seed, max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,
-                         enforce_eager=r.enforce_eager, max_batch=r.max_batch)
-    chat = ChatFormat(AutoTokenizer.from_pretrained(policy))
-    summary, _ = evaluate(engine, chat, ENV, episodes, env_kwargs=dict(cfg.env.kwargs), max_turns=r.max_turns,
-                          max_new_tokens=r.max_new_tokens, max_episode_tokens=r.max_episode_tokens,
-                          temperature=cfg.eval.temperature or r.temperature, top_p=r.top_p, seed=cfg.seed)
+    summary, _ = evaluate_policy(policy, cfg.rollout, ENV, episodes, env_kwargs=dict(cfg.env.kwargs),
+                                 temperature=cfg.eval.temperature or None, seed=cfg.seed)
     return {"success": summary["success"], "ci95": list(summary["ci95"]), "reward": summary["reward_mean"]}
 
 

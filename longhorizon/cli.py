@@ -323,21 +323,10 @@ def _eval(args) -> int:
     except (ConfigError, FileNotFoundError, ValueError, KeyError) as exc:
         print(f"error: {message(exc)}", file=sys.stderr)
         return 2
-    from transformers import AutoTokenizer
+    from rl.evaluate import evaluate_policy
 
-    from rl.evaluate import evaluate
-    from rollout.chat import ChatFormat
-    from rollout.engines import make_engine
-
-    engine = make_engine(rollout.engine, str(policy), seed=args.seed, max_model_len=rollout.max_model_len,
-                         kv_cache_gib=rollout.kv_cache_gib, enforce_eager=rollout.enforce_eager,
-                         max_batch=rollout.max_batch)
-    chat = ChatFormat(AutoTokenizer.from_pretrained(str(policy)))
-    summary, _ = evaluate(engine, chat, args.env, args.episodes, k=args.k, env_kwargs=env_kwargs,
-                          max_turns=rollout.max_turns, max_new_tokens=rollout.max_new_tokens,
-                          max_episode_tokens=rollout.max_episode_tokens,
-                          temperature=rollout.temperature if args.temperature is None else args.temperature,
-                          top_p=rollout.top_p, seed=args.seed)
+    summary, _ = evaluate_policy(str(policy), rollout, args.env, args.episodes, k=args.k, env_kwargs=env_kwargs,
+                                 temperature=args.temperature, seed=args.seed)
     summary["policy"] = str(policy)
     if args.json:
         print(json.dumps(summary))

@@ -10,8 +10,9 @@ The success interval is Wilson's score interval (well behaved at 0 and 1, unlike
 approximation). pass@k is the share of seeds with at least one success among their k episodes.
 
 `evaluate` runs the episodes with any engine (vLLM, or a scripted policy in tests) in this process;
-`longhorizon eval` (longhorizon/cli.py) builds the vLLM engine from a run directory or a checkpoint, and
-the trainer runs the same tasks on its rollout workers every `eval.every` iterations.
+`evaluate_policy` first builds the engine a run's rollout settings name for a checkpoint (what
+`longhorizon eval` and bench row 2 call), and the trainer runs the same tasks on its rollout workers
+every `eval.every` iterations.
 """
 
 from __future__ import annotations
@@ -72,3 +73,21 @@ def evaluate(engine, chat, env_id: str, episodes: int, *, k: int = 1, env_kwargs
                  max_new_tokens=max_new_tokens, max_episode_tokens=max_episode_tokens, temperature=temperature,
                  top_p=top_p, run_seed=seed)
     return summarise(env_id, trajs, k), trajs
+
+
+def evaluate_policy(policy: str, rollout, env_id: str, episodes: int, *, k: int = 1, env_kwargs: dict | None = None,
+                    temperature: float | None = None, seed: int = 0) -> tuple[dict, list[Trajectory]]:
+    """`evaluate` on a fresh engine of checkpoint `policy`, built and played with the `rollout`
+    settings (a `RolloutConfig`); `temperature` None: the rollout's."""
+    from transformers import AutoTokenizer
+
+    from rollout.chat import ChatFormat
+    from rollout.engines import make_engine
+
+    r = rollout
+    engine = make_engine(r.engine, policy, seed=seed, max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,
+                         enforce_eager=r.enforce_eager, max_batch=r.max_batch)
+    chat = ChatFormat(AutoTokenizer.from_pretrained(policy))
+    return evaluate(engine, chat, env_id, episodes, k=k, env_kwargs=env_kwargs, max_turns=r.max_turns,
+                    max_new_tokens=r.max_new_tokens, max_episode_tokens=r.max_episode_tokens,
+                    temperature=r.temperature if temperature is None else temperature, top_p=r.top_p, seed=seed)
