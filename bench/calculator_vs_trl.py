@@ -9,8 +9,9 @@ sparse milestones, 0.25 for the product and 1 for the right answer). Policy: Smo
 upcycled into a 4-expert top-1 MoE, after the demo's supervised warm start on the scripted expert
 (`configs/demo/calculator.yaml`: 40 demonstrations, 5 steps; the pretrained model has never seen
 the tool-call format). Both sides start from that one checkpoint and train all of its parameters in
-fp32 (`--precision bf16`: both under bf16 autocast, weights and optimizer state in fp32; the engines
-stay fp32) with the settings of `configs/demo/calculator.yaml`: 3 tasks × 8 episodes per step, one optimizer
+fp32 (`--precision bf16`: both learners under bf16 autocast, weights and optimizer state in fp32;
+our vLLM engines in bf16, `rollout.dtype: bfloat16`, and TRL's `generate` under its bf16 autocast)
+with the settings of `configs/demo/calculator.yaml`: 3 tasks × 8 episodes per step, one optimizer
 step each, learning rate 1e-5, temperature 0.8, at most 4 model turns of at most 64 new tokens,
 token-mean loss, no KL, no router loss (TRL's crashes `generate` on this model: transformers' Mixtral
 aux loss under a KV cache), and the same training tasks in the same order (our seeds, TRL's dataset).
@@ -20,11 +21,13 @@ here), and tool results and rewards are the environment's own.
 Ours: the full loop in one process's local Ray (a vLLM rollout worker, the learner actor, in-place
 weight sync every step), its GRPO with milestone credit. TRL: `GRPOTrainer(environment_factory=...)`
 with Hugging Face `generate` (TRL runs vLLM only on CUDA), its tool loop batching the episodes that
-called a tool, one process.
+called a tool, one process. Both learners run under the same malloc (tcmalloc where installed: our
+learner actor's default, rl/allocator.py, and TRL's process is started with it too).
 
 Held-out success: every `--eval-every` steps, `--episodes` held-out seeds (the ones `longhorizon
-eval` uses) played by one evaluator for both sides (rl/evaluate.py on a vLLM engine; ours on its
-rollout worker, TRL's checkpoint in a child process), with the Wilson 95% interval. Evaluation,
+eval` uses) played by one evaluator for both sides (rl/evaluate.py on a vLLM engine, fp32, bf16
+with `--precision bf16`; ours on its rollout worker, TRL's checkpoint in a child process), with the
+Wilson 95% interval. Evaluation,
 TRL's checkpoint save and start-up are outside the clock. Time to target: training wall seconds
 until a held-out success of at least `--target`.
 """
@@ -64,18 +67,24 @@ def make_warm_start(out: Path) -> str:
 
 
 # --- held-out evaluation (the same for both sides) ---
-def held_out(policy: str, episodes: int) -> dict:
+def engines(precision: str) -> list[str]:
+    """Our engines' dtype for a `--precision`: bf16 learners roll out with bf16 engines."""
+    return [f"rollout.dtype={'bfloat16' if precision == 'bf16' else 'float32'}"]
+
+
+def held_out(policy: str, episodes: int, precision: str) -> dict:
     """`episodes` held-out episodes of `policy` on a fresh vLLM engine, as the run's rollout worker plays them."""
     from rl.evaluate import evaluate_policy
 
-    cfg = base_config()
+    cfg = base_config(engines(precision))
     summary, _ = evaluate_policy(policy, cfg.rollout, ENV, episodes, env_kwargs=dict(cfg.env.kwargs),
                                  temperature=cfg.eval.temperature or None, seed=cfg.seed)
     return {"success": summary["success"], "ci95": list(summary["ci95"]), "reward": summary["reward_mean"]}
 
 
-def held_out_in_child(policy: str, episodes: int) -> dict:
-    cmd = [sys.executable, __file__, "--child", "eval", "--policy", policy, "--episodes", str(episodes)]
+def held_out_in_child(policy: str, episodes: int, precision: str) -> dict:
+    cmd = [sys.executable, __file__, "--child", "eval", "--policy", policy, "--episodes", str(episodes),
+           "--precision", precision]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1800)
     if r.returncode != 0:
         raise RuntimeError(f"held-out evaluation of {policy} failed:\n{r.stderr[-3000:]}")
@@ -91,10 +100,11 @@ def run_ours(init: str, a, run_dir: str) -> dict:
     t0 = time.perf_counter()
     cfg = base_config([f"policy.path={init}", "policy.pretrained=''", "warm_start.demos=0", "eval.every=0",
                        f"eval.episodes={a.episodes}", f"iterations={a.max_steps}", "checkpoint_every=100000",
-                       f"learner.precision={a.precision}"])
+                       f"learner.precision={a.precision}", *engines(a.precision)])
     trainer = Trainer(cfg, run_dir, console=Console(stderr=True, quiet=True))
     trainer.start()
     startup = time.perf_counter() - t0
+    malloc = trainer.learner.call("allocator")
     steps, train_s, hit = [], 0.0, None
     try:
         for it in range(a.max_steps):
@@ -112,7 +122,7 @@ def run_ours(init: str, a, run_dir: str) -> dict:
                 break
     finally:
         trainer.close()
-    return {"startup_s": startup, "seconds": hit, "steps": steps, "train_s": train_s}
+    return {"startup_s": startup, "seconds": hit, "steps": steps, "train_s": train_s, "malloc": malloc}
 
 
 def run_trl(init: str, a, run_dir: str) -> dict:
@@ -166,7 +176,7 @@ def run_trl(init: str, a, run_dir: str) -> dict:
                 ckpt = Path(run_dir) / f"step-{st.global_step}"
                 model.save_pretrained(ckpt)
                 tok.save_pretrained(ckpt)
-                ev = held_out_in_child(str(ckpt), a.episodes)
+                ev = held_out_in_child(str(ckpt), a.episodes, a.precision)
                 step.update(success=ev["success"], ci95=ev["ci95"])
                 if ev["success"] >= a.target and state["hit"] is None:
                     state["hit"] = state["train_s"]
@@ -193,15 +203,23 @@ def run_trl(init: str, a, run_dir: str) -> dict:
                           environment_factory=environment, callbacks=[Watch()])
     startup = time.perf_counter() - t0
     trainer.train()
-    return {"startup_s": startup, "seconds": state["hit"], "steps": state["steps"], "train_s": state["train_s"]}
+    from rl.allocator import in_use
+
+    return {"startup_s": startup, "seconds": state["hit"], "steps": state["steps"], "train_s": state["train_s"],
+            "malloc": in_use()}
 
 
 def measure(side: str, init: str, a) -> dict:
+    from rl.allocator import actor_env
+
     with tempfile.TemporaryDirectory() as d:
         cmd = [sys.executable, __file__, "--child", side, "--policy", init, "--run-dir", str(Path(d) / "run"),
                "--target", str(a.target), "--max-steps", str(a.max_steps), "--eval-every", str(a.eval_every),
                "--episodes", str(a.episodes), "--precision", a.precision]
-        r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=REPO, timeout=7200)
+        # TRL's process gets the malloc our learner actor gets (rl/allocator.py: tcmalloc where installed):
+        # an allocator is the machine's setting, not the framework's
+        env = {**os.environ, **actor_env("auto")} if side == "trl" else None
+        r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=REPO, timeout=7200, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"{side} failed (its stderr is above)")
     return json.loads(r.stdout.strip().splitlines()[-1])
@@ -237,7 +255,8 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=12)
     ap.add_argument("--eval-every", type=int, default=2)
     ap.add_argument("--episodes", type=int, default=100, help="held-out episodes per evaluation")
-    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="both learners' precision")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                    help="both learners' precision; bf16 also puts our engines (and the evaluator) in bf16")
     ap.add_argument("--init", help="a warm-started checkpoint to start both from (default: made here, as the demo does)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--plot", help="write held-out success against training wall time to this PNG")
@@ -246,7 +265,7 @@ def main() -> None:
     ap.add_argument("--run-dir", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child == "eval":
-        print(json.dumps(held_out(a.policy, a.episodes)))
+        print(json.dumps(held_out(a.policy, a.episodes, a.precision)))
         return
     if a.child:
         fn = run_ours if a.child == "ours" else run_trl
@@ -261,7 +280,7 @@ def main() -> None:
         t = time.perf_counter()
         init = a.init or make_warm_start(Path(d) / "warm")
         warm_s = time.perf_counter() - t
-        start = held_out_in_child(init, a.episodes)
+        start = held_out_in_child(init, a.episodes, a.precision)
         print(f"start: held-out success {start['success']:.3f} {start['ci95']}", file=sys.stderr, flush=True)
         runs = {side: measure(side, init, a) for side in ("ours", "trl")}
     if a.plot:
@@ -280,8 +299,8 @@ def main() -> None:
         return f"{ev[0]['success']:.2f} [{ev[0]['ci95'][0]:.2f}, {ev[0]['ci95'][1]:.2f}]" if ev else "-"
 
     print(f"# time to held-out success ≥ {a.target} on {ENV} ({a.episodes} held-out episodes every {a.eval_every} "
-          f"steps), SmolLM2-135M upcycled to 4 experts top-1, {a.precision} learners, from one warm start (held-out success "
-          f"{start['success']:.2f} [{start['ci95'][0]:.2f}, {start['ci95'][1]:.2f}]); 3×8 episodes of ≤ 4 turns per step")
+          f"steps), SmolLM2-135M upcycled to 4 experts top-1, {a.precision} learners{' and engines' if a.precision == 'bf16' else ''}, from one warm start (held-out success "
+          f"{start['success']:.2f} [{start['ci95'][0]:.2f}, {start['ci95'][1]:.2f}]); 3×8 episodes of ≤ 4 turns per step; learners' malloc: ours {o['malloc']}, TRL {t['malloc']}")
     print(f"# torch {torch.__version__}, vllm {vllm.__version__}, trl {trl.__version__}\n")
     print("| loop | seconds to target | steps | s / step | held-out success at the end | start-up s | TRL s / ours s |")
     print("| --- | ---: | ---: | ---: | --- | ---: | ---: |")

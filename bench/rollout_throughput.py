@@ -3,14 +3,17 @@ vLLM), on the same MoE checkpoint, prompts and sampling settings, measured in th
 
     .venv/bin/python bench/rollout_throughput.py [--sizes tiny compute] [--repeats 3] [--json]
 
-Two sizes, because on a tiny model per-call overhead can hide everything:
+Three models, because on a tiny model per-call overhead can hide everything:
 - tiny: the test model (hidden 64, 2 layers, 8 experts), 16 sequences × 128 new tokens;
-- compute: hidden 512, 8 layers, 16 experts (top-2), 64 sequences × 256 new tokens.
+- compute: hidden 512, 8 layers, 16 experts (top-2), 64 sequences × 256 new tokens;
+- real and real-bf16: the real policy (SmolLM2-135M-Instruct upcycled to 4 experts top-1, what the
+  demo and row 2 train), 24 sequences × 128 new tokens (row 2's batch of episodes), in fp32 and in
+  bf16 (both sides: vLLM `dtype=bfloat16`, the HF model loaded in bf16).
 Every sequence gets a 64-token random prompt (seeded), temperature 1, top-p 1, and exactly the
 requested number of new tokens on both sides (vLLM `min_tokens`, HF `min_new_tokens`), so the
 work is identical. Ours is `VLLMEngine.generate` (the call the agent loop makes: one batched
 request, per-token log-probs on); HF is `model.generate(do_sample=True)` on the whole batch with
-the KV cache, fp32, all cores. Each measurement runs in a fresh process (engine start-up and a
+the KV cache, all cores, in the row's dtype. Each measurement runs in a fresh process (engine start-up and a
 warm-up call excluded), the two sides alternating, median of `--repeats`.
 """
 
@@ -33,6 +36,8 @@ SIZES = {
     "tiny": dict(dims={}, sequences=16, new_tokens=128),
     "compute": dict(dims=dict(hidden_size=512, num_layers=8, num_experts=16, num_heads=8, num_kv_heads=4,
                               head_dim=64, moe_intermediate_size=256), sequences=64, new_tokens=256),
+    "real": dict(pretrained=True, sequences=24, new_tokens=128),
+    "real-bf16": dict(pretrained=True, sequences=24, new_tokens=128, dtype="bfloat16"),
 }
 PROMPT = 64
 
@@ -44,10 +49,10 @@ def prompts(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(8, vocab) for _ in range(PROMPT)] for _ in range(n)]
 
 
-def run_ours(path: str, n: int, new: int) -> dict:
+def run_ours(path: str, n: int, new: int, dtype: str) -> dict:
     from rollout.engines.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine(path, max_model_len=PROMPT + new + 8, kv_cache_gib=1)
+    engine = VLLMEngine(path, max_model_len=PROMPT + new + 8, kv_cache_gib=1, dtype=dtype)
     vocab = engine.llm.get_tokenizer().vocab_size
     batch = prompts(vocab, n)
     engine.generate(batch[:2], max_tokens=8, seeds=[0, 1])  # warm-up
@@ -57,12 +62,12 @@ def run_ours(path: str, n: int, new: int) -> dict:
     return {"tokens": sum(len(g.token_ids) for g in gens), "seconds": dt}
 
 
-def run_hf(path: str, n: int, new: int) -> dict:
+def run_hf(path: str, n: int, new: int, dtype: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     vocab = AutoTokenizer.from_pretrained(path).vocab_size
     ids = torch.tensor(prompts(vocab, n))
     kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=0)
@@ -76,11 +81,12 @@ def run_hf(path: str, n: int, new: int) -> dict:
 
 def child(args) -> None:
     fn = run_ours if args.child == "ours" else run_hf
-    print(json.dumps(fn(args.path, args.sequences, args.new_tokens)))
+    print(json.dumps(fn(args.path, args.sequences, args.new_tokens, args.dtype)))
 
 
-def measure(side: str, path: str, n: int, new: int) -> dict:
-    cmd = [sys.executable, __file__, "--child", side, "--path", path, "--sequences", str(n), "--new-tokens", str(new)]
+def measure(side: str, path: str, n: int, new: int, dtype: str) -> dict:
+    cmd = [sys.executable, __file__, "--child", side, "--path", path, "--sequences", str(n), "--new-tokens", str(new),
+           "--dtype", dtype]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1800)
     if r.returncode != 0:
         raise RuntimeError(f"{side} failed:\n{r.stderr[-3000:]}")
@@ -96,6 +102,7 @@ def main() -> None:
     ap.add_argument("--path", help=argparse.SUPPRESS)
     ap.add_argument("--sequences", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--new-tokens", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args)
@@ -104,16 +111,21 @@ def main() -> None:
     import transformers
     import vllm
 
+    from rl.pretrained import policy
     from rl.tiny import TinyMoEDims, make_tiny_qwen3_moe
 
     rows = []
     for size in args.sizes:
         spec = SIZES[size]
-        path = str(make_tiny_qwen3_moe(Path(tempfile.mkdtemp()) / size, TinyMoEDims(**spec["dims"]), seed=0))
+        if spec.get("pretrained"):
+            path = str(policy("smollm2-135m-instruct", 4, 1))
+        else:
+            path = str(make_tiny_qwen3_moe(Path(tempfile.mkdtemp()) / size, TinyMoEDims(**spec["dims"]), seed=0))
+        dtype = spec.get("dtype", "float32")
         ours, hf = [], []
         for _ in range(args.repeats):  # alternate, so load on this noisy machine hits both alike
-            ours.append(measure("ours", path, spec["sequences"], spec["new_tokens"]))
-            hf.append(measure("hf", path, spec["sequences"], spec["new_tokens"]))
+            ours.append(measure("ours", path, spec["sequences"], spec["new_tokens"], dtype))
+            hf.append(measure("hf", path, spec["sequences"], spec["new_tokens"], dtype))
         o = statistics.median(m["tokens"] / m["seconds"] for m in ours)
         h = statistics.median(m["tokens"] / m["seconds"] for m in hf)
         rows.append({"size": size, "sequences": spec["sequences"], "new_tokens": spec["new_tokens"],

@@ -41,6 +41,7 @@ def policy_of(target: str):
     if (src / "config.yaml").exists():  # a run directory: its settings, its newest weights
         cfg = load_config(src / "config.yaml", [])
         rollout = cfg.rollout
+        rollout.dtype = rollout.engine_dtype(cfg.policy.dtype)  # the engines the run itself used
         ckpts = sorted((src / "checkpoints").glob("version-*/config.json"))
         policy = ckpts[-1].parent if ckpts else initial_policy(cfg, src)
     if not (policy / "config.json").exists():
@@ -77,7 +78,7 @@ def serve(args) -> int:
 
     engine = make_engine(rollout.engine, str(policy), seed=args.seed, max_model_len=rollout.max_model_len,
                          kv_cache_gib=rollout.kv_cache_gib, enforce_eager=rollout.enforce_eager,
-                         max_batch=rollout.max_batch)
+                         max_batch=rollout.max_batch, dtype=rollout.engine_dtype())
     name = args.model or policy.name
     # the engine is driven from this thread, the one that made it (rollout/openai_api.py Batcher)
     server = OpenAIServer(engine, AutoTokenizer.from_pretrained(str(policy)), name, max_model_len=rollout.max_model_len,

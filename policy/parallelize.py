@@ -370,9 +370,9 @@ def load_sharded(model: nn.Module, optimizer, path: str) -> None:
 
 
 def iter_full_weights(model: nn.Module):
-    """(name, full array) in `state_dict` order, gathered one tensor at a time on every rank: a
+    """(name, full CPU tensor) in `state_dict` order, gathered one tensor at a time on every rank: a
     rank holds one gathered tensor beyond its shards, never the whole model. Collective: every rank
     must consume it to the end (rank 0 publishes, the others discard)."""
     experts = _expert_modules(model)
     for name, t in model.state_dict().items():
-        yield name, _full(t, experts.get(name)).cpu().numpy()
+        yield name, _full(t, experts.get(name)).cpu()

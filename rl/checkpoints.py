@@ -44,7 +44,7 @@ def save_learner(learner, path: str, extra: dict | None = None) -> str:
             (tmp / "sharded").mkdir(parents=True)
         dist.barrier()
         save_sharded(learner.model, learner.opt, str(tmp / "sharded"))
-        full = {name: torch.from_numpy(a) for name, a in learner.full_weights()}
+        full = dict(learner.full_weights())
         if learner.rank != 0:
             dist.barrier()  # rank 0 renames the directory
             return str(out)

@@ -86,7 +86,7 @@ def evaluate_policy(policy: str, rollout, env_id: str, episodes: int, *, k: int 
 
     r = rollout
     engine = make_engine(r.engine, policy, seed=seed, max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,
-                         enforce_eager=r.enforce_eager, max_batch=r.max_batch)
+                         enforce_eager=r.enforce_eager, max_batch=r.max_batch, dtype=r.engine_dtype())
     chat = ChatFormat(AutoTokenizer.from_pretrained(policy))
     return evaluate(engine, chat, env_id, episodes, k=k, env_kwargs=env_kwargs, max_turns=r.max_turns,
                     max_new_tokens=r.max_new_tokens, max_episode_tokens=r.max_episode_tokens,

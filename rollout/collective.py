@@ -72,8 +72,9 @@ class SyncGroup:
         self.pg.broadcast([t], opts).wait()
 
     def send(self, named: Iterable[tuple[str, np.ndarray]], version: int, bucket_mb: float,
-             adapter: bool = False) -> dict:
-        """Broadcast (name, array) pairs in buckets (rank 0); returns bytes and buckets sent."""
+             adapter: bool = False, bf16: bool = False) -> dict:
+        """Broadcast (name, array) pairs in buckets (rank 0); returns bytes and buckets sent. `bf16`:
+        the int16 arrays are bf16 bits (rollout/weights.py `to_wire`), received as bf16 tensors."""
         from rollout.weights import bucketize
 
         sent, buckets = 0, 0
@@ -86,7 +87,7 @@ class SyncGroup:
             for (name, arr), (_, _, _, off) in zip(group, tensors):
                 flat = torch.from_numpy(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
                 buf[off:off + flat.numel()] = flat
-            desc = json.dumps({"version": version, "adapter": adapter, "nbytes": offset, "tensors": tensors}).encode()
+            desc = json.dumps({"version": version, "adapter": adapter, "bf16": bf16, "nbytes": offset, "tensors": tensors}).encode()
             self._broadcast(torch.tensor([len(desc)], dtype=torch.int64, device=self.device))
             self._broadcast(torch.frombuffer(bytearray(desc), dtype=torch.uint8).to(self.device))
             self._broadcast(buf.to(self.device))
@@ -108,12 +109,12 @@ class SyncGroup:
             desc = json.loads(bytes(raw.cpu().numpy()))
             buf = torch.empty(desc["nbytes"], dtype=torch.uint8, device=self.device)
             self._broadcast(buf)
-            yield desc, _views(buf, desc["tensors"])
+            yield desc, _views(buf, desc["tensors"], desc["bf16"])
 
 
-def _views(buf: torch.Tensor, tensors: list) -> Iterator[tuple[str, torch.Tensor]]:
+def _views(buf: torch.Tensor, tensors: list, bf16: bool) -> Iterator[tuple[str, torch.Tensor]]:
     for name, dtype, shape, off in tensors:
-        dt = getattr(torch, np.dtype(dtype).name)
+        dt = torch.bfloat16 if bf16 and dtype == "int16" else getattr(torch, np.dtype(dtype).name)
         n = int(np.prod(shape)) * torch.empty(0, dtype=dt).element_size()
         yield name, buf[off:off + n].view(dt).reshape(shape)
 

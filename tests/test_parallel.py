@@ -109,7 +109,7 @@ class Rank:
         from rollout.weights import publish
 
         if self.rank == 0:
-            return publish(iter_full_weights(self.model), 1, bucket_mb)
+            return publish(((n, t.numpy()) for n, t in iter_full_weights(self.model)), 1, bucket_mb)
         for _ in iter_full_weights(self.model):
             pass
 
