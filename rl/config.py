@@ -15,6 +15,7 @@ from typing import Literal
 import yaml
 
 from envs.config import EnvConfig
+from rl.allocator import tcmalloc_installed
 from rl.tiny import TinyMoEDims
 from rl.pretrained import PRETRAINED
 from rl.pretrained import missing as pretrained_missing
@@ -106,6 +107,8 @@ class AlgoConfig:
     """Padded tokens per forward/backward; a minibatch is split into micro-batches within this budget (gradients accumulate)."""
     logprob_chunk_tokens: int = 2048
     """Positions whose full-vocabulary logits exist at once (the output projection runs chunk by chunk)."""
+    shared_prefix_tokens: int = 32
+    """Hugging Face models: when every sequence of a micro-batch starts with the same N or more tokens (a group's prompt; the tool descriptions every task shares), that prefix runs forward and backward once, its KV cache shared by the rows, instead of once per row (rl/logprobs.py `_hf_shared_prefix`; same result). 0: off. Not with activation checkpointing, routing replay or a learner group."""
     activation_checkpointing: bool = False
     """Recompute each layer in the backward pass instead of keeping its activations."""
     routing_replay: bool = True
@@ -132,6 +135,8 @@ class LearnerConfig:
     """Ray GPUs per learner rank when it trains on cuda: 1, or a fraction to share a GPU with a rollout engine (one GPU for the whole loop: configs/gpu/one_gpu.yaml)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend for world_size > 1: auto is nccl when the learner trains on GPUs, else gloo; nccl needs learner.device cuda."""
+    allocator: Literal["auto", "tcmalloc", "system"] = "auto"
+    """The learner processes' malloc (rl/allocator.py: under glibc's malloc a CPU learner step of the real policy slowed down after the first, under tcmalloc it did not). auto: tcmalloc where installed (`apt-get install libtcmalloc-minimal4`; `make install` does it where it can), else the system's; tcmalloc: required (an error names the package when missing); system: the system's."""
     expert_parallel: bool = True
     """Split each MoE layer's routed experts across the ranks (all-to-all dispatch); off: experts are FSDP-sharded like the rest. The expert count must divide by world_size."""
 
@@ -350,6 +355,8 @@ class RunConfig:
             ("rollout.max_new_tokens", self.rollout.max_new_tokens >= 1, "must be >= 1"),
             ("rollout.max_batch", self.rollout.max_batch >= 1, "must be >= 1"),
             ("learner.world_size", self.learner.world_size >= 1, "must be >= 1"),
+            ("learner.allocator", self.learner.allocator != "tcmalloc" or tcmalloc_installed(),
+             "is tcmalloc, which this machine does not have: apt-get install libtcmalloc-minimal4, or use auto"),
             ("learner.backend", self.learner.backend != "nccl" or self.learner.device == "cuda",
              "nccl needs the learner on GPUs: set learner.device=cuda, or use gloo (or auto)"),
             ("lora.rank", self.lora.rank >= 1, "must be >= 1"),
@@ -384,6 +391,7 @@ class RunConfig:
             ("algo.minibatch_episodes", self.algo.minibatch_episodes >= 1, "must be >= 1"),
             ("algo.microbatch_tokens", self.algo.microbatch_tokens >= 1, "must be >= 1"),
             ("algo.logprob_chunk_tokens", self.algo.logprob_chunk_tokens >= 1, "must be >= 1"),
+            ("algo.shared_prefix_tokens", self.algo.shared_prefix_tokens >= 0, "must be >= 0 (0: off)"),
             ("algo.epochs", self.algo.epochs >= 1, "must be >= 1"),
             ("algo.dual_clip", self.algo.dual_clip == 0 or self.algo.dual_clip > 1, "must be 0 (off) or > 1"),
             ("algo.tis_cap", self.algo.tis_cap == 0 or self.algo.tis_cap >= 1, "must be 0 (off) or >= 1"),

@@ -157,6 +157,29 @@ def rollout_is_weights(old_logp_BT: torch.Tensor, rollout_logp_BT: torch.Tensor,
     return torch.where(mask.bool(), w.expand_as(mask), torch.ones_like(mask)).detach()
 
 
+def mismatch_metrics(logr_N: torch.Tensor, w_N: torch.Tensor, lag_N: torch.Tensor, seqs_dropped: int,
+                     n_seqs: int) -> dict:
+    """How far the engine's log-probs are from the learner's over N generated tokens (`logr_N` = log
+    π_learner/π_engine, `lag_N` the versions each token's policy lags by, `w_N` the importance weights
+    `rollout_is_weights` gave them): numerical noise for tokens of the current version, real policy
+    lag for stale ones, split by version to show which; the mismatch as KL, χ² and perplexity ratio
+    (learner / engine); and what the weights did: their mean, and the share of tokens and sequences
+    they dropped."""
+    r, w, lag = logr_N, w_N, lag_N
+    d = r.abs()
+    out = {"rollout_logprob_diff_mean": float(d.mean()), "rollout_logprob_diff_max": float(d.max()),
+           "rollout_kl": float((torch.exp(-r) + r - 1).mean()),  # k3 estimate of KL(learner ‖ engine)
+           "rollout_chi2": float(((torch.exp(r) - 1) ** 2).mean()),  # χ²(learner ‖ engine), sampled by the engine
+           "rollout_ppl_ratio": float(torch.exp(-r.mean())),  # perplexity of the tokens, learner / engine
+           "rollout_is_weight_mean": float(w.mean()), "rollout_is_dropped_tokens": float((w == 0).float().mean()),
+           "rollout_is_dropped_seqs": seqs_dropped / max(n_seqs, 1), "staleness_token_mean": float(lag.float().mean())}
+    if bool((lag > 0).any()):
+        out["rollout_logprob_diff_mean_stale"] = float(d[lag > 0].mean())
+    if bool((lag == 0).any()):
+        out["rollout_logprob_diff_mean_current"] = float(d[lag == 0].mean())
+    return out
+
+
 def token_logprobs(logits_BTV: torch.Tensor, ids_BT: torch.Tensor, temperature: float = 1.0):
     """log p(ids[:, t+1] | ids[:, :t+1]) from next-token logits; returns (B, T-1), fp32 or wider.
     The whole-sequence reference for `rl.logprobs.chunked_logprobs`, which the learner uses."""

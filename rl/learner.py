@@ -50,7 +50,7 @@ from policy.kda import FP32_PARAMS
 from rl import device as devices
 from rl.config import AlgoConfig, LoraConfig
 from rl.credit import token_advantages
-from rl.grpo import group_advantages, policy_loss, rollout_is_weights
+from rl.grpo import group_advantages, mismatch_metrics, policy_loss, rollout_is_weights
 from rl.hf_experts import casts_cached_over
 from rl.logprobs import chunked_logprobs, load_causal_lm
 from rl.ppo import ValueHead, episode_targets, value_loss
@@ -61,7 +61,8 @@ from rl.shares import (
     minibatch_shares,
     padded_slots,
 )
-from rl.batch import Row, _pad, annotations, episode_values, token_versions, training_rows, usable_episodes
+from rl.batch import (Row, _pad, annotations, episode_values, recorded_routing, token_versions, training_rows,
+                      usable_episodes)
 from rollout.trajectory import Trajectory
 
 
@@ -69,7 +70,7 @@ class Learner:
     def __init__(self, policy_path: str, algo: AlgoConfig, *, seed: int = 0, dtype: str = "float32",
                  temperature: float = 1.0, max_generated_tokens: int | None = None,
                  max_staleness: int | None = None, device: str = "cpu", precision: str = "fp32",
-                 lora: LoraConfig | None = None):
+                 lora: LoraConfig | None = None, engine_dtype: str | None = None):
         torch.set_num_threads(algo.threads)
         torch.manual_seed(seed)
         self.device = devices.resolve(device)
@@ -78,6 +79,9 @@ class Learner:
         self.cfg = algo
         self.temperature = temperature
         self.dtype = getattr(torch, dtype)
+        # what the rollout engines compute in: a weight sync sends the weights cast to it (fp32 master
+        # weights here, bf16 engines: half the bytes)
+        self.engine_dtype = getattr(torch, engine_dtype or dtype)
         self.max_generated_tokens = max_generated_tokens
         self.max_staleness = max_staleness
         self._tokenizer_path = policy_path
@@ -89,11 +93,13 @@ class Learner:
         self.ref = None
         if algo.kl_beta:  # frozen copy of the starting policy
             self.ref = load_causal_lm(policy_path, self.dtype)
+            self.ref.shared_prefix_tokens = algo.shared_prefix_tokens
             self.ref.module.to(self.device).eval().requires_grad_(False)
         self.version = 0
 
     def _load(self, path: str) -> None:
         self.lm = load_causal_lm(path, self.dtype)
+        self.lm.shared_prefix_tokens = self.cfg.shared_prefix_tokens
         self.model = self.lm.module.to(self.device)
         self.model.train()
         if self.cfg.activation_checkpointing:
@@ -166,23 +172,13 @@ class Learner:
         return ids.to(self.device), attn.to(self.device), mask.to(self.device), rollout.to(self.device)
 
     def _routing(self, mb: list[Trajectory], width: int) -> torch.Tensor | None:
-        """The recorded expert ids of a micro-batch as L × B × T × k (-1 where a token has none), for
-        rollout routing replay; None when off, for a model that cannot replay, or with nothing recorded."""
+        """The recorded expert ids of a micro-batch (rl/batch.py `recorded_routing`), for rollout routing
+        replay; None when off or for a model that cannot replay."""
         shape = self.lm.moe_shape()
-        if not self.cfg.routing_replay or shape is None or not any(t.routed_experts for t in mb):
+        if not self.cfg.routing_replay or shape is None:
             return None
-        n_layers, k = shape
-        out = torch.full((n_layers, len(mb), width, k), -1, dtype=torch.long)
-        for b, t in enumerate(mb):
-            pos = [p for p, per_layer in enumerate(t.routed_experts or []) if per_layer]
-            for p in pos:
-                per_layer = t.routed_experts[p]
-                if len(per_layer) != n_layers or any(len(ids) != k for ids in per_layer):
-                    raise ValueError(f"episode {t.episode_id}: token {p} records {len(per_layer)} MoE layer(s) of "
-                                     f"{[len(ids) for ids in per_layer]} experts; the policy has {n_layers} × {k}")
-            if pos:  # one copy per episode: positions × layers × k → layers × positions × k
-                out[:, b, pos] = torch.tensor([t.routed_experts[p] for p in pos]).transpose(0, 1)
-        return out.to(self.device)
+        out = recorded_routing(mb, width, *shape)
+        return None if out is None else out.to(self.device)
 
     def _logprobs(self, lm, ids, attn, with_entropy: bool = False, routing_out=None,
                   routing=None, replayed: list | None = None, hf_routers: list | None = None, only=None):
@@ -438,11 +434,8 @@ class Learner:
                                   high=c.tis_cap) if c.tis_cap else None
 
     def _rollout_gap(self, seqs, plan, old) -> dict:
-        """How far the engine's log-probs are from the weights about to be trained: numerical noise
-        for tokens of the current version, real policy lag for stale ones (async mode), split by
-        version to show which; the mismatch as KL, χ² and perplexity ratio (learner / engine); and
-        what the importance weights that correct it (`algo.rollout_is`) did: their mean, and the
-        share of tokens and sequences they dropped."""
+        """How far the engine's log-probs are from the weights about to be trained, and what the
+        importance weights that correct it (`algo.rollout_is`) did (rl/grpo.py `mismatch_metrics`)."""
         logr, weights, lags, seqs_dropped, n_seqs = [], [], [], 0, 0
         for micro in (m for mb in plan for m in mb):
             _, _, mask, rollout = self._tensors([seqs[i] for i in micro])
@@ -455,19 +448,7 @@ class Learner:
             n_seqs += int(gen.any(-1).sum())
             versions = torch.tensor(_pad([token_versions(seqs[i]) for i in micro], -1))[:, 1:].to(self.device)
             lags.append((self.version - versions)[gen])
-        r, w, lag = torch.cat(logr), torch.cat(weights), torch.cat(lags)
-        d = r.abs()
-        out = {"rollout_logprob_diff_mean": float(d.mean()), "rollout_logprob_diff_max": float(d.max()),
-               "rollout_kl": float((torch.exp(-r) + r - 1).mean()),  # k3 estimate of KL(learner ‖ engine)
-               "rollout_chi2": float(((torch.exp(r) - 1) ** 2).mean()),  # χ²(learner ‖ engine), sampled by the engine
-               "rollout_ppl_ratio": float(torch.exp(-r.mean())),  # perplexity of the tokens, learner / engine
-               "rollout_is_weight_mean": float(w.mean()), "rollout_is_dropped_tokens": float((w == 0).float().mean()),
-               "rollout_is_dropped_seqs": seqs_dropped / max(n_seqs, 1), "staleness_token_mean": float(lag.float().mean())}
-        if bool((lag > 0).any()):
-            out["rollout_logprob_diff_mean_stale"] = float(d[lag > 0].mean())
-        if bool((lag == 0).any()):
-            out["rollout_logprob_diff_mean_current"] = float(d[lag == 0].mean())
-        return out
+        return mismatch_metrics(torch.cat(logr), torch.cat(weights), torch.cat(lags), seqs_dropped, n_seqs)
 
     def _dummy(self, backward: bool = False) -> None:
         """A two-token forward (and backward of zero loss) for a rank with fewer micro-batches than
@@ -507,26 +488,33 @@ class Learner:
 
     @torch.no_grad()
     def weights(self) -> list[tuple[str, np.ndarray]]:
-        """The current weights as (HF name, numpy array): Ray stores numpy zero-copy, so every
-        rollout worker on the node reads the same shared-memory buffers. In a group: gathered,
-        on rank 0 (collective; the other ranks return nothing)."""
+        """The current weights as (HF name, numpy array) in the learner's dtype (fp32: bf16 has no
+        numpy type; a sync sends `to_wire`'s arrays). In a group: gathered, on rank 0 (collective;
+        the other ranks return nothing)."""
+        named = self.engine_tensors()
+        if self.rank == 0:
+            return [(n, t.numpy()) for n, t in named]
+        for _ in named:  # take part in every gather; only rank 0's copy is renamed and kept
+            pass
+        return []
+
+    @torch.no_grad()
+    def engine_tensors(self):
+        """(name, CPU tensor) of the current weights as the checkpoint on disk names them, which is
+        what the engines load (`CausalLM.checkpoint_names`); with LoRA the adapters folded in. Lazy.
+        In a group gathered one tensor at a time on every rank (collective: every rank consumes it)."""
         if self.world > 1:
-            named = self.full_weights()
-            if self.rank == 0:
-                return list(self.engine_format(named))
-            for _ in named:  # take part in every gather; only rank 0's copy is renamed and kept
-                pass
-            return []
+            return self.lm.checkpoint_names(self.full_weights())
         if self.lora is not None:  # the adapters folded into their weights, under the original names
             from rl.lora import merged_state
 
             state = merged_state(self.model)
         else:
             state = self.model.state_dict()
-        return list(self.engine_format((n, t.detach().cpu().numpy()) for n, t in state.items()))
+        return self.lm.checkpoint_names((n, t.detach().cpu()) for n, t in state.items())
 
     def full_weights(self):
-        """In a group: (name, full array), gathered one tensor at a time on every rank (collective)."""
+        """In a group: (name, full CPU tensor), gathered one tensor at a time on every rank (collective)."""
         from torch.distributed.fsdp import FSDPModule
 
         from policy.parallelize import iter_full_weights
@@ -536,20 +524,16 @@ class Learner:
                 m.reshard()
         return iter_full_weights(self.model)
 
-    def engine_format(self, named):
-        """(name, array) pairs of the module's state dict as the checkpoint on disk names them,
-        which is what the engines load (`CausalLM.checkpoint_names`). Lazy."""
-        return ((n, t.numpy()) for n, t in self.lm.checkpoint_names((n, torch.from_numpy(a)) for n, a in named))
-
     def _sync_source(self):
-        """(the pairs a weight sync sends, whether they are LoRA factors), lazily: the adapters'
-        factors, or the weights in the engines' format. In a group every rank must consume them
-        (the gathers inside are collective); only rank 0's are sent."""
+        """(the pairs a weight sync sends, whether they are LoRA factors, whether they are bf16 bits),
+        lazily: the adapters' factors (fp32: the worker adds them to its base weights), or the
+        weights in the engines' format and dtype (rollout/weights.py `to_wire`). In a group every
+        rank must consume them (the gathers inside are collective); only rank 0's are sent."""
+        from rollout.weights import to_wire
+
         if self.lora is not None:
-            return self.engine_factors(), True
-        if self.world == 1:
-            return self.weights(), False
-        return self.engine_format(self.full_weights()), False
+            return self.engine_factors(), True, False
+        return to_wire(self.engine_tensors(), self.engine_dtype), False, self.engine_dtype == torch.bfloat16
 
     def publish(self, bucket_mb: float):
         """Put what a sync sends into Ray's object store in buckets (rl/sync.py); the manifest names
@@ -557,9 +541,9 @@ class Learner:
         they fill, so no rank holds a full copy of the model (the others return None)."""
         from rollout.weights import publish
 
-        named, adapter = self._sync_source()
+        named, adapter, bf16 = self._sync_source()
         if self.rank == 0:
-            return publish(named, self.version, bucket_mb, adapter=adapter)
+            return publish(named, self.version, bucket_mb, adapter=adapter, bf16=bf16)
         for _ in named:  # take part in every gather
             pass
         return None
@@ -576,14 +560,20 @@ class Learner:
     def broadcast_weights(self, bucket_mb: float) -> dict | None:
         """Broadcast what a sync sends to the sync group's rollout workers, bucket by bucket (rank 0;
         the others take part in the gathers and return None)."""
-        named, adapter = self._sync_source()
+        named, adapter, bf16 = self._sync_source()
         if self.rank != 0:
             for _ in named:
                 pass
             return None
         t0 = time.perf_counter()
-        out = self.sync_group.send(named, self.version, bucket_mb, adapter=adapter)
+        out = self.sync_group.send(named, self.version, bucket_mb, adapter=adapter, bf16=bf16)
         return {**out, "version": self.version, "send_s": time.perf_counter() - t0}
+
+    def allocator(self) -> str:
+        """The malloc this learner process runs with (rl/allocator.py)."""
+        from rl.allocator import in_use
+
+        return in_use()
 
     def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
         """A checkpoint directory (rl/checkpoints.py: weights, tokenizer, `trainer_state.pt`, and a

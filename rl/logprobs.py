@@ -132,6 +132,21 @@ def _logprobs_of(h, head, targets, temperature, chunk_tokens, with_entropy, bann
     return torch.cat(lps, 1), (torch.cat(ents, 1) if with_entropy else None)
 
 
+def _merge_prefix_captures(captured: list, B: int, n: int) -> list:
+    """The routers' captures of a shared-prefix forward (each layer's 1·n prefix rows, then its B·(T−n)
+    suffix rows) as the plain B × T forward would have captured them: the prefix rows repeated for
+    every row, in row-major order, so balancing and load metrics see the same tokens."""
+    L = len(captured) // 2
+    out = []
+    for (pre_logits, pre_idx), (logits, idx) in zip(captured[:L], captured[L:]):
+        merged = []
+        for p, s in ((pre_logits, logits), (pre_idx, idx)):
+            p_BnX = p[None].expand(B, *p.shape)
+            merged.append(torch.cat([p_BnX, s.view(B, -1, s.shape[-1])], 1).reshape(-1, s.shape[-1]))
+        out.append(tuple(merged))
+    return out
+
+
 class CausalLM:
     """What the learner needs from a model, for either kind of checkpoint."""
 
@@ -140,6 +155,9 @@ class CausalLM:
         self.root: torch.nn.Module | None = None  # the root FSDP unit once `parallelize` has run
         self.banned_ids = module.never_generated() if kind == "policy" else []
         self.hf_replay = None
+        # Hugging Face models: a micro-batch whose rows all start with at least this many equal tokens
+        # runs that prefix once (`_hf_shared_prefix`); 0: off. Set by the learner (algo.shared_prefix_tokens).
+        self.shared_prefix_tokens = 0
         if kind == "hf":
             from rl.routing import HFRoutingReplay
 
@@ -171,17 +189,57 @@ class CausalLM:
         self.hf_replay.set(routing)
         self.hf_replay.capture = [] if capture else None
         try:
+            shared = self.shared_prefix(input_ids, attention_mask, routing)
             if self.root is not None:
                 h = self.root(input_ids, attention_mask)
+            elif shared:
+                h = self._hf_shared_prefix(input_ids, attention_mask, shared)
             else:
                 h = self.module.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             counts, captured = tuple(self.hf_replay.counts), self.hf_replay.capture
+            if shared and captured:
+                captured = _merge_prefix_captures(captured, input_ids.shape[0], shared)
         finally:
             self.hf_replay.set(None)
             self.hf_replay.capture = None
         if routing is None and not capture:
             return h, None
         return h, {"replayed": counts, "scores": [], "hf_routers": captured or []}
+
+    def shared_prefix(self, ids_BT: torch.Tensor, attn_BT: torch.Tensor | None, routing=None) -> int:
+        """How many leading tokens every row of `ids_BT` shares, when `_hf_shared_prefix` should run
+        them once (at least `shared_prefix_tokens`, a Hugging Face model with a plain dynamic cache, no
+        routing replay, no FSDP, no activation checkpointing); else 0. At most the shortest row and
+        one less than the width, so every row keeps a suffix."""
+        B, T = ids_BT.shape
+        if (self.kind != "hf" or not self.shared_prefix_tokens or B < 2 or routing is not None
+                or self.root is not None or getattr(self.module, "is_gradient_checkpointing", False)):
+            return 0
+        same = int((ids_BT == ids_BT[:1]).all(0).int().cumprod(0).sum())
+        shortest = int(attn_BT.sum(1).min()) if attn_BT is not None else T
+        n = min(same, shortest, T - 1)
+        return n if n >= self.shared_prefix_tokens else 0
+
+    def _hf_shared_prefix(self, ids_BT: torch.Tensor, attn_BT: torch.Tensor, n: int) -> torch.Tensor:
+        """The hidden states of `ids_BT` (B × T × D), its first `n` tokens (equal in every row: a group's
+        prompt, or the system prompt all tasks share) run once: one 1 × n forward fills a KV cache,
+        which is expanded (a view, no copy) to the B rows, and the B × (T − n) suffixes attend to it.
+        In training the gradient reaches the prefix through the cache and its hidden states, summed
+        over the rows, so the result and its gradients are those of the plain B × T forward (tested
+        against it) for (B − 1)·n fewer token forwards and backwards."""
+        from transformers.cache_utils import DynamicLayer
+
+        model, B, T = self.module.model, ids_BT.shape[0], ids_BT.shape[1]
+        pre = model(input_ids=ids_BT[:1, :n], use_cache=True)
+        cache = pre.past_key_values
+        if not all(type(layer) is DynamicLayer for layer in cache.layers):  # sliding windows, static caches: plain path
+            return model(input_ids=ids_BT, attention_mask=attn_BT).last_hidden_state
+        for layer in cache.layers:
+            layer.keys, layer.values = (t.expand(B, *t.shape[1:]) for t in (layer.keys, layer.values))
+        pos_S = torch.arange(n, T, device=ids_BT.device)
+        rest = model(input_ids=ids_BT[:, n:], attention_mask=attn_BT, past_key_values=cache, use_cache=True,
+                     cache_position=pos_S, position_ids=pos_S[None].expand(B, -1))
+        return torch.cat([pre.last_hidden_state.expand(B, -1, -1), rest.last_hidden_state], 1)
 
     def checkpoint_names(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """`named` (the module's state-dict names and tensors, in state-dict order) renamed and reshaped

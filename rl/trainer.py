@@ -53,6 +53,7 @@ import ray
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from rl import allocator
 from rl.config import RunConfig, dump_config
 from rl.learner_group import LearnerGroup, result
 from rl.ray_utils import init_ray
@@ -216,14 +217,15 @@ class Trainer:
         gpus = c.learner.gpus_per_rank if c.learner.device == "cuda" or (
             c.learner.device == "auto" and ray.cluster_resources().get("GPU", 0) >= c.learner.world_size) else 0
         # the learner holds the run's state: never restarted by Ray (max_restarts=0), resumed from a checkpoint
+        env = allocator.actor_env(c.learner.allocator)
         self.learner = LearnerGroup(
             c.learner.world_size, dict(num_cpus=r.learner_cpus, num_gpus=gpus, resources=dict(r.learner_resources),
-                                       max_restarts=0),
+                                       max_restarts=0, **({"runtime_env": {"env_vars": env}} if env else {})),
             path, c.algo, seed=c.seed, dtype=c.policy.dtype, temperature=c.rollout.temperature,
             max_generated_tokens=c.rollout.max_turns * c.rollout.max_new_tokens,
             max_staleness=self.staleness_bound(), expert_parallel=c.learner.expert_parallel,
             backend=c.learner.backend, device="cuda" if gpus else "cpu", precision=c.learner.precision,
-            lora=c.lora,
+            lora=c.lora, engine_dtype=c.rollout.engine_dtype(c.policy.dtype),
         )
         rollouts = self.source is None  # training from a store needs no engines and no environments
         self.rubric = build_rubric(c.reward.parts)
@@ -241,7 +243,7 @@ class Trainer:
             RolloutWorkerActor.options(num_cpus=c.rollout.cpus_per_worker, num_gpus=c.rollout.gpus_per_worker,
                                        resources=dict(r.rollout_resources),
                                        max_restarts=r.max_restarts).remote(
-                path, c.rollout, c.env, seed=c.seed + i, dtype=c.policy.dtype, env_actors=self.env_workers,
+                path, c.rollout, c.env, seed=c.seed + i, dtype=c.rollout.engine_dtype(c.policy.dtype), env_actors=self.env_workers,
                 reward_parts=c.reward.parts, judge=self.judge, judge_timeout_s=j.timeout_s,
             )
             for i in range(c.rollout.num_workers if rollouts else 0)
@@ -251,6 +253,7 @@ class Trainer:
         if self.collective and self.workers:
             self.form_sync_group()
         self.learner.call("logprobs", [0, 0])
+        self.console.log(f"learner malloc: {self.learner.call('allocator')} (learner.allocator: {c.learner.allocator})")
         if ckpt is not None:
             self._resume_from(ckpt)
 

@@ -37,6 +37,13 @@ def test_versions_advance_on_every_worker(e2e_run):
     assert len(trainer.workers) == 2
 
 
+def test_the_learner_actor_runs_with_tcmalloc_where_installed(e2e_run):
+    from rl.allocator import tcmalloc_installed
+
+    trainer, _, _ = e2e_run
+    assert trainer.learner.call("allocator") == ("tcmalloc" if tcmalloc_installed() else "glibc")
+
+
 def test_environments_ran_in_the_env_worker(e2e_run, stored):
     trainer, _, _ = e2e_run
     (env_worker,) = trainer.env_workers
