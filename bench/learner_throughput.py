@@ -138,7 +138,7 @@ def main() -> None:
             console.log(f"{precision}: {r['seconds']:.1f} s for {r['tokens']} tokens")
     print(f"# one GRPO learner step (one optimiser step over the batch) on SmolLM2-135M-Instruct upcycled to 4 experts "
           f"top-1: {a.episodes} `tools/calculator-v0` expert episodes ({results['fp32']['tokens']:,} tokens), micro-batches of ≤ {a.microbatch_tokens:,} "
-          "tokens, 2 threads; each precision in a fresh process, the second step timed, malloc: {results['fp32']['malloc']}")
+          f"tokens, 2 threads; each precision in a fresh process, the second step timed, malloc: {results['fp32']['malloc']}")
     print(f"# torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}\n")
     print("| precision | step s | tokens / s | matmul GFLOP/s (same precision) | model FLOPs utilisation | "
           "rollout KL vs fp32 | perplexity ratio vs fp32 |")
