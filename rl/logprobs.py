@@ -190,11 +190,15 @@ class CausalLM:
         self.hf_replay.capture = [] if capture else None
         try:
             shared = self.shared_prefix(input_ids, attention_mask, routing)
+            h = None
             if self.root is not None:
                 h = self.root(input_ids, attention_mask)
             elif shared:
                 h = self._hf_shared_prefix(input_ids, attention_mask, shared)
-            else:
+            if h is None:  # no prefix to share, or a cache it cannot be shared through: the plain forward
+                shared = 0
+                if self.hf_replay.capture:
+                    self.hf_replay.capture.clear()  # the prefix forward's captures, if one ran
                 h = self.module.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
             counts, captured = tuple(self.hf_replay.counts), self.hf_replay.capture
             if shared and captured:
@@ -220,20 +224,21 @@ class CausalLM:
         n = min(same, shortest, T - 1)
         return n if n >= self.shared_prefix_tokens else 0
 
-    def _hf_shared_prefix(self, ids_BT: torch.Tensor, attn_BT: torch.Tensor, n: int) -> torch.Tensor:
+    def _hf_shared_prefix(self, ids_BT: torch.Tensor, attn_BT: torch.Tensor, n: int) -> torch.Tensor | None:
         """The hidden states of `ids_BT` (B × T × D), its first `n` tokens (equal in every row: a group's
         prompt, or the system prompt all tasks share) run once: one 1 × n forward fills a KV cache,
         which is expanded (a view, no copy) to the B rows, and the B × (T − n) suffixes attend to it.
         In training the gradient reaches the prefix through the cache and its hidden states, summed
         over the rows, so the result and its gradients are those of the plain B × T forward (tested
-        against it) for (B − 1)·n fewer token forwards and backwards."""
+        against it) for (B − 1)·n fewer token forwards and backwards. None when the model's cache is not
+        a plain dynamic one (sliding windows): the caller then runs the plain forward."""
         from transformers.cache_utils import DynamicLayer
 
         model, B, T = self.module.model, ids_BT.shape[0], ids_BT.shape[1]
         pre = model(input_ids=ids_BT[:1, :n], use_cache=True)
         cache = pre.past_key_values
-        if not all(type(layer) is DynamicLayer for layer in cache.layers):  # sliding windows, static caches: plain path
-            return model(input_ids=ids_BT, attention_mask=attn_BT).last_hidden_state
+        if not all(type(layer) is DynamicLayer for layer in cache.layers):  # sliding windows, static caches
+            return None  # the caller runs the plain forward
         for layer in cache.layers:
             layer.keys, layer.values = (t.expand(B, *t.shape[1:]) for t in (layer.keys, layer.values))
         pos_S = torch.arange(n, T, device=ids_BT.device)

@@ -122,3 +122,25 @@ def test_a_train_step_with_shared_prefixes_is_the_plain_step(tiny_policy, precis
         [n for n, g in grads[0].items() if not _close(grads[16][n], g, rel)]
     for key in ("loss", "router_aux_loss", "rollout_kl", "grad_norm"):
         assert metrics[16][key] == pytest.approx(metrics[0][key], rel=1e-4 if precision == "fp32" else 2e-2, abs=1e-7), key
+
+
+def test_a_cache_that_cannot_be_shared_falls_back_to_the_plain_forward(tiny_policy, monkeypatch):
+    """A model whose cache layers are not plain dynamic ones (sliding windows) takes the plain forward,
+    and the prefix forward already run leaves no captures behind: the same outputs and router
+    captures as with sharing off."""
+    import transformers.cache_utils
+
+    lm = load_causal_lm(tiny_policy, torch.float32)
+    lm.module.eval()
+    ids, attn = _rows()
+    with torch.no_grad():
+        lm.shared_prefix_tokens = 0
+        h0, info0 = lm.hidden_and_routing(ids, attn, capture=True)
+        monkeypatch.setattr(transformers.cache_utils, "DynamicLayer", type("OtherLayer", (), {}))
+        lm.shared_prefix_tokens = 8
+        assert lm.shared_prefix(ids, attn) == 40
+        h1, info1 = lm.hidden_and_routing(ids, attn, capture=True)
+    torch.testing.assert_close(h1, h0)
+    assert len(info1["hf_routers"]) == len(info0["hf_routers"]) > 0
+    for (l0, i0), (l1, i1) in zip(info0["hf_routers"], info1["hf_routers"]):
+        assert l1.shape == l0.shape and torch.equal(i1, i0)
