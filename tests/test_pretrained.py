@@ -13,12 +13,13 @@ from rl import pretrained
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory, tokenizer):
-    """A dense Llama (GQA, tied embeddings) with random weights and the tiny tokenizer."""
+    """A dense Llama (GQA, tied embeddings) with random weights and the tiny tokenizer (head_dim 32:
+    vLLM's CPU attention has no kernel for 16)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True,
                       max_position_embeddings=2048, bos_token_id=tokenizer.bos_token_id,
                       eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     out = tmp_path_factory.mktemp("tiny-llama")
@@ -89,6 +90,41 @@ def test_learner_publishes_the_names_the_checkpoint_has(tiny_llama, tmp_path):
     assert set(published) - tied == set(on_disk)
     for name, t in on_disk.items():
         assert torch.equal(torch.from_numpy(published[name]), t), name
+
+
+@pytest.mark.slow
+def test_a_sync_that_moves_the_embedding_reaches_the_engines_tied_head(ray_cluster, tiny_llama, tmp_path):
+    """SmolLM2 ties its output head to its embedding, and so does this upcycled Llama. vLLM's CPU head
+    computes with a packed copy of the shared weight, which its reload did not refresh (the head
+    receives no tensor of its own): after a sync the engine looked tokens up with the new embedding
+    and scored them with the old one. Here the learner's embedding moves, one sync goes through
+    the object store to a real rollout worker, and the engine's log-probs are the learner's."""
+    import ray
+
+    from rl.config import AlgoConfig, EnvConfig
+    from rl.learner import Learner
+    from rollout.config import RolloutConfig
+    from rollout.weights import publish
+    from rollout.worker import RolloutWorkerActor
+
+    up = pretrained.upcycle(tiny_llama, tmp_path / "moe", 4, 1)
+    learner = Learner(str(up.path), AlgoConfig(), seed=0)
+    worker = RolloutWorkerActor.options(num_cpus=0).remote(
+        str(up.path), RolloutConfig(max_model_len=256, max_episode_tokens=256, kv_cache_gib=1.0), EnvConfig(), seed=0)
+    ids = list(range(5, 45))
+    before = torch.tensor(learner.logprobs(ids))
+    assert (torch.tensor(ray.get(worker.score.remote(ids))) - before).abs().max() < 1e-3
+    emb = learner.model.model.embed_tokens.weight
+    assert learner.model.lm_head.weight.data_ptr() == emb.data_ptr()  # tied: the head moves with it
+    with torch.no_grad():
+        emb.add_(torch.randn(emb.shape, generator=torch.Generator().manual_seed(0)) * 0.05)
+    after = torch.tensor(learner.logprobs(ids))
+    assert (after - before).abs().max() > 0.5  # a move the engine cannot hide
+    try:
+        assert ray.get(worker.load_weights.remote(publish(learner.weights(), 1, bucket_mb=1.0)))["version"] == 1
+        assert (torch.tensor(ray.get(worker.score.remote(ids))) - after).abs().max() < 1e-3
+    finally:
+        ray.kill(worker)
 
 
 def test_mixtral_routing_replay_and_balance(tiny_llama, tmp_path):

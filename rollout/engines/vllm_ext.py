@@ -41,6 +41,24 @@ def _fused_moe_modules(model: torch.nn.Module):
             yield module, fused
 
 
+def _tied_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """Modules sharing one weight tensor (an lm_head tied to the embedding, as SmolLM2's is).
+
+    vLLM's CPU layers compute with a packed copy of their weight made after loading (oneDNN,
+    `dispatch_cpu_unquantized_gemm`). A reload writes the embedding's new values into the shared
+    tensor and repacks the embedding, but the head receives no tensor of its own, so its packed
+    copy kept the weights of the engine's start: the embedding lookup moved with every sync and the
+    output projection never did (measured: log-probs 10.4 off the reloaded model's, after moving
+    the embedding). Every module of a shared weight is repacked after a reload."""
+    holders: dict[int, list[torch.nn.Module]] = {}
+    for module in model.modules():
+        w = getattr(module, "weight", None)
+        if isinstance(w, torch.Tensor) and w.numel() and hasattr(getattr(module, "quant_method", None),
+                                                                 "process_weights_after_loading"):
+            holders.setdefault(w.data_ptr(), []).append(module)
+    return [m for group in holders.values() if len(group) > 1 for m in group]
+
+
 class _ExpertLayer:
     """One fused-MoE layer's packed kernel tensors, and the checkpoint-layout staging buffers its
     experts' tensors are copied into until the layer is complete; then both are packed at once
@@ -207,6 +225,8 @@ class WeightSyncExtension:
             for module, fused in _fused_moe_modules(model):
                 if id(module) not in packed:  # packed already by the direct path
                     fused.process_weights_after_loading(module)
+        for module in _tied_modules(model):  # a tied head's packed copy of the embedding, packed again
+            module.quant_method.process_weights_after_loading(module)
         return {"tensors": count, "direct": taken}
 
     def lh_num_fused_moe_modules(self) -> int:
