@@ -149,9 +149,9 @@ class RolloutWorker:
             # Arrays from Ray's object store are read-only views; vLLM copies them into its params.
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             waited = time.perf_counter() - t0
-            self.engine.load_weights(self._served(iter_weights(manifest), manifest.adapter), manifest.version)
+            loaded = self.engine.load_weights(self._served(iter_weights(manifest), manifest.adapter), manifest.version)
         return {"version": self.engine.version, "load_s": time.perf_counter() - t0, "load_wait_s": waited,
-                "bytes": manifest.nbytes, "buckets": len(manifest.buckets)}
+                "bytes": manifest.nbytes, "buckets": len(manifest.buckets), **_counts(loaded)}
 
     @contextlib.contextmanager
     def _node_load_turn(self):
@@ -201,9 +201,9 @@ class RolloutWorker:
         first = next(named, None)  # the first bucket's description says the version and the kind
         if first is None:
             raise RuntimeError("weight sync: the learner broadcast a version with no tensors")
-        self.engine.load_weights(self._served(itertools.chain([first], named), meta["adapter"]), meta["version"])
+        loaded = self.engine.load_weights(self._served(itertools.chain([first], named), meta["adapter"]), meta["version"])
         return {"version": self.engine.version, "load_s": time.perf_counter() - t0,
-                "bytes": meta["bytes"], "buckets": meta["buckets"]}
+                "bytes": meta["bytes"], "buckets": meta["buckets"], **_counts(loaded)}
 
     def generate(self, prompt_ids: list[int], max_tokens: int, seed: int) -> Generation:
         """One sampled continuation (tests and probes)."""
@@ -211,6 +211,14 @@ class RolloutWorker:
 
     def score(self, token_ids: list[int]) -> list[float]:
         return self.engine.score(token_ids)
+
+
+def _counts(loaded) -> dict:
+    """An engine's load answer as a sync reports it: tensors loaded, and how many straight into the
+    served ones (an engine that answers nothing reports nothing)."""
+    if not isinstance(loaded, dict):
+        return {}
+    return {"tensors": loaded.get("tensors", 0), "direct": loaded.get("direct", 0)}
 
 
 RolloutWorkerActor = ray.remote(RolloutWorker)

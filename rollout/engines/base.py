@@ -1,6 +1,7 @@
 """What every rollout engine returns, and the protocol they share: `generate(prompts, *,
 max_tokens, temperature, top_p, stop_token_ids, seeds, min_tokens) -> [Generation]`,
-`score(token_ids)`, `load_weights(named tensors, version)` and `version`.
+`score(token_ids)`, `load_weights(named tensors, version) -> {"tensors", "direct"}` (how many tensors it
+loaded, and how many straight into the served ones) and `version`.
 """
 
 from __future__ import annotations

@@ -261,11 +261,14 @@ class NativeEngine:
         return lp.gather(-1, torch.tensor(token_ids[1:])[:, None])[:, 0].tolist()
 
     @torch.no_grad()
-    def load_weights(self, named_tensors: Iterable, version: int) -> None:
+    def load_weights(self, named_tensors: Iterable, version: int) -> dict:
         """Copy (name, array) pairs into the served model in place (the learner's `weights()`
-        names: parameters and buffers, router biases included); drop the prefix cache."""
+        names: parameters and buffers, router biases included); drop the prefix cache. Every
+        tensor goes straight into the served one (`direct`, as in the vLLM engine's answer)."""
         state = self.model.state_dict()
+        count = 0
         for name, value in named_tensors:
+            count += 1
             if name not in state:
                 raise KeyError(f"load_weights: {name!r} is not a tensor of this policy")
             t = torch.as_tensor(value)
@@ -274,6 +277,7 @@ class NativeEngine:
             state[name].copy_(t)
         self._prefixes.clear()
         self.version = version
+        return {"tensors": count, "direct": count}
 
     # -- internals -----------------------------------------------------------------------------
 

@@ -173,12 +173,15 @@ class VLLMEngine:
         return [[step[tok].logprob for tok, step in zip(ids[1:], out.prompt_logprobs[1:])]
                 for ids, out in zip(sequences, outs)]
 
-    def load_weights(self, named_tensors: Iterable, version: int) -> None:
-        """Replace the served weights in place (no restart) and drop every cached prefix.
+    def load_weights(self, named_tensors: Iterable, version: int) -> dict:
+        """Replace the served weights in place (no restart) and drop every cached prefix; returns how
+        many tensors were loaded (`tensors`) and how many of them straight into the engine's packed
+        kernel tensors (`direct`, rollout/engines/vllm_ext.py), the rest through vLLM's reload.
 
         The prefix cache holds KV computed with the old weights; without the reset, prompts
         sharing a cached prefix keep being served by the old policy.
         """
-        self.llm.collective_rpc("lh_reload_weights", args=(iter(named_tensors),))
+        out = self.llm.collective_rpc("lh_reload_weights", args=(iter(named_tensors),))[0]
         self.llm.reset_prefix_cache()
         self.version = version
+        return out

@@ -122,7 +122,11 @@ class _DirectExperts:
 
     @staticmethod
     def _eligible(module, fused) -> bool:
-        if type(fused).__name__ != "CPUUnquantizedExperts" or getattr(fused, "_use_zentorch", False):
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+        # the portable kernel and its ISA variants (x86 AMX for bf16, Arm, Power) pack the same
+        # way, each with its own `isa`; zentorch keeps its own layout
+        if not isinstance(fused, CPUUnquantizedExperts) or getattr(fused, "_use_zentorch", False):
             return False
         if not (hasattr(module, "get_expert_mapping") and hasattr(module, "layer_name")):
             return False
@@ -174,7 +178,8 @@ class WeightSyncExtension:
     def lh_reload_weights(self, named_tensors: Iterable[tuple[str, Any]], repack_moe: bool = True,
                           direct_experts: bool = True) -> dict:
         """Load checkpoint-format (HF-named) tensors in place; return how many tensors were loaded
-        (`tensors`) and how many of them went straight into packed experts (`direct`).
+        (`tensors`) and how many of them went straight into the served tensors (`direct`: the packed
+        experts here, every tensor of the policy/ plugin) rather than through vLLM's layerwise reload.
 
         `named_tensors` is any iterable of torch tensors or numpy arrays (what Ray's object store
         hands out zero-copy), consumed once and lazily, so a weight sync can fetch its buckets
@@ -195,7 +200,7 @@ class WeightSyncExtension:
             # served tensors one by one, each checked first, so a refused tensor leaves a working
             # model (vLLM's layerwise reload would leave its layers on placeholder tensors)
             model.load_weights(as_tensors())
-            return {"tensors": count, "direct": 0}
+            return {"tensors": count, "direct": count}
         direct = _DirectExperts(model) if direct_experts else None
 
         taken = 0
