@@ -86,8 +86,10 @@ def test_learner_publishes_the_names_the_checkpoint_has(tiny_llama, tmp_path):
         on_disk = {k: f.get_tensor(k) for k in f.keys()}
     assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in published
     assert not any("gate_up_proj" in n for n in published)
-    tied = {"lm_head.weight"}  # saved once, as the embedding
-    assert set(published) - tied == set(on_disk)
+    # exactly the checkpoint's tensors: the tied head (the embedding's memory) is not sent twice,
+    # as it is saved once; the engine ties it from the config
+    assert set(published) == set(on_disk) and "lm_head.weight" not in published
+    assert learner.model.lm_head.weight.data_ptr() == learner.model.model.embed_tokens.weight.data_ptr()
     for name, t in on_disk.items():
         assert torch.equal(torch.from_numpy(published[name]), t), name
 
