@@ -27,8 +27,10 @@ share of recorded decisions the learner's router would have made differently is
 (`rl/routing.py`, Qwen3-MoE-style top-k routers).
 
 LoRA (`lora.enabled`, rl/lora.py): peft adapters on the attention projections and every routed
-expert; only they train (the optimiser holds only them), `publish` sends only their factors, and a
+expert; only they train (the optimiser holds only them), a sync sends only their factors, and a
 checkpoint is the merged model plus the adapters.
+
+What the learner hands the weight sync (publish, stream, broadcast) is rl/weight_source.py.
 
 Learner group (`learner.world_size` > 1, driven by rl/learner_group.py): each rank is one of these,
 `join`ed to a process group, its model sharded (FSDP2 + expert parallelism); every rank gets the
@@ -55,6 +57,7 @@ from rl.hf_experts import casts_cached_over
 from rl.logprobs import chunked_logprobs, load_causal_lm
 from rl.ppo import ValueHead, episode_targets, value_loss
 from rl.routing import RouterStats, balance_policy_routers, balance_terms, hf_load_metrics
+from rl.weight_source import WeightSource
 from rl.shares import (
     all_gather_objects,
     all_reduce_sum,
@@ -66,7 +69,7 @@ from rl.batch import (Row, _pad, annotations, episode_values, recorded_routing, 
 from rollout.trajectory import Trajectory
 
 
-class Learner:
+class Learner(WeightSource):
     def __init__(self, policy_path: str, algo: AlgoConfig, *, seed: int = 0, dtype: str = "float32",
                  temperature: float = 1.0, max_generated_tokens: int | None = None,
                  max_staleness: int | None = None, device: str = "cpu", precision: str = "fp32",
@@ -486,93 +489,6 @@ class Learner:
         return chunked_logprobs(h, self.lm.head, ids, chunk_tokens=self.cfg.logprob_chunk_tokens,
                                 banned_ids=self.lm.banned_ids)[0][0].tolist()
 
-    @torch.no_grad()
-    def weights(self) -> list[tuple[str, np.ndarray]]:
-        """The current weights as (HF name, numpy array) in the learner's dtype (fp32: bf16 has no
-        numpy type; a sync sends `to_wire`'s arrays). In a group: gathered, on rank 0 (collective;
-        the other ranks return nothing)."""
-        named = self.engine_tensors()
-        if self.rank == 0:
-            return [(n, t.numpy()) for n, t in named]
-        for _ in named:  # take part in every gather; only rank 0's copy is renamed and kept
-            pass
-        return []
-
-    @torch.no_grad()
-    def engine_tensors(self):
-        """(name, CPU tensor) of the current weights as the checkpoint on disk names them, which is
-        what the engines load (`CausalLM.checkpoint_names`); with LoRA the adapters folded in. Lazy.
-        In a group gathered one tensor at a time on every rank (collective: every rank consumes it).
-
-        A tensor tied to one already listed (SmolLM2's `lm_head.weight` is its embedding) is left
-        out, as `save_pretrained` leaves it out of the checkpoint: the engine ties it the same way
-        from the model's config, and sending it twice cost the real policy's sync 7% more bytes."""
-        if self.world > 1:
-            return self.lm.checkpoint_names(self.full_weights())
-        if self.lora is not None:  # the adapters folded into their weights, under the original names
-            from rl.lora import merged_state
-
-            state = merged_state(self.model)
-        else:
-            state = self.model.state_dict()
-        return self.lm.checkpoint_names(_untied((n, t.detach().cpu()) for n, t in state.items()))
-
-    def full_weights(self):
-        """In a group: (name, full CPU tensor), gathered one tensor at a time on every rank (collective)."""
-        from torch.distributed.fsdp import FSDPModule
-
-        from policy.parallelize import iter_full_weights
-
-        for m in self.lm.root.modules():  # the root stays gathered after a forward without backward
-            if isinstance(m, FSDPModule):
-                m.reshard()
-        return iter_full_weights(self.model)
-
-    def _sync_source(self):
-        """(the pairs a weight sync sends, whether they are LoRA factors, whether they are bf16 bits),
-        lazily: the adapters' factors (fp32: the worker adds them to its base weights), or the
-        weights in the engines' format and dtype (rollout/weights.py `to_wire`). In a group every
-        rank must consume them (the gathers inside are collective); only rank 0's are sent."""
-        from rollout.weights import to_wire
-
-        if self.lora is not None:
-            return self.engine_factors(), True, False
-        return to_wire(self.engine_tensors(), self.engine_dtype), False, self.engine_dtype == torch.bfloat16
-
-    def publish(self, bucket_mb: float):
-        """Put what a sync sends into Ray's object store in buckets (rl/sync.py); the manifest names
-        this version. In a group every rank gathers tensor by tensor and rank 0 puts the buckets as
-        they fill, so no rank holds a full copy of the model (the others return None)."""
-        from rollout.weights import publish
-
-        named, adapter, bf16 = self._sync_source()
-        if self.rank == 0:
-            return publish(named, self.version, bucket_mb, adapter=adapter, bf16=bf16)
-        for _ in named:  # take part in every gather
-            pass
-        return None
-
-    def join_sync_group(self, master: str, world: int, backend: str, timeout_s: float) -> None:
-        """Rank 0 joins the weight-sync process group as its sender (`sync.transport: collective`,
-        rollout/collective.py); the other ranks of a learner group are not members."""
-        if self.rank == 0:
-            from rollout.collective import SyncGroup
-
-            self.sync_group = None  # a group formed again replaces the old one
-            self.sync_group = SyncGroup(master, 0, world, backend, timeout_s)
-
-    def broadcast_weights(self, bucket_mb: float) -> dict | None:
-        """Broadcast what a sync sends to the sync group's rollout workers, bucket by bucket (rank 0;
-        the others take part in the gathers and return None)."""
-        named, adapter, bf16 = self._sync_source()
-        if self.rank != 0:
-            for _ in named:
-                pass
-            return None
-        t0 = time.perf_counter()
-        out = self.sync_group.send(named, self.version, bucket_mb, adapter=adapter, bf16=bf16)
-        return {**out, "version": self.version, "send_s": time.perf_counter() - t0}
-
     def allocator(self) -> str:
         """The malloc this learner process runs with (rl/allocator.py)."""
         from rl.allocator import in_use
@@ -592,13 +508,3 @@ class Learner:
 
         return load_learner(self, path)
 
-
-def _untied(named):
-    """`named` without the tensors that are the very same memory as an earlier one (tied weights)."""
-    seen = set()
-    for name, t in named:
-        key = (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
-        if t.numel() and key in seen:
-            continue
-        seen.add(key)
-        yield name, t

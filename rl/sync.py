@@ -2,13 +2,16 @@
 
 CPU path (what runs here and on any Ray cluster): the learner cuts its state dict into buckets of
 at most `bucket_mb` MiB (a tensor larger than that gets a bucket of its own) and puts each bucket
-once into Ray's object store. It hands back a `Manifest`: the version, the bucket references and
-their sizes, never the arrays. Each rollout worker then fetches the buckets one at a time while
+once into Ray's object store. A `Manifest` describes the version: the bucket references and their
+sizes, never the arrays. A single learner streams (`start_sync`): it plans the buckets from the
+tensors' sizes, and the workers get the manifest of buckets still being cut, so they load the
+first while the learner casts and puts the next; a learner group puts them all first. Each
+rollout worker fetches the buckets one at a time while
 its engine loads them (`iter_weights` feeds vLLM's reload as a lazy iterator), so a worker pins at
 most one bucket of published weights on top of its engine's own parameters; workers on the
 learner's node read the buckets zero-copy from shared memory, workers on other nodes pull them
-through Ray's object transfer. The wire format (`Manifest`, `publish`, `iter_weights`) is
-rollout/weights.py. The driver drops the manifest after the sync and the buckets are
+through Ray's object transfer. The wire format (`Manifest`, `publish`, `Outgoing`, `iter_weights`)
+is rollout/weights.py. The driver drops the manifest after the sync and the buckets are
 freed.
 
 Collective path (`sync.transport: collective`; NCCL between GPUs, gloo on CPUs, rollout/collective.py):
@@ -33,7 +36,7 @@ import time
 import ray
 
 from rl.ray_utils import result
-from rollout.weights import Manifest
+from rollout.weights import Manifest, planned_manifest
 
 # How a rollout worker's death shows in a call to it: its process died (crash, kill, node loss),
 # its result was lost with it, or Ray's memory monitor killed it (the actor restarts like a crash).
@@ -45,12 +48,32 @@ class PendingSync:
     collective path `sender` is the learner's broadcast, which finishes with the loads."""
 
     def __init__(self, manifest: Manifest | None, futures: dict, publish_s: float, started: float,
-                 version: int | None = None, sender=None):
+                 version: int | None = None, sender=None, publish_seconds=None):
         self.manifest, self.publish_s, self.started = manifest, publish_s, started
+        self.publish_seconds = publish_seconds  # a streamed publish: the learner's seconds, once it is done
         self.futures = futures  # load ref -> index of its rollout worker
         self.version = manifest.version if manifest is not None else version
         self.sender = sender
         self.lost: list[int] = []  # workers that died before loading this version (see `finish`)
+
+    def _published(self) -> float:
+        """The learner's publish seconds (a streamed publish reports them once its last bucket is
+        in the object store)."""
+        if self.publish_seconds is None:
+            return self.publish_s
+        return ray.get(self.publish_seconds, timeout=30)
+
+    def _check_buckets(self) -> None:
+        """A streamed publish: raise, naming the learner, if it failed to cut one of the buckets (on a
+        failed load only: reading the buckets here would pull them to the driver's node)."""
+        if self.publish_seconds is None or self.manifest is None:
+            return
+        for ref in self.manifest.buckets:
+            try:
+                ray.get(ref, timeout=30)
+            except ray.exceptions.RayTaskError as exc:
+                raise RuntimeError(f"weight sync to version {self.version}: the learner failed to publish it: "
+                                   f"{getattr(exc, 'cause', None) or exc}") from exc
 
     def _sent(self, late: list) -> None:
         """The collective path: the learner's broadcast finished (or is still waiting for a late worker,
@@ -91,19 +114,22 @@ class PendingSync:
             except WORKER_LOST:
                 self.lost.append(self.futures[ref])
             except ray.exceptions.RayError as exc:
+                self._check_buckets()  # a bucket the learner failed to cut fails every load: blame the learner
                 raise RuntimeError(f"weight sync to version {self.version}: rollout worker {self.futures[ref]} "
                                    f"failed: {exc}") from exc
         for ref, r in loads:
             if r["version"] != self.version:
                 raise RuntimeError(f"weight sync: rollout worker {self.futures[ref]} reports version {r['version']}, "
                                    f"expected {self.version}")
+        published = self._published()
         self.manifest = None  # the buckets are freed once nobody holds a reference
-        out = {"sync_version": self.version, "sync_publish_s": self.publish_s,
+        out = {"sync_version": self.version, "sync_publish_s": published,
                "sync_wall_s": time.perf_counter() - self.started, "sync_workers_lost": len(self.lost)}
         if loads:
             load_max = max(r["load_s"] for _, r in loads)
-            # sync_s: what delivering the version cost (publish + the slowest load), in either mode;
-            # sync_wall_s also counts the wait behind rollouts queued before the loads (async mode)
+            # sync_s: what delivering the version cost (the publish until the loads were queued + the
+            # slowest load, which with a streamed publish includes waiting for its buckets), in either
+            # mode; sync_wall_s also counts the wait behind rollouts queued before the loads (async mode)
             out.update({"sync_s": self.publish_s + load_max, "sync_load_s_max": load_max,
                         # waiting for this node's other CPU engines to load first (rollout.serial_cpu_loads)
                         "sync_load_wait_s_max": max(r.get("load_wait_s", 0.0) for _, r in loads),
@@ -152,12 +178,29 @@ def start_collective_sync(learner, workers: list, bucket_mb: float, version: int
 
 
 def start_sync(learner, workers: list, bucket_mb: float, indices: list[int] | None = None) -> PendingSync:
-    """Publish the learner's current weights and queue a load on every worker (returns at once
-    after the publish; on each worker the load runs after the calls already queued there).
-    `indices` names the workers in errors (default: their positions in `workers`)."""
+    """Publish the learner's current weights and queue a load on every worker; returns once the
+    loads are queued (on each worker a load runs after the calls already queued there).
+    `indices` names the workers in errors (default: their positions in `workers`).
+
+    A single learner streams: it plans the buckets from the tensors' sizes, the driver asks for
+    each bucket (`publish_bucket`, a call whose result is the bucket in the object store) and hands
+    the workers the manifest of those pending results at once, so a worker loads bucket 1 while the
+    learner casts and puts bucket 2. A learner group publishes whole first (its gathers are
+    collective)."""
     t0 = time.perf_counter()
-    manifest = result(learner.publish.remote(bucket_mb))  # a learner group answers with rank 0's manifest
+    plan = result(learner.plan_publish.remote(bucket_mb))
+    seconds = None
+    if plan is None:
+        manifest = result(learner.publish.remote(bucket_mb))  # a learner group answers with rank 0's manifest
+    else:
+        manifest = planned_manifest(plan, [_one(learner.publish_bucket.remote(i)) for i in range(len(plan["names"]))])
+        seconds = _one(learner.publish_seconds.remote())  # runs right after the last bucket
     publish_s = time.perf_counter() - t0
     indices = list(range(len(workers))) if indices is None else indices
     futures = {w.load_weights.remote(manifest): i for i, w in zip(indices, workers)}
-    return PendingSync(manifest, futures, publish_s, t0)
+    return PendingSync(manifest, futures, publish_s, t0, publish_seconds=seconds)
+
+
+def _one(ref):
+    """A learner call's ref (a group of one answers with a list)."""
+    return ref[0] if isinstance(ref, list) else ref

@@ -43,20 +43,28 @@ class Manifest:
         return int(sum(self.bucket_bytes))
 
 
-def bucketize(named: Iterable[tuple[str, np.ndarray]], max_bytes: int) -> Iterator[list[tuple[str, np.ndarray]]]:
+def bucketize(named: Iterable[tuple[str, np.ndarray]], max_bytes: int, nbytes=lambda a: a.nbytes
+              ) -> Iterator[list[tuple[str, np.ndarray]]]:
     """Consecutive (name, array) pairs grouped so each group holds at most `max_bytes` (a single
     array larger than that is a group of its own). Order is kept: every array appears exactly once.
     Lazy: a group is yielded as soon as it is full, so a streamed source (a sharded learner
-    gathering one tensor at a time) is never held whole."""
+    gathering one tensor at a time) is never held whole. `nbytes` sizes an item (a plan of
+    (name, size) pairs is cut exactly as the arrays themselves are)."""
     cur, size = [], 0
     for name, arr in named:
-        if cur and size + arr.nbytes > max_bytes:
+        if cur and size + nbytes(arr) > max_bytes:
             yield cur
             cur, size = [], 0
         cur.append((name, arr))
-        size += arr.nbytes
+        size += nbytes(arr)
     if cur:
         yield cur
+
+
+def wire_nbytes(t: torch.Tensor, dtype: torch.dtype) -> int:
+    """The bytes `to_wire` sends for `t` to engines computing in `dtype` (without casting it)."""
+    itemsize = torch.empty((), dtype=dtype).element_size() if t.is_floating_point() else t.element_size()
+    return t.numel() * itemsize
 
 
 def to_wire(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype) -> Iterator[tuple[str, np.ndarray]]:
@@ -92,6 +100,39 @@ def publish(named: Iterable[tuple[str, np.ndarray]], version: int, bucket_mb: fl
         m.bucket_bytes.append(int(sum(a.nbytes for _, a in g)))
         m.names.append([n for n, _ in g])
     return m
+
+
+class Outgoing:
+    """One version published bucket by bucket on request, so the workers load the first buckets while
+    the learner still casts and puts the later ones (rl/sync.py `start_sync`). The plan (every
+    bucket's names and bytes) comes first, from sizes alone; `take(i)` then cuts bucket i from the
+    lazy source, which is read once, in order. A bucket cut otherwise than planned fails by name."""
+
+    def __init__(self, sizes: Iterable[tuple[str, int]], named: Iterable[tuple[str, np.ndarray]], version: int,
+                 bucket_mb: float, adapter: bool = False, bf16: bool = False):
+        import time
+
+        self.started = time.perf_counter()
+        max_bytes = max(1, int(bucket_mb * (1 << 20)))
+        plan = list(bucketize(sizes, max_bytes, nbytes=lambda n: n))
+        self.plan = {"version": version, "names": [[n for n, _ in g] for g in plan],
+                     "bytes": [int(sum(s for _, s in g)) for g in plan], "adapter": adapter, "bf16": bf16}
+        self._buckets = enumerate(bucketize(named, max_bytes))
+
+    def take(self, index: int) -> list[tuple[str, np.ndarray]]:
+        i, bucket = next(self._buckets, (None, None))
+        names = [n for n, _ in bucket] if bucket is not None else None
+        if i != index or names != self.plan["names"][index]:
+            raise RuntimeError(f"weight sync of version {self.plan['version']}: bucket {index} was planned as "
+                               f"{self.plan['names'][index][:3]}..., the weights gave {(names or [])[:3]}... "
+                               f"(bucket {i})")
+        return bucket
+
+
+def planned_manifest(plan: dict, refs: list) -> Manifest:
+    """An `Outgoing` plan's manifest, its buckets the (maybe still pending) results of `take`, in order."""
+    return Manifest(version=plan["version"], buckets=list(refs), bucket_bytes=plan["bytes"], names=plan["names"],
+                    adapter=plan["adapter"], bf16=plan["bf16"])
 
 
 def iter_weights(manifest: Manifest) -> Iterator[tuple[str, np.ndarray]]:

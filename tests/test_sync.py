@@ -101,10 +101,83 @@ def test_bf16_engines_are_sent_bf16_bits_and_load_bf16_tensors(ray_cluster):
 
 @ray.remote(num_cpus=0)
 class _Learner:
+    """Publishes whole, as a learner group does (no plan)."""
+
     version = 3
+
+    def plan_publish(self, bucket_mb):
+        return None
 
     def publish(self, bucket_mb):
         return publish(_named([100]), self.version, bucket_mb)
+
+
+@ray.remote(num_cpus=0)
+class _StreamingLearner:
+    """Streams as a single `Learner` does (the same `Outgoing`), `delay_s` to cut each bucket; or
+    cuts bucket `fail_at` from weights that no longer match the plan."""
+
+    def __init__(self, sizes, delay_s=0.0, fail_at=None):
+        import rollout.weights  # noqa: F401  (imports torch: not on the clock of the first sync)
+
+        self.named, self.delay_s, self.fail_at = _named(sizes), delay_s, fail_at
+        self.cut_at = []
+
+    def plan_publish(self, bucket_mb):
+        from rollout.weights import Outgoing
+
+        named = self.named if self.fail_at is None else self.named[:self.fail_at] + [("renamed", self.named[-1][1])]
+        self.out = Outgoing([(n, a.nbytes) for n, a in self.named], iter(named), 5, bucket_mb)
+        return self.out.plan
+
+    def publish_bucket(self, index):
+        time.sleep(self.delay_s)
+        self.cut_at.append(time.time())
+        return self.out.take(index)
+
+    def publish_seconds(self):
+        return time.perf_counter() - self.out.started
+
+    def cuts(self):
+        return self.cut_at
+
+
+@ray.remote(num_cpus=0)
+class _Reader:
+    """A rollout worker's fetch: when each bucket's arrays arrived, and what they were."""
+
+    def load_weights(self, manifest):
+        got, at = [], []
+        for name, arr in iter_weights(manifest):
+            got.append((name, arr.copy()))
+            at.append(time.time())
+        return {"version": manifest.version, "load_s": 0.0, "bytes": manifest.nbytes,
+                "buckets": len(manifest.buckets), "got": got, "at": at}
+
+
+def test_a_single_learner_streams_its_buckets_to_the_workers(ray_cluster):
+    """The streamed publish (rl/sync.py `start_sync`, rollout/weights.py `Outgoing`): the workers get
+    every tensor exactly, in order, and start on the first bucket while the learner still cuts the
+    later ones; the metrics count the learner's own seconds."""
+    sizes = [1000, 2000, 50, 3000, 500]  # float32: 4000, 8000, 200, 12000, 2000 bytes
+    learner, readers = _StreamingLearner.remote(sizes, delay_s=0.5), [_Reader.remote() for _ in range(2)]
+    assert ray.get(learner.cuts.remote()) == []  # started, torch imported
+    pending = start_sync(learner, readers, 8200 / (1 << 20))
+    assert pending.publish_s < 0.5  # the driver did not wait for the buckets
+    metrics = pending.finish(timeout_s=60)
+    cuts = ray.get(learner.cuts.remote())
+    assert len(cuts) == 4 and metrics["sync_buckets"] == 4 and metrics["sync_version"] == 5
+    assert metrics["sync_publish_s"] >= 4 * 0.5
+    for out in ray.get(list(pending.futures)):
+        assert [n for n, _ in out["got"]] == [n for n, _ in _named(sizes)]
+        assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(out["got"], _named(sizes)))
+        assert out["at"][0] < cuts[-1] - 1.0  # bucket 0 loaded while buckets 2 and 3 were still to cut
+
+
+def test_a_bucket_cut_otherwise_than_planned_fails_the_sync_naming_the_learner(ray_cluster):
+    learner = _StreamingLearner.remote([100, 100, 100], fail_at=2)
+    with pytest.raises(RuntimeError, match=r"version 5: the learner failed to publish it: .*bucket 2 was planned"):
+        start_sync(learner, [_Reader.remote()], 500 / (1 << 20)).finish(timeout_s=60)
 
 
 @ray.remote(num_cpus=0)
