@@ -1,15 +1,24 @@
-"""Weight sync: seconds to deliver a new version to N vLLM rollout workers, against a plain memory
+"""Weight sync: seconds to deliver a new version to the rollout workers, against a plain memory
 copy of the same bytes, measured in the same run.
 
-    .venv/bin/python bench/weight_sync.py [--workers 2] [--hidden 512] [--layers 8] [--experts 16] [--repeats 5]
+    .venv/bin/python bench/weight_sync.py [--cases compute real-bf16] [--hidden 512] [--layers 8] [--repeats 5] [--json]
 
-The sync is the real path (`rl/sync.py`): the learner publishes its state dict into Ray's object
-store in buckets, every rollout worker fetches them and its vLLM engine reloads in place
-(the CPU MoE experts packed straight into the engine's kernel tensors, the rest through vLLM's
-reload). The limit is what the bytes alone
-cost: one `memcpy` of the whole state dict into a preallocated buffer per worker (each engine
-must end up with its own copy). Sync and copy alternate, so load on this noisy machine hits both
-alike. Prints a Markdown table; `--json` prints the numbers.
+Two cases, each in a fresh process (a process holds one vLLM engine), each synced both ways
+(`sync.publish`): whole (every bucket in the object store before the loads start) and streamed
+(the workers load the first buckets while the learner still casts and puts the next):
+- compute: a Qwen3-MoE of hidden `--hidden`, `--layers` layers, 16 experts, fp32 learner and fp32
+  engines, to 2 workers;
+- real-bf16: the real policy (SmolLM2-135M-Instruct upcycled to 4 experts top-1, what the demo and
+  row 12 train), fp32 learner, one bf16 engine (`rollout.dtype: bfloat16`: the sync sends bf16).
+
+The sync is the real path (`rl/sync.py`): the learner publishes its weights (cast to the engines'
+dtype) into Ray's object store in buckets, every rollout worker fetches them and its vLLM engine
+reloads in place (the CPU MoE experts packed straight into the engine's kernel tensors, the rest
+through vLLM's reload). The limit is what the bytes alone cost: one `memcpy` of the bytes sent into
+a preallocated buffer per worker (each engine must end up with its own copy). Sync and copy
+alternate, so load on this noisy machine hits both alike. The engine's reload is then timed alone
+(the workers gone), vLLM's layerwise reload of every tensor against the direct expert path.
+Prints a Markdown table; `--json` prints the numbers.
 """
 
 from __future__ import annotations
@@ -18,57 +27,72 @@ import argparse
 import json
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+CASES = {
+    "compute": dict(workers=2, engine_dtype="float32"),
+    "real-bf16": dict(workers=1, engine_dtype="bfloat16", pretrained=True),
+}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--experts", type=int, default=16)
-    ap.add_argument("--bucket-mb", type=float, default=64.0)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+def model_path(case: str, args) -> str:
+    if CASES[case].get("pretrained"):
+        from rl.pretrained import policy
 
+        return str(policy("smollm2-135m-instruct", 4, 1))
+    from rl.tiny import TinyMoEDims, make_tiny_qwen3_moe
+
+    dims = TinyMoEDims(hidden_size=args.hidden, num_layers=args.layers, num_experts=16,
+                       num_heads=8, num_kv_heads=4, head_dim=64, moe_intermediate_size=args.hidden // 2)
+    return str(make_tiny_qwen3_moe(Path(tempfile.mkdtemp()) / "policy", dims, seed=0))
+
+
+def run_case(case: str, args) -> dict:
+    """One case, in this process: syncs through Ray, then the engine's reload alone."""
     import numpy as np
     import ray
     import torch
-    import vllm
 
-    from rl.tiny import TinyMoEDims, make_tiny_qwen3_moe
     from rl.config import AlgoConfig, EnvConfig, RayConfig, RolloutConfig
     from rl.learner_group import LearnerActor
     from rl.ray_utils import init_ray
     from rl.sync import start_sync
+    from rollout.weights import from_wire, to_wire
     from rollout.worker import RolloutWorkerActor
 
-    dims = TinyMoEDims(hidden_size=args.hidden, num_layers=args.layers, num_experts=args.experts,
-                       num_heads=8, num_kv_heads=4, head_dim=64, moe_intermediate_size=args.hidden // 2)
-    path = make_tiny_qwen3_moe(Path(tempfile.mkdtemp()) / "policy", dims, seed=0)
+    spec = CASES[case]
+    path, engine_dtype, n_workers = model_path(case, args), spec["engine_dtype"], spec["workers"]
     init_ray(RayConfig(num_cpus=2, object_store_mb=2048))
-    learner = LearnerActor.remote(str(path), AlgoConfig(), seed=0)
-    rollout = RolloutConfig(max_model_len=1024, max_episode_tokens=1024, kv_cache_gib=1.0)
-    workers = [RolloutWorkerActor.options(num_cpus=0.5).remote(str(path), rollout, EnvConfig(), seed=i)
-               for i in range(args.workers)]
+    learner = LearnerActor.remote(path, AlgoConfig(), seed=0, engine_dtype=engine_dtype)
+    rollout = RolloutConfig(max_model_len=1024, max_episode_tokens=1024, kv_cache_gib=1.0, dtype=engine_dtype)
+    workers = [RolloutWorkerActor.options(num_cpus=0.5).remote(path, rollout, EnvConfig(), seed=i)
+               for i in range(n_workers)]
     ray.get([w.version.remote() for w in workers])
-    arrays = [a for _, a in ray.get(learner.weights.remote())]
-    nbytes = sum(a.nbytes for a in arrays)
-    src = np.concatenate([a.reshape(-1).view(np.uint8) for a in arrays])  # the bytes, contiguous
-    dst = [np.empty_like(src) for _ in range(args.workers)]
+    # what a sync sends, as the engines receive it, in this process's own memory: arrays read from
+    # the object store would pin the learner's fp32 weights there (1.4 GiB of the real policy), and
+    # the syncs below would spill to disk
+    named = [(n, from_wire(a, engine_dtype == "bfloat16"))
+             for n, a in to_wire(((n, torch.from_numpy(a.copy())) for n, a in ray.get(learner.weights.remote())),
+                                 getattr(torch, engine_dtype))]
+    nbytes = sum(a.nbytes for _, a in named)
+    src = np.concatenate([np.asarray(a.view(torch.int16) if isinstance(a, torch.Tensor) else a).reshape(-1).view(np.uint8)
+                          for _, a in named])  # the bytes, contiguous
+    dst = [np.empty_like(src) for _ in range(n_workers)]
     for d in dst:  # touch the pages once so the copy measures copying, not page faults
         d.fill(0)
 
-    syncs, copies = [], []
+    syncs, copies = {False: [], True: []}, []
     start_sync(learner, workers, args.bucket_mb).finish(600)  # warm: first loads allocate
     for _ in range(args.repeats):
-        syncs.append(start_sync(learner, workers, args.bucket_mb).finish(600))
+        for stream in (False, True):  # whole, then streamed (`sync.publish`)
+            syncs[stream].append(start_sync(learner, workers, args.bucket_mb, stream=stream).finish(600))
         t0 = time.perf_counter()
         for d in dst:
             np.copyto(d, src)
@@ -76,12 +100,11 @@ def main() -> None:
 
     # the engine's reload alone, in this process (the workers gone, so nothing competes for the
     # cores): vLLM's layerwise reload of every tensor against the direct expert path (vllm_ext.py)
-    named = ray.get(learner.weights.remote())
     for w in workers + [learner]:
         ray.kill(w)
     from rollout.engines.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine(str(path), max_model_len=1024, kv_cache_gib=1.0)
+    engine = VLLMEngine(path, max_model_len=1024, kv_cache_gib=1.0, dtype=engine_dtype)
     reload = {False: [], True: []}
     for direct in (False, True):  # warm both
         engine.llm.collective_rpc("lh_reload_weights", args=(iter(named),), kwargs={"direct_experts": direct})
@@ -90,35 +113,75 @@ def main() -> None:
             t0 = time.perf_counter()
             engine.llm.collective_rpc("lh_reload_weights", args=(iter(named),), kwargs={"direct_experts": direct})
             reload[direct].append(time.perf_counter() - t0)
-    layerwise, direct = statistics.median(reload[False]), statistics.median(reload[True])
 
-    wall = statistics.median(s["sync_wall_s"] for s in syncs)
-    publish = statistics.median(s["sync_publish_s"] for s in syncs)
-    load = statistics.median(s["sync_load_s_max"] for s in syncs)
     copy = statistics.median(copies)
-    one_copy = copy / args.workers
-    result = {"bytes": nbytes, "workers": args.workers, "buckets": syncs[0]["sync_buckets"],
-              "sync_s": wall, "publish_s": publish, "load_s_max": load, "memcpy_s": copy, "ratio": wall / copy,
-              "reload_layerwise_s": layerwise, "reload_direct_s": direct, "memcpy_one_s": one_copy,
-              "versions": {"torch": torch.__version__, "vllm": vllm.__version__, "ray": ray.__version__,
-                           "python": platform.python_version()}, "repeats": args.repeats}
-    if args.json:
-        print(json.dumps(result))
+    first = syncs[False][0]
+
+    def modes(key):
+        return {("streamed" if stream else "whole"): statistics.median(s[key] for s in syncs[stream])
+                for stream in (False, True)}
+
+    return {"case": case, "bytes": nbytes, "workers": n_workers, "engine_dtype": engine_dtype,
+            "buckets": first["sync_buckets"], "tensors": first.get("sync_tensors"),
+            "direct_tensors": first.get("sync_direct_tensors"),
+            "sync_s": modes("sync_wall_s"), "publish_s": modes("sync_publish_s"), "load_s_max": modes("sync_load_s_max"),
+            "memcpy_s": copy, "memcpy_one_s": copy / n_workers,
+            "reload_layerwise_s": statistics.median(reload[False]), "reload_direct_s": statistics.median(reload[True])}
+
+
+def measure(case: str, args) -> dict:
+    cmd = [sys.executable, __file__, "--child", case, "--hidden", str(args.hidden), "--layers", str(args.layers),
+           "--repeats", str(args.repeats), "--bucket-mb", str(args.bucket_mb)]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1800)
+    if r.returncode != 0:
+        raise RuntimeError(f"{case} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--bucket-mb", type=float, default=64.0)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--child", choices=list(CASES), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(run_case(args.child, args)))
         return
-    print(f"# weight sync: {nbytes / 2**20:.0f} MiB of fp32 weights (Qwen3-MoE, hidden {args.hidden}, "
-          f"{args.layers} layers, {args.experts} experts) to {args.workers} vLLM workers, "
-          f"{result['buckets']} buckets of ≤ {args.bucket_mb:g} MiB; median of {args.repeats}")
+
+    import ray
+    import torch
+    import vllm
+
+    rows = [measure(case, args) for case in args.cases]
+    versions = {"torch": torch.__version__, "vllm": vllm.__version__, "ray": ray.__version__,
+                "python": platform.python_version()}
+    if args.json:
+        print(json.dumps({"rows": rows, "versions": versions, "repeats": args.repeats}))
+        return
+    print(f"# weight sync: learner → vLLM rollout workers through Ray's object store, buckets of ≤ "
+          f"{args.bucket_mb:g} MiB, median of {args.repeats}; against one memcpy of the bytes sent per worker. "
+          f"compute: Qwen3-MoE hidden {args.hidden}, {args.layers} layers, 16 experts, fp32; real-bf16: "
+          "SmolLM2-135M upcycled to 4 experts, fp32 learner, bf16 engine")
     print(f"# torch {torch.__version__}, vllm {vllm.__version__}, ray {ray.__version__}, {platform.machine()}\n")
-    print("| what | seconds | vs memcpy |")
-    print("| --- | ---: | ---: |")
-    print(f"| memcpy of the same bytes, once per worker | {copy:.3f} | 1.0× |")
-    print(f"| sync: publish into the object store | {publish:.3f} | {publish / copy:.1f}× |")
-    print(f"| sync: slowest worker's fetch + in-place reload | {load:.3f} | {load / copy:.1f}× |")
-    print(f"| sync, end to end (driver's wall clock) | {wall:.3f} | {wall / copy:.1f}× |")
-    print(f"\nThe engine's reload alone (one engine in this process, the workers gone; against one copy, "
-          f"{one_copy:.3f} s): vLLM's layerwise reload of every tensor {layerwise:.3f} s ({layerwise / one_copy:.1f}×), "
-          f"the experts loaded straight into their packed tensors {direct:.3f} s ({direct / one_copy:.1f}×): "
-          f"{layerwise / direct:.2f}× faster.")
+    print("| model | engines | publish | MiB sent | memcpy s | publish s | slowest load s | end to end s | vs memcpy |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        c = r["memcpy_s"]
+        for mode in ("whole", "streamed"):
+            p, load, wall = r["publish_s"][mode], r["load_s_max"][mode], r["sync_s"][mode]
+            print(f"| {r['case']} | {r['workers']} × {r['engine_dtype']} | {mode} | {r['bytes'] / 2**20:.0f} | {c:.3f} | "
+                  f"{p:.3f} ({p / c:.1f}×) | {load:.3f} ({load / c:.1f}×) | {wall:.3f} | {wall / c:.1f}× |")
+    print("\nThe engine's reload alone (one engine, the workers gone), against one copy of the bytes:\n")
+    print("| model | one copy s | vLLM's layerwise reload s | experts packed directly s | expert tensors direct |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        one = r["memcpy_one_s"]
+        print(f"| {r['case']} | {one:.3f} | {r['reload_layerwise_s']:.3f} ({r['reload_layerwise_s'] / one:.1f}×) | "
+              f"{r['reload_direct_s']:.3f} ({r['reload_direct_s'] / one:.1f}×) | {r['direct_tensors']} of {r['tensors']} |")
 
 
 if __name__ == "__main__":

@@ -197,6 +197,8 @@ class SyncConfig:
     """The collective transport's backend: auto is nccl when the learner trains on cuda and the rollout workers have GPUs, else gloo."""
     timeout_s: float = 300.0
     """Seconds every rollout worker has to load a published version once its earlier calls are done; a late worker is named in the error."""
+    publish: Literal["auto", "streamed", "whole"] = "auto"
+    """How a single learner puts a version into the object store: streamed (the workers load the first buckets while the learner still casts and puts the next; rl/sync.py) or whole (every bucket before the loads start; a learner group always does). auto streams when the learner trains on a GPU or the rollout workers have GPUs: where both are CPU processes of one node they share its cores, and overlapping them was slower (bench row 3). streamed suits CPU clusters whose rollout workers sit on other nodes than the learner."""
 
 
 @dataclass
@@ -444,6 +446,12 @@ class RunConfig:
         if self.sync.backend != "auto":
             return self.sync.backend
         return "nccl" if self.learner.device == "cuda" and self.rollout.gpus_per_worker > 0 else "gloo"
+
+    def sync_streams(self) -> bool:
+        """Whether an object-store sync streams its buckets (`sync.publish`, auto resolved)."""
+        if self.sync.publish != "auto":
+            return self.sync.publish == "streamed"
+        return self.learner.device == "cuda" or self.rollout.gpus_per_worker > 0
 
     def local_problem(self, with_envs: bool = True) -> str | None:
         """What stops this config on this machine, for a local run (no `ray.address`): a policy.path

@@ -3,9 +3,10 @@
 CPU path (what runs here and on any Ray cluster): the learner cuts its state dict into buckets of
 at most `bucket_mb` MiB (a tensor larger than that gets a bucket of its own) and puts each bucket
 once into Ray's object store. A `Manifest` describes the version: the bucket references and their
-sizes, never the arrays. A single learner streams (`start_sync`): it plans the buckets from the
-tensors' sizes, and the workers get the manifest of buckets still being cut, so they load the
-first while the learner casts and puts the next; a learner group puts them all first. Each
+sizes, never the arrays. A single learner may stream (`start_sync`, `sync.publish`): it plans the
+buckets from the tensors' sizes, and the workers get the manifest of buckets still being cut, so
+they load the first while the learner casts and puts the next; otherwise (on CPU-only nodes by
+default: there the two share the cores) and in a learner group it puts them all first. Each
 rollout worker fetches the buckets one at a time while
 its engine loads them (`iter_weights` feeds vLLM's reload as a lazy iterator), so a worker pins at
 most one bucket of published weights on top of its engine's own parameters; workers on the
@@ -177,18 +178,19 @@ def start_collective_sync(learner, workers: list, bucket_mb: float, version: int
     return PendingSync(None, futures, 0.0, t0, version=version, sender=sender)
 
 
-def start_sync(learner, workers: list, bucket_mb: float, indices: list[int] | None = None) -> PendingSync:
+def start_sync(learner, workers: list, bucket_mb: float, indices: list[int] | None = None,
+               stream: bool = True) -> PendingSync:
     """Publish the learner's current weights and queue a load on every worker; returns once the
     loads are queued (on each worker a load runs after the calls already queued there).
     `indices` names the workers in errors (default: their positions in `workers`).
 
-    A single learner streams: it plans the buckets from the tensors' sizes, the driver asks for
-    each bucket (`publish_bucket`, a call whose result is the bucket in the object store) and hands
-    the workers the manifest of those pending results at once, so a worker loads bucket 1 while the
-    learner casts and puts bucket 2. A learner group publishes whole first (its gathers are
-    collective)."""
+    `stream` (a single learner; `sync.publish`): it plans the buckets from the tensors' sizes, the
+    driver asks for each bucket (`publish_bucket`, a call whose result is the bucket in the object
+    store) and hands the workers the manifest of those pending results at once, so a worker loads
+    bucket 1 while the learner casts and puts bucket 2. Otherwise, and always for a learner group
+    (its gathers are collective), the learner puts every bucket before the loads are queued."""
     t0 = time.perf_counter()
-    plan = result(learner.plan_publish.remote(bucket_mb))
+    plan = result(learner.plan_publish.remote(bucket_mb)) if stream else None
     seconds = None
     if plan is None:
         manifest = result(learner.publish.remote(bucket_mb))  # a learner group answers with rank 0's manifest

@@ -244,6 +244,13 @@ def test_schedule_and_sync_settings_are_validated():
     with pytest.raises(ConfigError, match="sync.bucket_mb must be > 0"):
         load_config(None, ["sync.bucket_mb=0"])
     assert load_config(None, ["schedule.mode=async", "schedule.max_staleness=2"]).schedule.max_staleness == 2
+    # streamed syncs: on GPUs by default, not where the learner and the engines share a node's CPUs
+    assert not load_config(None, []).sync_streams()
+    assert load_config(None, ["rollout.gpus_per_worker=1"]).sync_streams()
+    assert load_config(None, ["sync.publish=streamed"]).sync_streams()
+    assert not load_config(None, ["sync.publish=whole", "rollout.gpus_per_worker=1"]).sync_streams()
+    with pytest.raises(ConfigError, match="sync.publish must be one of"):
+        load_config(None, ["sync.publish=sometimes"])
 
 
 @pytest.mark.slow
@@ -257,7 +264,8 @@ def test_the_loop_trains_fp32_and_rolls_out_with_bf16_engines(ray_cluster, tiny_
 
     with started_trainer("quickstart.yaml", [
             "iterations=2", f"policy.path={tiny_policy}", "algo.entropy_coef=0.01", "rollout.dtype=bfloat16",
-            "sync.bucket_mb=0.25", "rollout.max_new_tokens=16", "rollout.cpus_per_worker=0.1"], tmp_path) as trainer:
+            "sync.bucket_mb=0.25", "rollout.max_new_tokens=16", "rollout.cpus_per_worker=0.1",
+            "sync.publish=streamed"], tmp_path) as trainer:  # the real learner's streamed publish (auto: whole on CPU)
         ids = list(range(5, 45))
         before = np.array(trainer.learner.call("logprobs", ids))
         rows = trainer.run()
