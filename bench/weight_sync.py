@@ -12,7 +12,8 @@ Two cases, each in a fresh process (a process holds one vLLM engine), each synce
   row 12 train), fp32 learner, one bf16 engine (`rollout.dtype: bfloat16`: the sync sends bf16).
 
 The sync is the real path (`rl/sync.py`): the learner publishes its weights (cast to the engines'
-dtype) into Ray's object store in buckets, every rollout worker fetches them and its vLLM engine
+dtype; its actor started with the trainer's malloc, rl/allocator.py) into Ray's object store in
+buckets, every rollout worker fetches them and its vLLM engine
 reloads in place (the CPU MoE experts packed straight into the engine's kernel tensors, the rest
 through vLLM's reload). The limit is what the bytes alone cost: one `memcpy` of the bytes sent into
 a preallocated buffer per worker (each engine must end up with its own copy). Sync and copy
@@ -60,6 +61,7 @@ def run_case(case: str, args) -> dict:
     import ray
     import torch
 
+    from rl.allocator import actor_env
     from rl.config import AlgoConfig, EnvConfig, RayConfig, RolloutConfig
     from rl.learner_group import LearnerActor
     from rl.ray_utils import init_ray
@@ -70,11 +72,14 @@ def run_case(case: str, args) -> dict:
     spec = CASES[case]
     path, engine_dtype, n_workers = model_path(case, args), spec["engine_dtype"], spec["workers"]
     init_ray(RayConfig(num_cpus=2, object_store_mb=2048))
-    learner = LearnerActor.remote(path, AlgoConfig(), seed=0, engine_dtype=engine_dtype)
+    env = actor_env("auto")  # the learner's malloc as the trainer starts it (tcmalloc where installed)
+    learner = LearnerActor.options(**({"runtime_env": {"env_vars": env}} if env else {})).remote(
+        path, AlgoConfig(), seed=0, engine_dtype=engine_dtype)
     rollout = RolloutConfig(max_model_len=1024, max_episode_tokens=1024, kv_cache_gib=1.0, dtype=engine_dtype)
     workers = [RolloutWorkerActor.options(num_cpus=0.5).remote(path, rollout, EnvConfig(), seed=i)
                for i in range(n_workers)]
     ray.get([w.version.remote() for w in workers])
+    malloc = ray.get(learner.allocator.remote())
     # what a sync sends, as the engines receive it, in this process's own memory: arrays read from
     # the object store would pin the learner's fp32 weights there (1.4 GiB of the real policy), and
     # the syncs below would spill to disk
@@ -121,7 +126,7 @@ def run_case(case: str, args) -> dict:
         return {("streamed" if stream else "whole"): statistics.median(s[key] for s in syncs[stream])
                 for stream in (False, True)}
 
-    return {"case": case, "bytes": nbytes, "workers": n_workers, "engine_dtype": engine_dtype,
+    return {"case": case, "malloc": malloc, "bytes": nbytes, "workers": n_workers, "engine_dtype": engine_dtype,
             "buckets": first["sync_buckets"], "tensors": first.get("sync_tensors"),
             "direct_tensors": first.get("sync_direct_tensors"),
             "sync_s": modes("sync_wall_s"), "publish_s": modes("sync_publish_s"), "load_s_max": modes("sync_load_s_max"),
@@ -165,7 +170,8 @@ def main() -> None:
     print(f"# weight sync: learner → vLLM rollout workers through Ray's object store, buckets of ≤ "
           f"{args.bucket_mb:g} MiB, median of {args.repeats}; against one memcpy of the bytes sent per worker. "
           f"compute: Qwen3-MoE hidden {args.hidden}, {args.layers} layers, 16 experts, fp32; real-bf16: "
-          "SmolLM2-135M upcycled to 4 experts, fp32 learner, bf16 engine")
+          "SmolLM2-135M upcycled to 4 experts, fp32 learner, bf16 engine; learner's malloc: "
+          + ", ".join(sorted({r["malloc"] for r in rows})))
     print(f"# torch {torch.__version__}, vllm {vllm.__version__}, ray {ray.__version__}, {platform.machine()}\n")
     print("| model | engines | publish | MiB sent | memcpy s | publish s | slowest load s | end to end s | vs memcpy |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
