@@ -49,9 +49,9 @@ class PendingSync:
     collective path `sender` is the learner's broadcast, which finishes with the loads."""
 
     def __init__(self, manifest: Manifest | None, futures: dict, publish_s: float, started: float,
-                 version: int | None = None, sender=None, publish_seconds=None):
+                 version: int | None = None, sender=None, publish_seconds_ref=None):
         self.manifest, self.publish_s, self.started = manifest, publish_s, started
-        self.publish_seconds = publish_seconds  # a streamed publish: the learner's seconds, once it is done
+        self.publish_seconds_ref = publish_seconds_ref  # a streamed publish: the learner's seconds, once it is done
         self.futures = futures  # load ref -> index of its rollout worker
         self.version = manifest.version if manifest is not None else version
         self.sender = sender
@@ -60,14 +60,14 @@ class PendingSync:
     def _published(self) -> float:
         """The learner's publish seconds (a streamed publish reports them once its last bucket is
         in the object store)."""
-        if self.publish_seconds is None:
+        if self.publish_seconds_ref is None:
             return self.publish_s
-        return ray.get(self.publish_seconds, timeout=30)
+        return ray.get(self.publish_seconds_ref, timeout=30)
 
     def _check_buckets(self) -> None:
         """A streamed publish: raise, naming the learner, if it failed to cut one of the buckets (on a
         failed load only: reading the buckets here would pull them to the driver's node)."""
-        if self.publish_seconds is None or self.manifest is None:
+        if self.publish_seconds_ref is None or self.manifest is None:
             return
         for ref in self.manifest.buckets:
             try:
@@ -200,7 +200,7 @@ def start_sync(learner, workers: list, bucket_mb: float, indices: list[int] | No
     publish_s = time.perf_counter() - t0
     indices = list(range(len(workers))) if indices is None else indices
     futures = {w.load_weights.remote(manifest): i for i, w in zip(indices, workers)}
-    return PendingSync(manifest, futures, publish_s, t0, publish_seconds=seconds)
+    return PendingSync(manifest, futures, publish_s, t0, publish_seconds_ref=seconds)
 
 
 def _one(ref):

@@ -94,8 +94,11 @@ class WeightSource:
         if self.world > 1:
             return None
         named, adapter, bf16 = self._sync_source()
-        sizes = ([(n, a.nbytes) for n, a in self.engine_factors()] if adapter else
-                 [(n, wire_nbytes(t, self.engine_dtype)) for n, t in self.engine_tensors()])
+        if adapter:  # the factors are megabytes: computed once, sized and sent from the same list
+            named = list(named)
+            sizes = [(n, a.nbytes) for n, a in named]
+        else:  # sized from views, without casting: the cast happens as each bucket is cut
+            sizes = [(n, wire_nbytes(t, self.engine_dtype)) for n, t in self.engine_tensors()]
         self._outgoing = Outgoing(sizes, named, self.version, bucket_mb, adapter=adapter, bf16=bf16)
         return self._outgoing.plan
 

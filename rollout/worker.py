@@ -142,8 +142,9 @@ class RolloutWorker:
 
     def load_weights(self, manifest: Manifest) -> dict:
         """Load a published version (rollout/weights.py) in place, fetching its buckets one at a time while
-        the engine loads them; returns the new version, seconds, bytes and buckets received. An adapter
-        manifest (LoRA) is added to the base weights this worker started from."""
+        the engine loads them; returns the new version, seconds, bytes and buckets received, and the
+        engine's counts (`tensors`, `direct`). An adapter manifest (LoRA) is added to the base weights
+        this worker started from."""
         t0 = time.perf_counter()
         with warnings.catch_warnings(), self._node_load_turn():
             # Arrays from Ray's object store are read-only views; vLLM copies them into its params.
@@ -151,7 +152,7 @@ class RolloutWorker:
             waited = time.perf_counter() - t0
             loaded = self.engine.load_weights(self._served(iter_weights(manifest), manifest.adapter), manifest.version)
         return {"version": self.engine.version, "load_s": time.perf_counter() - t0, "load_wait_s": waited,
-                "bytes": manifest.nbytes, "buckets": len(manifest.buckets), **_counts(loaded)}
+                "bytes": manifest.nbytes, "buckets": len(manifest.buckets), **loaded}
 
     @contextlib.contextmanager
     def _node_load_turn(self):
@@ -203,7 +204,7 @@ class RolloutWorker:
             raise RuntimeError("weight sync: the learner broadcast a version with no tensors")
         loaded = self.engine.load_weights(self._served(itertools.chain([first], named), meta["adapter"]), meta["version"])
         return {"version": self.engine.version, "load_s": time.perf_counter() - t0,
-                "bytes": meta["bytes"], "buckets": meta["buckets"], **_counts(loaded)}
+                "bytes": meta["bytes"], "buckets": meta["buckets"], **loaded}
 
     def generate(self, prompt_ids: list[int], max_tokens: int, seed: int) -> Generation:
         """One sampled continuation (tests and probes)."""
@@ -211,14 +212,6 @@ class RolloutWorker:
 
     def score(self, token_ids: list[int]) -> list[float]:
         return self.engine.score(token_ids)
-
-
-def _counts(loaded) -> dict:
-    """An engine's load answer as a sync reports it: tensors loaded, and how many straight into the
-    served ones (an engine that answers nothing reports nothing)."""
-    if not isinstance(loaded, dict):
-        return {}
-    return {"tensors": loaded.get("tensors", 0), "direct": loaded.get("direct", 0)}
 
 
 RolloutWorkerActor = ray.remote(RolloutWorker)
