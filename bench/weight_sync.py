@@ -14,11 +14,12 @@ Two cases, each in a fresh process (a process holds one vLLM engine), each synce
 The sync is the real path (`rl/sync.py`): the learner publishes its weights (cast to the engines'
 dtype; its actor started with the trainer's malloc, rl/allocator.py) into Ray's object store in
 buckets, every rollout worker fetches them and its vLLM engine
-reloads in place (the CPU MoE experts packed straight into the engine's kernel tensors, the rest
-through vLLM's reload). The limit is what the bytes alone cost: one `memcpy` of the bytes sent into
+loads in place (every tensor straight where the engine reads it: the CPU MoE experts packed into the
+engine's kernel tensors, each linear layer packed again from its checkpoint shards, norms and the
+embedding written in place; rollout/engines/vllm_ext.py). The limit is what the bytes alone cost: one `memcpy` of the bytes sent into
 a preallocated buffer per worker (each engine must end up with its own copy). Sync and copy
 alternate, so load on this noisy machine hits both alike. The engine's reload is then timed alone
-(the workers gone), vLLM's layerwise reload of every tensor against the direct expert path.
+(the workers gone), vLLM's layerwise reload of every tensor against the direct path.
 Prints a Markdown table; `--json` prints the numbers.
 """
 
@@ -104,7 +105,7 @@ def run_case(case: str, args) -> dict:
         copies.append(time.perf_counter() - t0)
 
     # the engine's reload alone, in this process (the workers gone, so nothing competes for the
-    # cores): vLLM's layerwise reload of every tensor against the direct expert path (vllm_ext.py)
+    # cores): vLLM's layerwise reload of every tensor against the direct path (vllm_ext.py)
     for w in workers + [learner]:
         ray.kill(w)
     from rollout.engines.vllm_engine import VLLMEngine
@@ -112,11 +113,11 @@ def run_case(case: str, args) -> dict:
     engine = VLLMEngine(path, max_model_len=1024, kv_cache_gib=1.0, dtype=engine_dtype)
     reload = {False: [], True: []}
     for direct in (False, True):  # warm both
-        engine.llm.collective_rpc("lh_reload_weights", args=(iter(named),), kwargs={"direct_experts": direct})
+        engine.llm.collective_rpc("lh_reload_weights", args=(iter(named),), kwargs={"direct": direct})
     for _ in range(args.repeats):
         for direct in (False, True):
             t0 = time.perf_counter()
-            engine.llm.collective_rpc("lh_reload_weights", args=(iter(named),), kwargs={"direct_experts": direct})
+            engine.llm.collective_rpc("lh_reload_weights", args=(iter(named),), kwargs={"direct": direct})
             reload[direct].append(time.perf_counter() - t0)
 
     copy = statistics.median(copies)
@@ -182,7 +183,7 @@ def main() -> None:
             print(f"| {r['case']} | {r['workers']} × {r['engine_dtype']} | {mode} | {r['bytes'] / 2**20:.0f} | {c:.3f} | "
                   f"{p:.3f} ({p / c:.1f}×) | {load:.3f} ({load / c:.1f}×) | {wall:.3f} | {wall / c:.1f}× |")
     print("\nThe engine's reload alone (one engine, the workers gone), against one copy of the bytes:\n")
-    print("| model | one copy s | vLLM's layerwise reload s | experts packed directly s | expert tensors direct |")
+    print("| model | one copy s | vLLM's layerwise reload s | direct load s | tensors direct |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for r in rows:
         one = r["memcpy_one_s"]

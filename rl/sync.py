@@ -136,7 +136,7 @@ class PendingSync:
                         "sync_load_wait_s_max": max(r.get("load_wait_s", 0.0) for _, r in loads),
                         "sync_bytes": loads[0][1]["bytes"], "sync_buckets": loads[0][1]["buckets"]})
             if all("direct" in r for _, r in loads):
-                # tensors the slowest-path worker loaded straight into its served tensors, not
+                # tensors the slowest-path worker loaded straight where its engine reads them, not
                 # through vLLM's layerwise reload (rollout/engines/vllm_ext.py), of those it received
                 out.update({"sync_tensors": loads[0][1]["tensors"],
                             "sync_direct_tensors": min(r["direct"] for _, r in loads)})

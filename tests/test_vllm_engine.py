@@ -76,13 +76,14 @@ def test_a_large_seeded_batch_is_prefilled_whole(engine):
 
 
 def test_reload_bugs_are_caught_and_load_weights_avoids_them(engine, hf_model, perturbed, prompt):
-    """Order matters: each step starts from the state the previous one left."""
+    """vLLM's own reload path (`direct=False`; the engine's load takes it for what its direct path does
+    not cover). Order matters: each step starts from the state the previous one left."""
     assert engine.llm.collective_rpc("lh_num_fused_moe_modules") == [2]
     gen_error(engine, hf_model, prompt)  # cache the prompt's prefix under the current weights
     new = list(perturbed.state_dict().items())
 
     # 1) reload without the MoE repack: outputs silently wrong even for the right weights
-    engine.llm.collective_rpc("lh_reload_weights", args=(new,), kwargs={"repack_moe": False})
+    engine.llm.collective_rpc("lh_reload_weights", args=(new,), kwargs={"repack_moe": False, "direct": False})
     engine.llm.reset_prefix_cache()
     assert gen_error(engine, perturbed, prompt) > 1e-2
 
@@ -90,7 +91,7 @@ def test_reload_bugs_are_caught_and_load_weights_avoids_them(engine, hf_model, p
     #    still carries KV computed with the previous weights
     engine.load_weights(list(hf_model.state_dict().items()), version=1)
     gen_error(engine, hf_model, prompt)  # re-cache under hf_model's weights
-    engine.llm.collective_rpc("lh_reload_weights", args=(new,))
+    engine.llm.collective_rpc("lh_reload_weights", args=(new,), kwargs={"direct": False})
     assert gen_error(engine, perturbed, prompt) > 1e-2
 
     # 3) the engine's own path: repack and reset -> matches, and reloading is idempotent
@@ -112,36 +113,60 @@ def _checkpoint_tensors(path, moved: float = 0.0, seed: int = 0) -> list:
     return [(n, (t + torch.randn(t.shape, generator=g) * moved).numpy()) for n, t in load_file(f"{path}/model.safetensors").items()]
 
 
-def _packed_experts(worker) -> list:
+def _served(worker) -> dict:
+    """What the engine computes with: the packed experts, live parameters (norms, the embedding), and a
+    CPU linear layer's output on a fixed input (its packed oneDNN copy is all the engine keeps)."""
     from rollout.engines.vllm_ext import _fused_moe_modules
 
-    return [(m.w13_weight.detach().clone(), m.w2_weight.detach().clone())
-            for m, _ in _fused_moe_modules(worker.model_runner.get_model())]
+    model = worker.model_runner.get_model()
+    out = {}
+    for module, _ in _fused_moe_modules(model):
+        out[f"{module.layer_name}.w13"] = module.w13_weight.detach().clone()
+        out[f"{module.layer_name}.w2"] = module.w2_weight.detach().clone()
+    for name, module in model.named_modules():
+        w = module._parameters.get("weight")
+        if w is None or name.endswith("experts"):
+            continue
+        if w.numel():
+            out[name] = w.detach().clone()
+        elif hasattr(module, "cpu_linear"):
+            k = getattr(module, "input_size_per_partition", None) or module.input_size
+            x = torch.randn(3, k, generator=torch.Generator().manual_seed(0))
+            out[name] = module.cpu_linear(x.to(w.dtype), w, None).detach().clone()
+    return out
 
 
-def test_direct_expert_loading_packs_what_vllms_own_reload_packs(engine, hf_model, tiny_policy, prompt):
-    """Expert tensors go straight into the packed kernel tensors (rollout/engines/vllm_ext.py): the
-    packed bytes and the log-probs equal those of vLLM's layerwise reload of the same weights, and a
-    version missing some of a layer's expert tensors fails the load, naming the layer."""
+def test_direct_loading_serves_what_vllms_own_reload_serves(engine, hf_model, tiny_policy, prompt):
+    """Every tensor goes straight where the engine reads it (rollout/engines/vllm_ext.py): experts into
+    the packed kernel tensors, q/k/v into the fused qkv layer packed again, norms and the embedding in
+    place. What the engine then computes with, and its log-probs, equal those after vLLM's layerwise
+    reload of the same weights; a version missing part of a layer fails the load, naming the layer."""
     moved = _checkpoint_tensors(tiny_policy, moved=0.02)
     n_experts = sum(".experts." in n for n, _ in moved)
-    assert n_experts > 0
+    assert n_experts > 0 and any(n.endswith("q_proj.weight") for n, _ in moved)
     try:
-        out = engine.llm.collective_rpc("lh_reload_weights", args=(iter(moved),), kwargs={"direct_experts": False})[0]
+        out = engine.llm.collective_rpc("lh_reload_weights", args=(iter(moved),), kwargs={"direct": False})[0]
         assert out == {"tensors": len(moved), "direct": 0}
         engine.llm.reset_prefix_cache()
-        ref_packed, ref = engine.llm.collective_rpc(_packed_experts)[0], engine.score(prompt)
+        ref_served, ref = engine.llm.collective_rpc(_served)[0], engine.score(prompt)
         engine.load_weights(_checkpoint_tensors(tiny_policy), version=1)  # back, through the direct path
         assert gen_error(engine, hf_model, prompt) < TOL
         out = engine.llm.collective_rpc("lh_reload_weights", args=(iter(moved),))[0]
-        assert out == {"tensors": len(moved), "direct": n_experts}
+        assert out == {"tensors": len(moved), "direct": len(moved)}
         engine.llm.reset_prefix_cache()
-        packed, got = engine.llm.collective_rpc(_packed_experts)[0], engine.score(prompt)
-        assert all(torch.equal(a, b) for pa, pb in zip(packed, ref_packed) for a, b in zip(pa, pb))
+        served, got = engine.llm.collective_rpc(_served)[0], engine.score(prompt)
+        assert served.keys() == ref_served.keys() and any("qkv_proj" in k for k in served)
+        assert [k for k in served if not torch.equal(served[k], ref_served[k])] == []
         assert got == ref and max(abs(a - b) for a, b in zip(got, engine.score(prompt))) == 0.0
         partial = [(n, a) for n, a in moved if not n.endswith("experts.1.up_proj.weight")]
         with pytest.raises(Exception, match=r"layers\.\d+\.mlp\.experts received \d+ of its \d+ expert tensors"):
             engine.llm.collective_rpc("lh_reload_weights", args=(iter(partial),))
+        partial = [(n, a) for n, a in moved if not n.endswith("layers.0.self_attn.k_proj.weight")]
+        with pytest.raises(Exception, match=r"layers\.0\.self_attn\.qkv_proj received 2 of its 3 checkpoint tensors"):
+            engine.llm.collective_rpc("lh_reload_weights", args=(iter(partial),))
+        wrong = [(n, a[:-1] if n.endswith("layers.1.self_attn.v_proj.weight") else a) for n, a in moved]
+        with pytest.raises(Exception, match=r"layers\.1\.self_attn\.qkv_proj\.weight shard 2: got shape"):
+            engine.llm.collective_rpc("lh_reload_weights", args=(iter(wrong),))
     finally:  # back to the checkpoint's weights for the other tests of this session
         engine.load_weights(_checkpoint_tensors(tiny_policy), version=0)
     assert gen_error(engine, hf_model, prompt) < TOL
