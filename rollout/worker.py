@@ -37,7 +37,7 @@ class StaleWorkerError(RuntimeError):
 
 class RolloutWorker:
     def __init__(self, policy_path: str, rollout: RolloutConfig, env: EnvConfig, *, seed: int = 0,
-                 dtype: str = "float32", env_actors: list | None = None, reward_parts: list | None = None,
+                 dtype: str | None = None, env_actors: list | None = None, reward_parts: list | None = None,
                  judge=None, judge_timeout_s: float = 300.0):
         from transformers import AutoTokenizer
 
@@ -57,7 +57,9 @@ class RolloutWorker:
         self.endpoint = None  # the OpenAI-compatible API over the engine, started for agent programs
         self.chat = ChatFormat(AutoTokenizer.from_pretrained(policy_path))
         self.engine = make_engine(rollout.engine, policy_path, seed=seed, max_model_len=rollout.max_model_len,
-                                  dtype=dtype, kv_cache_gib=rollout.kv_cache_gib, enforce_eager=rollout.enforce_eager,
+                                  # the run's engine dtype (an `auto` rollout dtype follows the policy's,
+                                  # which the trainer passes); else the rollout section's own
+                                  dtype=dtype or rollout.engine_dtype(), kv_cache_gib=rollout.kv_cache_gib, enforce_eager=rollout.enforce_eager,
                                   max_batch=rollout.max_batch, gpu_memory_utilization=rollout.gpu_memory_utilization)
 
     def version(self) -> int:
