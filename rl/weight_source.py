@@ -32,23 +32,26 @@ class WeightSource:
         return []
 
     @torch.no_grad()
-    def engine_tensors(self):
+    def engine_tensors(self, dtype: torch.dtype | None = None):
         """(name, CPU tensor) of the current weights as the checkpoint on disk names them, which is
         what the engines load (`CausalLM.checkpoint_names`); with LoRA the adapters folded in. Lazy.
         In a group gathered one tensor at a time on every rank (collective: every rank consumes it).
+        `dtype`: floating tensors cast to it before they are renamed, so the renaming's copies
+        (transformers 5 splits Mixtral's fused experts into one copied tensor per expert) move the
+        engine's bytes, not the learner's: a bf16 sync of the real policy copied 850 MB of fp32 there.
 
         A tensor tied to one already listed (SmolLM2's `lm_head.weight` is its embedding) is left
         out, as `save_pretrained` leaves it out of the checkpoint: the engine ties it the same way
         from the model's config, and sending it twice cost the real policy's sync 7% more bytes."""
         if self.world > 1:
-            return self.lm.checkpoint_names(self.full_weights())
+            return self.lm.checkpoint_names(_cast(self.full_weights(), dtype))
         if self.lora is not None:  # the adapters folded into their weights, under the original names
             from rl.lora import merged_state
 
             state = merged_state(self.model)
         else:
             state = self.model.state_dict()
-        return self.lm.checkpoint_names(_untied((n, t.detach().cpu()) for n, t in state.items()))
+        return self.lm.checkpoint_names(_cast(_untied((n, t.detach().cpu()) for n, t in state.items()), dtype))
 
     def full_weights(self):
         """In a group: (name, full CPU tensor), gathered one tensor at a time on every rank (collective)."""
@@ -70,7 +73,8 @@ class WeightSource:
 
         if self.lora is not None:
             return self.engine_factors(), True, False
-        return to_wire(self.engine_tensors(), self.engine_dtype), False, self.engine_dtype == torch.bfloat16
+        return (to_wire(self.engine_tensors(self.engine_dtype), self.engine_dtype), False,
+                self.engine_dtype == torch.bfloat16)
 
     def publish(self, bucket_mb: float):
         """Put what a sync sends into Ray's object store in buckets (rl/sync.py); the manifest names
@@ -144,3 +148,9 @@ def _untied(named):
             continue
         seen.add(key)
         yield name, t
+
+
+def _cast(named, dtype: torch.dtype | None):
+    """`named` with its floating tensors in `dtype` (None: as they are)."""
+    for name, t in named:
+        yield name, t.to(dtype) if dtype is not None and t.is_floating_point() else t
