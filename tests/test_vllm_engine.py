@@ -170,3 +170,27 @@ def test_direct_loading_serves_what_vllms_own_reload_serves(engine, hf_model, ti
     finally:  # back to the checkpoint's weights for the other tests of this session
         engine.load_weights(_checkpoint_tensors(tiny_policy), version=0)
     assert gen_error(engine, hf_model, prompt) < TOL
+
+
+def test_a_module_loads_by_one_path_only():
+    """A module's tensors go all straight in place or all to vLLM's reload: vLLM's layerwise reload
+    materialises a layer in fresh memory and copies all of it back, so a layer it loads only partly
+    would overwrite the directly loaded part with uninitialised memory."""
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    from rollout.engines.vllm_ext import _DirectLoader
+
+    model = torch.nn.Module()
+    model.norm = torch.nn.LayerNorm(4)
+    model.odd = torch.nn.LayerNorm(4)
+    model.odd.bias.weight_loader = lambda param, w: param.data.copy_(-w)  # a loader that transforms
+    model.odd.weight.weight_loader = default_weight_loader
+    loader = _DirectLoader(model)
+    loader.begin()
+    w, b = torch.arange(4.0), torch.ones(4)
+    assert loader.take("norm.weight", w) and loader.take("norm.bias", b)
+    assert torch.equal(model.norm.weight.data, w) and torch.equal(model.norm.bias.data, b)
+    assert not loader.take("odd.weight", w) and not loader.take("odd.bias", b)  # both to vLLM's reload
+    assert not loader.take("missing.weight", w)
+    with pytest.raises(ValueError, match=r"norm\.weight: got shape \(3,\), the engine's is \(4,\)"):
+        loader.take("norm.weight", torch.zeros(3))

@@ -182,7 +182,7 @@ class _DirectLoader:
             for i, part in enumerate(parts):
                 self.parts[part] = (fused, i)
         self.targets: dict[str, tuple[Any, Any] | None] = {}
-        self.layers: dict[int, Any] = {}
+        self.layers: dict = {}  # id(fused-MoE module) or (id(dense module), parameter name) -> its layer
         self.pool: dict = {}
         for module, fused in _fused_moe_modules(model):
             if self._experts_eligible(module, fused):
@@ -216,9 +216,9 @@ class _DirectLoader:
             fused, shard = self.parts.get(leaf, (None, None))
             module = self.modules.get(f"{parent}.{fused}" if parent else fused) if fused else None
             path = f"{parent}.{fused}"
-        if module is None or id(module) in self.layers and not isinstance(self.layers[id(module)], _DenseLayer):
+        if module is None or id(module) in self.layers:  # unknown, or a fused-MoE layer's other tensors
             return None
-        layer = self.layers.get(id(module))
+        layer = self.layers.get((id(module), param))
         if layer is None:
             shape = self._dense_shape(module, param)
             if shape is None:
@@ -232,8 +232,8 @@ class _DirectLoader:
                 return None
             else:
                 rows = [(sum(sizes[:i]), s) for i, s in enumerate(sizes)]
-            layer = self.layers[id(module)] = _DenseLayer(module, path, param, shape, rows)
-        elif layer.param != param or (shard is None) != (len(layer.rows) == 1):
+            layer = self.layers[(id(module), param)] = _DenseLayer(module, path, param, shape, rows)
+        elif (shard is None) != (len(layer.rows) == 1):  # both whole and in parts: leave it to vLLM
             return None
         return layer, 0 if shard is None else shard
 
@@ -248,8 +248,10 @@ class _DirectLoader:
         if p is None or getattr(module, "tp_size", 1) != 1:
             return None
         method = getattr(module, "quant_method", None)
-        if method is None:  # a norm: loaded as it is (a custom loader transforms: vLLM's path)
-            return tuple(p.shape) if getattr(p, "weight_loader", default_weight_loader) is default_weight_loader else None
+        if method is None:  # a norm: loaded as it is, unless a loader of the module's transforms (vLLM's path)
+            plain = all(getattr(q, "weight_loader", default_weight_loader) is default_weight_loader
+                        for q in module._parameters.values() if q is not None)
+            return tuple(p.shape) if plain else None
         if (not isinstance(method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod))
                 or {k for k, v in module._parameters.items() if v is not None} != {"weight"}):  # no bias
             return None
