@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import subprocess
@@ -90,22 +91,17 @@ def run_hf(path: str, n: int, new: int, dtype: str) -> dict:
 
 def weight_bytes_per_step(path: str, dtype: str) -> int:
     """Bytes of weights one decode step reads when every expert is hit (see the module docstring)."""
-    import json as _json
-
     from safetensors import safe_open
 
-    config = _json.loads((Path(path) / "config.json").read_text())
+    config = json.loads((Path(path) / "config.json").read_text())
     size = {"float32": 4, "bfloat16": 2}[dtype]
     total, embed = 0, 0
     with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
         for name in f.keys():
-            n = f.get_slice(name).get_shape()
-            count = 1
-            for d in n:
-                count *= d
-            total += count * size
+            nbytes = math.prod(f.get_slice(name).get_shape()) * size
+            total += nbytes
             if name.endswith("embed_tokens.weight"):
-                embed = count * size
+                embed = nbytes
     return total if config.get("tie_word_embeddings") else total - embed
 
 

@@ -59,7 +59,8 @@ class RolloutWorker:
         self.engine = make_engine(rollout.engine, policy_path, seed=seed, max_model_len=rollout.max_model_len,
                                   # the run's engine dtype (an `auto` rollout dtype follows the policy's,
                                   # which the trainer passes); else the rollout section's own
-                                  dtype=dtype or rollout.engine_dtype(), kv_cache_gib=rollout.kv_cache_gib, enforce_eager=rollout.enforce_eager,
+                                  dtype=dtype or rollout.engine_dtype(), kv_cache_gib=rollout.kv_cache_gib,
+                                  enforce_eager=rollout.enforce_eager,
                                   max_batch=rollout.max_batch, gpu_memory_utilization=rollout.gpu_memory_utilization)
 
     def version(self) -> int:

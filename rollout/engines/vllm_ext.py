@@ -214,8 +214,10 @@ class _DirectLoader:
         if module is None:  # a part of a fused module (q_proj of qkv_proj)?
             parent, _, leaf = path.rpartition(".")
             fused, shard = self.parts.get(leaf, (None, None))
-            module = self.modules.get(f"{parent}.{fused}" if parent else fused) if fused else None
-            path = f"{parent}.{fused}"
+            if fused is None:
+                return None
+            path = f"{parent}.{fused}" if parent else fused
+            module = self.modules.get(path)
         if module is None or id(module) in self.layers:  # unknown, or a fused-MoE layer's other tensors
             return None
         layer = self.layers.get((id(module), param))
