@@ -1,14 +1,17 @@
 """Asynchronous vs synchronous schedule: iterations per minute with slow environments, measured
 in the same run on the same config.
 
-    .venv/bin/python bench/async_vs_sync.py [--step-latency 0.5] [--iterations 5] [--repeats 2]
+    .venv/bin/python bench/async_vs_sync.py [--step-latency 0.5] [--iterations 8] [--repeats 2]
 
 The config is the quickstart's (tiny Qwen3-MoE, vLLM rollout workers, GRPO learner) on
 `tools/calculator-v0` whose every step sleeps `--step-latency` seconds, standing in for a remote
-tool backend. Only `schedule.mode` differs between the two runs; async uses
-`schedule.max_staleness=1`. Runs alternate (sync, async, sync, async, …) on one local Ray so that
-load on this noisy machine hits both alike; each run's wall clock covers its iterations, not the
-start-up of its actors. Prints a Markdown table; `--json` prints the numbers.
+tool backend. Only the schedule differs between the runs: sync, async with
+`schedule.max_staleness=1` and with 2. In async mode a worker runs the rollouts in flight at once
+on its one engine (rl/trainer.py), so one iteration's episodes generate while another's wait for
+their tools. Runs alternate (sync, async, async 2, sync, …) on one local Ray so that load on this
+noisy machine hits all alike; each run's wall clock covers its iterations, not the start-up of its
+actors. The engine's busy share is its time inside engine calls (generate and loads) over that
+wall clock. Prints a Markdown table; `--json` prints the numbers.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--step-latency", type=float, default=0.5)
-    ap.add_argument("--iterations", type=int, default=5)
+    ap.add_argument("--iterations", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -50,7 +53,8 @@ def main() -> None:
     common = [f"iterations={args.iterations}", f"policy.path={policy}", "rollout.num_workers=1",
               "rollout.groups_per_iteration=2", "rollout.group_size=4", "rollout.max_turns=3",
               f"env.kwargs={{max_turns: 3, step_latency_s: {args.step_latency}}}", "algo.entropy_coef=0.01"]
-    modes = {"sync": ["schedule.mode=sync"], "async": ["schedule.mode=async", "schedule.max_staleness=1"]}
+    modes = {"sync": ["schedule.mode=sync"], "async": ["schedule.mode=async", "schedule.max_staleness=1"],
+             "async, staleness 2": ["schedule.mode=async", "schedule.max_staleness=2"]}
     cfg0 = load_config(REPO / "configs" / "quickstart.yaml", common)
     init_ray(cfg0.ray)
     quiet = Console(stderr=True, quiet=True)
@@ -65,32 +69,36 @@ def main() -> None:
                 t0 = time.perf_counter()
                 rows = trainer.run()
                 wall = time.perf_counter() - t0
+                busy = ray.get(trainer.workers[0].__ray_call__.remote(lambda self: self.engine.busy_s))
             finally:
                 trainer.close()
             per_min[mode].append(60 * len(rows) / wall)
-            details[mode].append({"wall_s": wall, "train_s": sum(x.get("train_s", 0) for x in rows),
+            details[mode].append({"wall_s": wall, "engine_busy": busy / wall, "train_s": sum(x.get("train_s", 0) for x in rows),
                                   "rollout_wait_s": sum(x["rollout_s"] for x in rows),
                                   "staleness_max": max(x["staleness_max"] for x in rows)})
             print(f"run {r} {mode}: {per_min[mode][-1]:.2f} iterations/min", file=sys.stderr, flush=True)
 
     shutil.rmtree(tmp, ignore_errors=True)  # the runs were only measured, not kept
-    s, a = statistics.median(per_min["sync"]), statistics.median(per_min["async"])
-    result = {"sync_iter_per_min": s, "async_iter_per_min": a, "ratio": a / s, "runs": details,
+    med = {m: statistics.median(v) for m, v in per_min.items()}
+    s, a, a2 = med["sync"], med["async"], med["async, staleness 2"]
+    result = {"sync_iter_per_min": s, "async_iter_per_min": a, "ratio": a / s, "async2_iter_per_min": a2,
+              "ratio_staleness2": a2 / s, "runs": details,
               "step_latency_s": args.step_latency, "iterations": args.iterations, "repeats": args.repeats,
               "versions": {"torch": torch.__version__, "vllm": vllm.__version__, "ray": ray.__version__,
                            "python": platform.python_version()}}
     if args.json:
         print(json.dumps(result))
         return
-    print(f"# async vs sync: tiny Qwen3-MoE, 1 vLLM worker, 8 episodes/iteration, calculator env with "
+    print(f"# async vs sync: tiny Qwen3-MoE, 1 vLLM worker (concurrent rollouts in async), 8 episodes/iteration, calculator env with "
           f"{args.step_latency:g} s per step; {args.iterations} iterations per run, median of {args.repeats} runs each")
     print(f"# torch {torch.__version__}, vllm {vllm.__version__}, ray {ray.__version__}, {platform.machine()}\n")
-    print("| schedule | iterations / min | learner s per run | rollout wait s per run | max staleness | vs sync |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for mode, value in (("sync", s), ("async", a)):
+    print("| schedule | iterations / min | learner s per run | rollout wait s per run | engine busy | max staleness | vs sync |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for mode, value in med.items():
         d = details[mode]
         print(f"| {mode} | {value:.2f} | {statistics.median(x['train_s'] for x in d):.1f} | "
-              f"{statistics.median(x['rollout_wait_s'] for x in d):.1f} | {max(x['staleness_max'] for x in d)} | "
+              f"{statistics.median(x['rollout_wait_s'] for x in d):.1f} | "
+              f"{statistics.median(x['engine_busy'] for x in d):.0%} | {max(x['staleness_max'] for x in d)} | "
               f"{value / s:.2f}× |")
 
 

@@ -57,7 +57,7 @@ BENCHES = [
           ["bench/sandbox_latency.py"], ["--calls", "5"], 900,
           dict(kind="bar", x=["command", "runner"], y=["median ms"], ylabel="median ms per call")),
     Bench(6, "Async vs sync iterations per minute with slow environments",
-          ["bench/async_vs_sync.py"], ["--iterations", "2", "--repeats", "1"], 1800,
+          ["bench/async_vs_sync.py"], ["--iterations", "3", "--repeats", "1"], 1800,
           dict(kind="bar", x=["schedule"], y=["iterations / min"], ylabel="iterations / min")),
     Bench(7, "policy/ model decode tokens/s (native engine, vLLM plugin) vs full recompute, and cache bytes per token",
           ["bench/native_decode.py"], ["--contexts", "1024", "4096", "--decode", "9"], 1800,

@@ -79,7 +79,8 @@ def run_case(case: str, args) -> dict:
     rollout = RolloutConfig(max_model_len=1024, max_episode_tokens=1024, kv_cache_gib=1.0, dtype=engine_dtype)
     workers = [RolloutWorkerActor.options(num_cpus=0.5).remote(path, rollout, EnvConfig(), seed=i)
                for i in range(n_workers)]
-    served = ray.get([w.__ray_call__.remote(lambda self: str(self.engine.llm.llm_engine.model_config.dtype))
+    dtype_of = lambda e: str(e.llm.llm_engine.model_config.dtype)  # noqa: E731
+    served = ray.get([w.__ray_call__.remote(lambda self: self.engine.call(dtype_of))
                       for w in workers])
     assert served == [f"torch.{engine_dtype}"] * n_workers, f"the workers' engines serve {served}, not {engine_dtype}"
     malloc = ray.get(learner.allocator.remote())

@@ -67,7 +67,8 @@ def _train(args) -> int:
         return 2
     console = Console(stderr=True)
 
-    from rl.trainer import CannotLearn, LearnerDied, Trainer, WorkerLost
+    from rl.guards import CannotLearn
+    from rl.trainer import LearnerDied, Trainer, WorkerLost
 
     try:
         trainer = Trainer(cfg, run_dir, console, from_store=args.from_store)

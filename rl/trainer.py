@@ -6,10 +6,13 @@ Two schedules (`schedule.mode`), one staleness model: every turn records the pol
 that generated it, and the learner's importance weights correct for whatever lag there is.
 - sync: iteration i is rolled out by the weights trained on iteration i-1; staleness 0.
 - async: rollouts of iterations i+1 … i+max_staleness are already running while the learner
-  trains on iteration i. Each worker runs its calls in order, so the load of version v+1 is
-  queued behind the rollouts submitted before it, and iteration j is submitted only once the
-  sync of version j - max_staleness is queued: no token is more than `max_staleness` versions
-  older than the weights it is trained at.
+  trains on iteration i. A worker runs these calls at once on one shared engine (its actor is
+  threaded, rollout/engines/shared.py): while one iteration's episodes wait for their tools,
+  another's generate, in one batch when they are ready together. A load runs between two engine
+  batches, so the rollouts in flight continue with the newer weights (every turn records its
+  version). Iteration j is submitted once the sync of version j - max_staleness is queued, and
+  waits on the worker until that version is loaded: no token is more than `max_staleness`
+  versions older than the weights it is trained at.
 
 It owns no state of the components: the weights live in the learner, the engines in the workers,
 the episodes in the store.
@@ -62,6 +65,7 @@ from rl.episodes import iteration_tasks, summarise
 from rollout.trajectory import EpisodeTask, Trajectory
 from envs.worker import EnvWorkerActor
 from rl.loggers import TensorBoardLog
+from rl.guards import LearningGuard
 from rl.sync import WORKER_LOST, PendingSync, form_group, start_collective_sync, start_sync
 from rollout.worker import RolloutWorkerActor, StaleWorkerError
 from rollout.judge import JudgeActor, ask_groups, settle
@@ -70,11 +74,6 @@ from rewards.rubric import build as build_rubric
 # a worker's process or node died, or the result it produced was lost with its node
 class WorkerLost(RuntimeError):
     """A rollout worker died and did not come back (Ray out of restarts or of room to place it)."""
-
-
-class CannotLearn(RuntimeError):
-    """Iteration after iteration the episodes failed for reasons outside the policy; metrics,
-    trajectories and checkpoints written so far are kept."""
 
 
 class LearnerDied(RuntimeError):
@@ -119,12 +118,12 @@ class Trainer:
         self._inflight: dict[int, list] = {}  # iteration → [(worker index, share, min version, future)]
         self.worker_restarts = 0  # rollout worker deaths this driver recovered from, so far
         self._outstanding: list[dict] = []  # per rollout worker: episode id → task, given and not yet back
+        self._busy_last: list[float] = []  # the engines' busy seconds at the last row
         self._held: list[Trajectory] = []  # ended episodes whose group has not ended yet (partial rollouts)
         self.episodes_rerun = 0
         self._syncs: list[tuple[int, PendingSync]] = []  # (last iteration submitted before it, sync)
         self._last_row_t = 0.0
-        self._failed_in_a_row = 0  # iterations whose episodes failed for reasons outside the policy
-        self._flat_in_a_row = 0  # iterations without a learning signal (every advantage zero)
+        self.guard = LearningGuard(cfg, self.run_dir)  # stops a run that cannot learn
 
     # --- set-up ---
     def policy_path(self) -> str:
@@ -239,12 +238,17 @@ class Trainer:
             .remote(c.env.id, c.env.kwargs)
             for _ in range(c.env.workers if rollouts else 0)
         ]
+        # async: a worker runs its calls at once, so the rollouts of consecutive iterations share its engine
+        # (one waits for its tools while another generates); room for them all, a load, an evaluation and
+        # the driver's queries. A rollout waits there for the version its iteration needs.
+        concurrent = c.schedule.mode == "async"
         self.workers = [
             RolloutWorkerActor.options(num_cpus=c.rollout.cpus_per_worker, num_gpus=c.rollout.gpus_per_worker,
-                                       resources=dict(r.rollout_resources),
-                                       max_restarts=r.max_restarts).remote(
+                                       resources=dict(r.rollout_resources), max_restarts=r.max_restarts,
+                                       max_concurrency=c.schedule.max_staleness + 4 if concurrent else 1).remote(
                 path, c.rollout, c.env, seed=c.seed + i, dtype=c.rollout.engine_dtype(c.policy.dtype), env_actors=self.env_workers,
                 reward_parts=c.reward.parts, judge=self.judge, judge_timeout_s=j.timeout_s,
+                wait_for_version_s=c.sync.timeout_s if concurrent else 0.0,
             )
             for i in range(c.rollout.num_workers if rollouts else 0)
         ]
@@ -418,7 +422,8 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """Held-out evaluation on the rollout workers (split evenly), as `eval/*` metrics. In async
-        mode it runs after the rollouts already queued, with the weights they leave loaded."""
+        mode it runs beside the rollouts in flight, with the weights loaded by then (the oldest
+        version it sampled with is `eval/policy_version`)."""
         from rl.evaluate import eval_tasks, summarise
 
         e, t0 = self.cfg.eval, time.perf_counter()
@@ -466,35 +471,6 @@ class Trainer:
                 self.restore_worker(i, pending.version)
         return out
 
-    def _check_can_learn(self, it: int, trajs: list[Trajectory], stats: dict) -> None:
-        """Count failed iterations in a row (config: max_infra_error_share, stop_after_failed); raise
-        `CannotLearn` quoting the first failure once there are too many. After the metrics row is
-        written, so what the run did is on disk."""
-        errors = [t for t in trajs if t.infra_error]
-        failed = bool(stats.get("skipped_update")) or len(errors) > self.cfg.max_infra_error_share * len(trajs)
-        self._failed_in_a_row = self._failed_in_a_row + 1 if failed else 0
-        if self.cfg.stop_after_failed and self._failed_in_a_row >= self.cfg.stop_after_failed:
-            why = (f"{len(errors)} of {len(trajs)} episodes of iteration {it} ended in infrastructure errors, "
-                   f"the first: {errors[0].infra_error}" if errors else
-                   f"the learner had no usable episode in iteration {it} ({len(trajs)} episodes)")
-            raise CannotLearn(f"the run cannot learn: {self._failed_in_a_row} failed iterations in a row; {why}. "
-                              f"What was written is kept in {self.run_dir}")
-        if failed:
-            return
-        ppo = self.cfg.algo.name == "ppo"
-        flat = stats.get("reward_spread", 1) == 0 if ppo else stats.get("groups_with_signal", 1) == 0
-        self._flat_in_a_row = self._flat_in_a_row + 1 if flat else 0
-        if self.cfg.stop_after_flat and self._flat_in_a_row >= self.cfg.stop_after_flat:
-            ok = [t for t in trajs if not t.infra_error]
-            rewards = sorted({round(t.reward, 6) for t in ok})
-            what = ("every episode earned the same reward" if ppo else "no group's episodes earned different rewards")
-            raise CannotLearn(
-                f"the run cannot learn: {self._flat_in_a_row} iterations in a row in which {what} "
-                f"(rewards of iteration {it}: {', '.join(map(str, rewards[:5]))}), so every advantage is zero; "
-                f"a policy that never reaches a milestone needs a warm start (warm_start.demos) or an easier task, one that "
-                f"always does a harder one "
-                f"(stop_after_flat=0 lets such a run go on). What was written is kept in {self.run_dir}")
-
     def iteration(self, it: int) -> dict:
         t0 = time.perf_counter()
         asynchronous = self.cfg.schedule.mode == "async"
@@ -530,6 +506,7 @@ class Trainer:
         now = time.perf_counter()
         iteration_s = now - (self._last_row_t or t0)
         self._last_row_t = now
+        busy = self._engine_busy()
         row = {"iteration": it, "policy_version": self.version, **summarise(trajs), **stats, **sync,
                "rollout_s": rollout_s, "iteration_s": iteration_s, "staleness_max": staleness,
                **held_out, **self._judge_row, "worker_restarts": self.worker_restarts, "episodes_rerun": self.episodes_rerun,
@@ -537,10 +514,12 @@ class Trainer:
                # episodes of this or earlier iterations still running: suspended by the token budget
                "episodes_suspended": sum(t.iteration <= it for o in self._outstanding for t in o.values()),
                "episodes_per_s": len(trajs) / max(iteration_s, 1e-9),
+               # the share of the iteration's wall time the engines spent in engine calls (mean over workers)
+               **({"engine_busy": busy / max(iteration_s, 1e-9)} if busy is not None else {}),
                "gen_tokens_per_s": sum(t.num_generated for t in trajs) / max(iteration_s, 1e-9)}
         with open(self.run_dir / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps(row) + "\n")
-        self._check_can_learn(it, trajs, stats)
+        self.guard.check(it, trajs, stats)  # after the row is written: what the run did is on disk
         if self.tensorboard is None:
             self.tensorboard = TensorBoardLog(self.run_dir)
         self.tensorboard.log(row)
@@ -551,6 +530,20 @@ class Trainer:
                 self.wandb = WandbLog(self.cfg, self.run_dir)
             self.wandb.log(row)
         return row
+
+    def _engine_busy(self) -> float | None:
+        """Mean seconds the rollout workers' engines spent in engine calls since the last row; None
+        when a worker cannot answer (dead, restarting) or when there are no workers."""
+        if not self.workers:
+            return None
+        try:
+            now = ray.get([w.engine_busy_s.remote() for w in self.workers], timeout=30)
+        except (*WORKER_LOST, ray.exceptions.GetTimeoutError):
+            return None
+        last = self._busy_last if len(self._busy_last) == len(now) else [0.0] * len(now)
+        self._busy_last = now
+        # a restarted worker counts from zero again
+        return sum(n - b if n >= b else n for n, b in zip(now, last)) / len(now)
 
     def run(self) -> list[dict]:
         rows = []
@@ -567,6 +560,7 @@ class Trainer:
                     progress.console.log(f"held-out success before RL: {initial['eval/success']:.3f} "
                                          f"({initial['eval/ci95_low']:.3f}–{initial['eval/ci95_high']:.3f})")
             self._last_row_t = time.perf_counter()
+            self._engine_busy()  # the baseline: what the engines did before (an evaluation) is no iteration's
             if self.cfg.schedule.mode == "async":  # the first iterations all start from the current weights
                 for j in range(self.start_iteration, self.start_iteration + self.cfg.schedule.max_staleness + 1):
                     self.submit(j)
@@ -579,7 +573,8 @@ class Trainer:
                 if row.get("infra_errors"):
                     status += f"  infra errors {row['infra_errors']}"
                 progress.console.log(f"iter {it}: {status}  {row['episodes_per_s']:.2f} episodes/s  "
-                                     f"gen {row['gen_tokens_per_s']:.0f} tok/s  staleness {row['staleness_max']}")
+                                     f"gen {row['gen_tokens_per_s']:.0f} tok/s  staleness {row['staleness_max']}"
+                                     + (f"  engine busy {row['engine_busy']:.0%}" if "engine_busy" in row else ""))
                 progress.update(bar, advance=1, status=status)
         if self.wandb is not None:  # W&B writes its run file out when the run finishes
             self.wandb.close()

@@ -256,7 +256,7 @@ def _turn(engine, chat: ChatFormat, live: list[_Episode], pool, *, max_turns, ma
                 observation=obs,
                 tool_calls=n_calls,
                 tool_errors=n_errors,
-                policy_version=engine.version,
+                policy_version=engine.version if gen.version is None else gen.version,
                 seed=turn_seed(run_seed, ep.task.episode_id, turn),
                 finish_reason=gen.finish_reason,
                 sandbox_events=list(info.get("sandbox_events", [])),

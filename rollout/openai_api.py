@@ -168,7 +168,7 @@ class Batcher:
                                             stop_token_ids=list(stop_ids) or None, seeds=[g[3] for g in group],
                                             **({"stop": list(stop)} if stop else {}))
                 for g, gen in zip(group, gens):
-                    g[4].set_result((gen, version))
+                    g[4].set_result((gen, version if gen.version is None else gen.version))
             except Exception as exc:  # noqa: BLE001  (each waiting call answers with it)
                 for g in group:
                     if not g[4].done():

@@ -4,6 +4,11 @@ chat format and environment instances.
 A plain class; `RolloutWorkerActor` is its thin Ray shell, so the same code runs in-process in
 tests and debugging. Environments run in the worker's process, or, given `env_actors`, in
 EnvWorker actors (`envs/worker.py`), one slot per episode, spread over the actors round-robin.
+
+Its calls may run at once, on threads of their own (the async schedule makes its actor threaded):
+the engine is a `SharedEngine` (rollout/engines/shared.py), whose thread merges the concurrent
+calls' generate requests into one batch and runs a weight load between two batches. A rollout
+that needs a version not loaded yet waits for it (`wait_for_version_s`) instead of refusing.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import threading
 import time
 import warnings
 
@@ -26,6 +32,7 @@ from rollout.agent_loop import continue_episodes
 from rollout.trajectory import EpisodeTask
 from rollout.chat import ChatFormat
 from rollout.engines import make_engine
+from rollout.engines.shared import SharedEngine
 from rollout.engines.base import Generation
 from rollout.judge import ask, ask_groups, settle
 from rollout.agent_program import run_agent_episodes
@@ -38,7 +45,7 @@ class StaleWorkerError(RuntimeError):
 class RolloutWorker:
     def __init__(self, policy_path: str, rollout: RolloutConfig, env: EnvConfig, *, seed: int = 0,
                  dtype: str | None = None, env_actors: list | None = None, reward_parts: list | None = None,
-                 judge=None, judge_timeout_s: float = 300.0):
+                 judge=None, judge_timeout_s: float = 300.0, wait_for_version_s: float = 0.0):
         from transformers import AutoTokenizer
 
         self.cfg, self.env_cfg, self.seed = rollout, env, seed
@@ -51,17 +58,24 @@ class RolloutWorker:
         self.sync_group = None  # the collective transport's group, once the driver forms it
         self.env_actors = list(env_actors or [])
         self.suspended: list = []  # partial rollouts: episodes whose budget ran out, continued next call
+        # concurrent calls (a threaded actor): how long a rollout waits for the version it needs (a load
+        # queued by the same caller but started after it); 0: refuse at once, as a worker whose calls
+        # run one at a time must (the load could only run after it)
+        self.wait_for_version_s = wait_for_version_s
+        self._lock = threading.Lock()  # the state concurrent calls share: suspended episodes, the endpoint
+        self._loaded = threading.Condition()  # notified after every load
+        self._loads = 0
         # slots on shared EnvWorkers: a random 32-bit prefix per rollout worker keeps them apart
         self._slots = itertools.count(int.from_bytes(os.urandom(4), "little") << 32)
         envs.spec(env.id)  # fail here, by name, if the environment is unknown
         self.endpoint = None  # the OpenAI-compatible API over the engine, started for agent programs
         self.chat = ChatFormat(AutoTokenizer.from_pretrained(policy_path))
-        self.engine = make_engine(rollout.engine, policy_path, seed=seed, max_model_len=rollout.max_model_len,
-                                  # the run's engine dtype (an `auto` rollout dtype follows the policy's,
-                                  # which the trainer passes); else the rollout section's own
-                                  dtype=dtype or rollout.engine_dtype(), kv_cache_gib=rollout.kv_cache_gib,
-                                  enforce_eager=rollout.enforce_eager,
-                                  max_batch=rollout.max_batch, gpu_memory_utilization=rollout.gpu_memory_utilization)
+        self.engine = SharedEngine(lambda: make_engine(
+            rollout.engine, policy_path, seed=seed, max_model_len=rollout.max_model_len,
+            # the run's engine dtype (an `auto` rollout dtype follows the policy's, which the trainer
+            # passes); else the rollout section's own
+            dtype=dtype or rollout.engine_dtype(), kv_cache_gib=rollout.kv_cache_gib, enforce_eager=rollout.enforce_eager,
+            max_batch=rollout.max_batch, gpu_memory_utilization=rollout.gpu_memory_utilization))
 
     def version(self) -> int:
         return self.engine.version
@@ -75,15 +89,14 @@ class RolloutWorker:
         that Ray restarted after a crash comes back at the initial weights and refuses
         (`StaleWorkerError`) rather than generate with them. `max_episode_tokens`: the limit of the
         episodes started now (a staged schedule), default `rollout.max_episode_tokens`."""
-        if self.engine.version < min_version:
-            raise StaleWorkerError(f"holds policy version {self.engine.version}, the rollout needs {min_version} "
-                                   "(a restarted worker, not yet synced)")
+        self._await_version(min_version)
         c = self.cfg
         if envs.is_agent_program(envs.env_class(self.env_cfg.id)):  # user code, through the endpoint
             done = run_agent_episodes(self.serve(), self.env_cfg.id, self.env_cfg.kwargs, tasks, self.chat, "policy")
             return ask(self.rubric, done, self.judge, self.env_cfg.kwargs)
-        carried, self.suspended = self.suspended, []  # on an error they are closed, not handed back
-        done, self.suspended = continue_episodes(
+        with self._lock:  # on an error they are closed, not handed back
+            carried, self.suspended = self.suspended, []
+        done, suspended = continue_episodes(
             self.engine,
             self.chat,
             self.make_env,
@@ -99,7 +112,30 @@ class RolloutWorker:
             token_budget=c.iteration_token_budget,
             max_segments=c.max_segments,
         )
+        with self._lock:
+            self.suspended += suspended
         return ask(self.rubric, done, self.judge, self.env_cfg.kwargs)  # judged: the trainer settles them
+
+    def _await_version(self, min_version: int) -> None:
+        """Return once the engine holds `min_version` or newer; `StaleWorkerError` if it will not. A
+        worker that Ray restarted after a crash comes back at the initial weights: until the driver
+        syncs it, it refuses at once."""
+        if self.engine.version >= min_version:
+            return
+        restarted = ray.is_initialized() and ray.get_runtime_context().was_current_actor_reconstructed
+        wait = self.wait_for_version_s > 0 and not (restarted and self._loads == 0)
+        if wait:
+            with self._loaded:
+                if self._loaded.wait_for(lambda: self.engine.version >= min_version, timeout=self.wait_for_version_s):
+                    return
+        raise StaleWorkerError(f"holds policy version {self.engine.version}, the rollout needs {min_version} "
+                               + (f"(waited {self.wait_for_version_s:.0f} s for it)" if wait else
+                                  "(a restarted worker, not yet synced)"))
+
+    def _loaded_version(self) -> None:
+        with self._loaded:
+            self._loads += 1
+            self._loaded.notify_all()
 
     def evaluate(self, env_id: str, env_kwargs: dict, tasks: list[EpisodeTask], temperature: float) -> list[Trajectory]:
         """Held-out episodes (rl/evaluate.py) with the current weights, in this process's environments;
@@ -122,6 +158,10 @@ class RolloutWorker:
     def serve(self):
         """The OpenAI-compatible API over this worker's engine, on loopback (started once; rollout/openai_api.py),
         sampling as the run does."""
+        with self._lock:
+            return self._serve()
+
+    def _serve(self):
         if self.endpoint is None:
             from rollout.openai_api import OpenAIServer
 
@@ -130,9 +170,13 @@ class RolloutWorker:
                                          default_max_tokens=c.max_new_tokens,
                                          training={"temperature": c.temperature, "top_p": c.top_p,
                                                    "max_tokens": c.max_new_tokens},
-                                         own_thread=False)  # driven from this actor's main thread (Batcher)
+                                         own_thread=False)  # driven by the calling thread; the engine runs on its own
             self.endpoint.start()
         return self.endpoint
+
+    def engine_busy_s(self) -> float:
+        """Seconds the engine has spent in calls since the worker started (its utilisation)."""
+        return self.engine.busy_s
 
     def suspended_ids(self) -> list[str]:
         return [ep.task.episode_id for ep in self.suspended]
@@ -153,9 +197,22 @@ class RolloutWorker:
             # Arrays from Ray's object store are read-only views; vLLM copies them into its params.
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             waited = time.perf_counter() - t0
-            loaded = self.engine.load_weights(self._served(iter_weights(manifest), manifest.adapter), manifest.version)
-        return {"version": self.engine.version, "load_s": time.perf_counter() - t0, "load_wait_s": waited,
+            loaded = self._load(self._served(iter_weights(manifest), manifest.adapter), manifest.version)
+        return {"version": manifest.version, "load_s": time.perf_counter() - t0, "load_wait_s": waited,
                 "bytes": manifest.nbytes, "buckets": len(manifest.buckets), **loaded}
+
+    def _load(self, named, version: int) -> dict:
+        """Load a version into the engine, unless a newer one is there already: concurrent calls (a
+        threaded actor) may start out of order, and a version must never go back. The answer of a
+        load that was skipped so says `superseded` (the newer version)."""
+        def load(engine):
+            if version < engine.version:
+                return {"superseded": engine.version}
+            return engine.load_weights(named, version)
+
+        loaded = self.engine.call(load)
+        self._loaded_version()
+        return loaded
 
     @contextlib.contextmanager
     def _node_load_turn(self):
@@ -205,7 +262,10 @@ class RolloutWorker:
         first = next(named, None)  # the first bucket's description says the version and the kind
         if first is None:
             raise RuntimeError("weight sync: the learner broadcast a version with no tensors")
+        # every member must receive what is broadcast, so this load is never skipped (collective syncs
+        # run in the sync schedule, one call at a time)
         loaded = self.engine.load_weights(self._served(itertools.chain([first], named), meta["adapter"]), meta["version"])
+        self._loaded_version()
         return {"version": self.engine.version, "load_s": time.perf_counter() - t0,
                 "bytes": meta["bytes"], "buckets": meta["buckets"], **loaded}
 

@@ -35,6 +35,8 @@ def test_versions_advance_on_every_worker(e2e_run):
     assert [r["sync_version"] for r in rows] == [1, 2]
     assert [r["staleness_max"] for r in rows] == [0, 0]  # synchronous: every token from the current weights
     assert all(r["episodes_per_s"] > 0 for r in rows)
+    # synchronous: the engines generated, then idled while the learner trained and the weights moved
+    assert all(0 < r["engine_busy"] < 1 for r in rows)
     assert ray.get([w.version.remote() for w in trainer.workers]) == [2] * len(trainer.workers)
     assert len(trainer.workers) == 2
 

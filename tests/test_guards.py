@@ -1,5 +1,6 @@
-"""A run that cannot learn stops with an error instead of finishing green (rl/trainer.py
-`_check_can_learn`): the driver's bookkeeping, on real trajectory records, without starting Ray."""
+"""A run that cannot learn stops with an error instead of finishing green (rl/guards.py
+`LearningGuard`, which the trainer asks after every iteration): the driver's bookkeeping, on real
+trajectory records, without starting Ray."""
 
 from __future__ import annotations
 
@@ -24,33 +25,37 @@ def _trainer(tmp_path, *overrides):
     return Trainer(load_config(REPO / "configs/quickstart.yaml", list(overrides)), tmp_path / "run")
 
 
-def test_failed_iterations_in_a_row_stop_the_run_quoting_the_first_failure(tmp_path):
-    from rl.trainer import CannotLearn
+def _guard(tmp_path, *overrides):
+    return _trainer(tmp_path, *overrides).guard  # the trainer's own
 
-    trainer = _trainer(tmp_path)  # defaults: more than half infra errors, twice in a row
-    trainer._check_can_learn(0, _trajs(8, 5), {})  # one failed iteration (a crashed worker) is survived
-    trainer._check_can_learn(1, _trajs(8, 4), {})  # exactly half is not a failure: the count starts again
-    trainer._check_can_learn(2, _trajs(8, 8), {})
+
+def test_failed_iterations_in_a_row_stop_the_run_quoting_the_first_failure(tmp_path):
+    from rl.guards import CannotLearn
+
+    guard = _guard(tmp_path)  # defaults: more than half infra errors, twice in a row
+    guard.check(0, _trajs(8, 5), {})  # one failed iteration (a crashed worker) is survived
+    guard.check(1, _trajs(8, 4), {})  # exactly half is not a failure: the count starts again
+    guard.check(2, _trajs(8, 8), {})
     with pytest.raises(CannotLearn, match=r"8 of 8 episodes of iteration 3 .* the first: reset: RuntimeError: "
                                           r"sandbox 0 died"):
-        trainer._check_can_learn(3, _trajs(8, 8), {})
+        guard.check(3, _trajs(8, 8), {})
 
 
 def test_an_iteration_the_learner_skipped_counts_as_failed(tmp_path):
-    from rl.trainer import CannotLearn
+    from rl.guards import CannotLearn
 
-    trainer = _trainer(tmp_path, "stop_after_failed=3")
+    guard = _guard(tmp_path, "stop_after_failed=3")
     for it in range(2):
-        trainer._check_can_learn(it, _trajs(4, 0), {"skipped_update": 1})
+        guard.check(it, _trajs(4, 0), {"skipped_update": 1})
     with pytest.raises(CannotLearn, match="3 failed iterations in a row; the learner had no usable episode"):
-        trainer._check_can_learn(2, _trajs(4, 0), {"skipped_update": 1})
+        guard.check(2, _trajs(4, 0), {"skipped_update": 1})
 
 
 def test_the_guard_can_be_turned_off(tmp_path):
-    trainer = _trainer(tmp_path, "stop_after_failed=0")
+    guard = _guard(tmp_path, "stop_after_failed=0")
     for it in range(5):
-        trainer._check_can_learn(it, _trajs(4, 4), {})
-    assert trainer._failed_in_a_row == 5
+        guard.check(it, _trajs(4, 4), {})
+    assert guard._failed_in_a_row == 5
 
 
 def _rewarded(rewards: list[float], group_size: int = 2) -> list:
@@ -66,32 +71,32 @@ def test_iterations_without_a_learning_signal_stop_the_run(tmp_path):
     the learner's own usable-episode count says so, and after `stop_after_flat` such iterations in a
     row the run stops. A single group with two rewards is a signal and starts the count again."""
     from rl.learner import usable_episodes
-    from rl.trainer import CannotLearn
+    from rl.guards import CannotLearn
 
-    trainer = _trainer(tmp_path, "stop_after_flat=2")
+    guard = _guard(tmp_path, "stop_after_flat=2")
     flat = _rewarded([0.0, 0.0, 1.0, 1.0])  # two groups, each one reward: no signal, though rewards differ
     live = _rewarded([0.0, 0.0, 0.0, 1.0])
     assert usable_episodes(flat)[1]["groups_with_signal"] == 0 and usable_episodes(live)[1]["groups_with_signal"] == 1
-    trainer._check_can_learn(0, flat, usable_episodes(flat)[1])
-    trainer._check_can_learn(1, live, usable_episodes(live)[1])
-    trainer._check_can_learn(2, flat, usable_episodes(flat)[1])
+    guard.check(0, flat, usable_episodes(flat)[1])
+    guard.check(1, live, usable_episodes(live)[1])
+    guard.check(2, flat, usable_episodes(flat)[1])
     with pytest.raises(CannotLearn, match=r"2 iterations in a row in which no group's episodes earned different "
                                           r"rewards \(rewards of iteration 3: 0.0, 1.0\).*warm_start.demos"):
-        trainer._check_can_learn(3, flat, usable_episodes(flat)[1])
+        guard.check(3, flat, usable_episodes(flat)[1])
 
 
 def test_for_ppo_only_one_reward_across_the_batch_is_flat(tmp_path):
     """PPO's baseline is a learned value, not the group mean: rewards that differ between groups
     are a signal; one reward for every episode is not."""
     from rl.learner import usable_episodes
-    from rl.trainer import CannotLearn
+    from rl.guards import CannotLearn
 
-    trainer = _trainer(tmp_path, "stop_after_flat=1", "algo.name=ppo")
+    guard = _guard(tmp_path, "stop_after_flat=1", "algo.name=ppo")
     between = _rewarded([0.0, 0.0, 1.0, 1.0])
-    trainer._check_can_learn(0, between, usable_episodes(between)[1])
+    guard.check(0, between, usable_episodes(between)[1])
     same = _rewarded([0.5] * 4)
     with pytest.raises(CannotLearn, match="every episode earned the same reward"):
-        trainer._check_can_learn(1, same, usable_episodes(same)[1])
+        guard.check(1, same, usable_episodes(same)[1])
 
 
 def test_the_quickstart_turns_the_flat_guard_off_and_says_why():

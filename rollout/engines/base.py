@@ -22,6 +22,9 @@ class Generation:
     them (vLLM's CPU build cannot: its routed-expert capture needs Triton)."""
     prompt_routed_experts: list[list[list[int]]] | None = None
     """The same for the prompt's tokens, where the engine ran them ([] for a reused cached prefix)."""
+    version: int | None = None
+    """The policy version it was sampled with, where the engine is shared by concurrent callers
+    (rollout/engines/shared.py); else the engine's `version` when `generate` returns."""
 
 
 class Engine(Protocol):

@@ -1,0 +1,53 @@
+"""When a run cannot learn: iterations in a row whose episodes failed for reasons outside the
+policy (`stop_after_failed`, `max_infra_error_share`), or gave the learner no signal at all
+(`stop_after_flat`). The trainer asks after each iteration's metrics row is written, and the run
+stops with `CannotLearn` instead of finishing green; what it wrote stays.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rl.config import RunConfig
+from rollout.trajectory import Trajectory
+
+
+class CannotLearn(RuntimeError):
+    """Iteration after iteration the episodes failed for reasons outside the policy; metrics,
+    trajectories and checkpoints written so far are kept."""
+
+
+class LearningGuard:
+    def __init__(self, cfg: RunConfig, run_dir: Path):
+        self.cfg, self.run_dir = cfg, run_dir
+        self._failed_in_a_row = 0  # iterations whose episodes failed for reasons outside the policy
+        self._flat_in_a_row = 0  # iterations without a learning signal (every advantage zero)
+
+    def check(self, it: int, trajs: list[Trajectory], stats: dict) -> None:
+        """Count failed iterations in a row (config: max_infra_error_share, stop_after_failed); raise
+        `CannotLearn` quoting the first failure once there are too many; the same for iterations
+        without a learning signal (stop_after_flat)."""
+        errors = [t for t in trajs if t.infra_error]
+        failed = bool(stats.get("skipped_update")) or len(errors) > self.cfg.max_infra_error_share * len(trajs)
+        self._failed_in_a_row = self._failed_in_a_row + 1 if failed else 0
+        if self.cfg.stop_after_failed and self._failed_in_a_row >= self.cfg.stop_after_failed:
+            why = (f"{len(errors)} of {len(trajs)} episodes of iteration {it} ended in infrastructure errors, "
+                   f"the first: {errors[0].infra_error}" if errors else
+                   f"the learner had no usable episode in iteration {it} ({len(trajs)} episodes)")
+            raise CannotLearn(f"the run cannot learn: {self._failed_in_a_row} failed iterations in a row; {why}. "
+                              f"What was written is kept in {self.run_dir}")
+        if failed:
+            return
+        ppo = self.cfg.algo.name == "ppo"
+        flat = stats.get("reward_spread", 1) == 0 if ppo else stats.get("groups_with_signal", 1) == 0
+        self._flat_in_a_row = self._flat_in_a_row + 1 if flat else 0
+        if self.cfg.stop_after_flat and self._flat_in_a_row >= self.cfg.stop_after_flat:
+            ok = [t for t in trajs if not t.infra_error]
+            rewards = sorted({round(t.reward, 6) for t in ok})
+            what = ("every episode earned the same reward" if ppo else "no group's episodes earned different rewards")
+            raise CannotLearn(
+                f"the run cannot learn: {self._flat_in_a_row} iterations in a row in which {what} "
+                f"(rewards of iteration {it}: {', '.join(map(str, rewards[:5]))}), so every advantage is zero; "
+                f"a policy that never reaches a milestone needs a warm start (warm_start.demos) or an easier task, one that "
+                f"always does a harder one "
+                f"(stop_after_flat=0 lets such a run go on). What was written is kept in {self.run_dir}")

@@ -1,0 +1,177 @@
+"""SharedEngine: one engine, driven by one thread of its own, serving callers on any thread.
+
+A rollout worker runs several rollout calls at once in async mode (rl/trainer.py): while the
+episodes of one iteration wait for their tools, those of the next can generate. The calls run on
+threads of the worker's Ray actor, but vLLM's CPU backend keeps per-thread state (its OpenMP team
+and the thread count its attention metadata is built for: rollout/openai_api.py `Batcher` tells
+what broke), so the engine is made, and every call into it runs, on one thread: this one.
+
+- `generate` requests that wait together with the same sampling settings are merged into one
+  engine call, so concurrent episodes share a batch as they would in one call. A merged call
+  gives each request what it would have got alone, up to the engine's numerics at a different
+  batch shape (seeds are per prompt).
+- Everything else (`load_weights`, `score`, `call(fn)`) runs alone, in the order it was queued.
+- Each `Generation` carries the policy version it was sampled with (`Generation.version`): a
+  load queued by another caller may land between two of a caller's requests.
+
+Not covered: preempting a running engine call (a load waits for the batch in progress), and
+continuous batching inside an engine call (the engine's own scheduler does that).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+@dataclass
+class _Generate:
+    key: tuple
+    prompts: list
+    max_tokens: list[int]
+    seeds: list | None
+    done: Future = field(default_factory=Future)
+
+
+@dataclass
+class _Call:
+    fn: Callable[[Any], Any]
+    done: Future = field(default_factory=Future)
+
+
+class SharedEngine:
+    """The engine that `make()` builds, owned by a thread of its own; the Engine protocol
+    (rollout/engines/base.py) for callers on any thread."""
+
+    def __init__(self, make: Callable[[], Any], name: str = "engine"):
+        self._queue: deque = deque()
+        self._ready = threading.Condition()
+        self._closed = False
+        self.batch_sizes: list[int] = []  # prompts per engine generate call (tests, metrics)
+        self.requests_merged = 0  # generate requests that shared an engine call with another
+        self.busy_s = 0.0  # seconds the engine spent in calls (its utilisation, against wall time)
+        started: Future = Future()
+        self._thread = threading.Thread(target=self._run, args=(make, started), name=name, daemon=True)
+        self._thread.start()
+        self._engine = started.result()  # the engine's own construction error is raised here
+
+        @functools.wraps(self._engine.generate)  # its signature: callers check which options it takes
+        def generate(prompts, **kwargs):
+            return self._generate_request(prompts, **kwargs)
+
+        self.generate = generate
+
+    # --- the protocol ---
+    @property
+    def version(self) -> int:
+        return self._engine.version
+
+    def _generate_request(self, prompts, *, max_tokens, temperature: float = 1.0, top_p: float = 1.0,
+                 stop_token_ids=None, seeds=None, **sampling):
+        if not prompts:
+            return []
+        max_tokens = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+        options = tuple(sorted((k, _hashable(v)) for k, v in sampling.items()))
+        key = (temperature, top_p, tuple(stop_token_ids or ()), options)
+        return self._submit(_Generate(key, list(prompts), max_tokens, None if seeds is None else list(seeds)))
+
+    def load_weights(self, named_tensors, version: int) -> dict:
+        return self.call(lambda engine: engine.load_weights(named_tensors, version))
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        return self.call(lambda engine: engine.score(token_ids))
+
+    def score_batch(self, sequences: list[list[int]]) -> list[list[float]]:
+        return self.call(lambda engine: engine.score_batch(sequences))
+
+    def call(self, fn: Callable[[Any], Any]) -> Any:
+        """`fn(engine)` on the engine's thread, alone; its result (or its exception)."""
+        return self._submit(_Call(fn))
+
+    def close(self) -> None:
+        with self._ready:
+            self._closed = True
+            self._ready.notify_all()
+        self._thread.join(timeout=30)
+
+    # --- the engine's thread ---
+    def _submit(self, item):
+        with self._ready:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            self._queue.append(item)
+            self._ready.notify()
+        return item.done.result()
+
+    def _run(self, make, started: Future) -> None:
+        try:
+            engine = make()
+        except BaseException as exc:  # noqa: BLE001 - handed to the constructing thread
+            started.set_exception(exc)
+            return
+        started.set_result(engine)
+        while True:
+            with self._ready:
+                while not self._queue and not self._closed:
+                    self._ready.wait()
+                if not self._queue:
+                    return
+                first = self._queue.popleft()
+                batch = [first]
+                # the generate requests queued right behind it with the same settings share its call;
+                # the first other item stops the merge, so nothing overtakes a load queued before it
+                while isinstance(first, _Generate) and self._queue and isinstance(self._queue[0], _Generate) \
+                        and self._queue[0].key == first.key:
+                    batch.append(self._queue.popleft())
+            t0 = time.perf_counter()
+            if isinstance(first, _Call):
+                _settle(first.done, lambda: first.fn(engine))
+            else:
+                self._generate(engine, batch)
+            self.busy_s += time.perf_counter() - t0
+
+    def _generate(self, engine, batch: list[_Generate]) -> None:
+        temperature, top_p, stop, sampling = batch[0].key
+        prompts = [p for r in batch for p in r.prompts]
+        seeded = all(r.seeds is not None for r in batch)
+        if not seeded and any(r.seeds is not None for r in batch):  # seeded and unseeded: run apart
+            for r in batch:
+                self._generate(engine, [r])
+            return
+        self.batch_sizes.append(len(prompts))
+        self.requests_merged += len(batch) if len(batch) > 1 else 0
+        try:
+            gens = engine.generate(prompts, max_tokens=[m for r in batch for m in r.max_tokens],
+                                   temperature=temperature, top_p=top_p, stop_token_ids=list(stop) or None,
+                                   seeds=[s for r in batch for s in r.seeds] if seeded else None,
+                                   **{k: _unhashable(v) for k, v in sampling})
+        except BaseException as exc:  # noqa: BLE001 - every waiting caller gets the engine's error
+            for r in batch:
+                r.done.set_exception(exc)
+            return
+        for g in gens:
+            g.version = engine.version
+        at = 0
+        for r in batch:
+            r.done.set_result(gens[at : at + len(r.prompts)])
+            at += len(r.prompts)
+
+
+def _settle(fut: Future, fn) -> None:
+    try:
+        fut.set_result(fn())
+    except BaseException as exc:  # noqa: BLE001 - the caller's thread raises it
+        fut.set_exception(exc)
+
+
+def _hashable(v):
+    return tuple(v) if isinstance(v, list) else v
+
+
+def _unhashable(v):
+    return list(v) if isinstance(v, tuple) else v
