@@ -58,7 +58,7 @@ BENCHES = [
           dict(kind="bar", x=["command", "runner"], y=["median ms"], ylabel="median ms per call")),
     Bench(6, "Async vs sync iterations per minute with slow environments",
           ["bench/async_vs_sync.py"], ["--iterations", "3", "--repeats", "1"], 1800,
-          dict(kind="bar", x=["schedule"], y=["iterations / min"], ylabel="iterations / min")),
+          dict(kind="bar", x=["schedule", "max_staleness", "learner threads"], y=["iterations / min"], ylabel="iterations / min")),
     Bench(7, "policy/ model decode tokens/s (native engine, vLLM plugin) vs full recompute, and cache bytes per token",
           ["bench/native_decode.py"], ["--contexts", "1024", "4096", "--decode", "9"], 1800,
           dict(kind="line", x=["context"], y=["native decode tok/s", "vLLM plugin decode tok/s", "full recompute tok/s"],

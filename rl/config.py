@@ -120,7 +120,7 @@ class AlgoConfig:
     max_grad_norm: float = 1.0
     """Gradient norm clip."""
     threads: int = 2
-    """torch CPU threads in the learner."""
+    """torch CPU threads in the learner. In async mode on a machine whose cores the engines share, fewer than the cores (the engines generate while the learner trains: bench row 6)."""
 
 
 @dataclass
