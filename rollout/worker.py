@@ -9,6 +9,8 @@ Its calls may run at once, on threads of their own (the async schedule makes its
 the engine is a `SharedEngine` (rollout/engines/shared.py), whose thread merges the concurrent
 calls' generate requests into one batch and runs a weight load between two batches. A rollout
 that needs a version not loaded yet waits for it (`wait_for_version_s`) instead of refusing.
+Agent programs' episodes are the exception: they share one OpenAI-compatible endpoint, whose
+sampling an evaluation sets for its time, so their calls run one at a time.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ class RolloutWorker:
         self.wait_for_version_s = wait_for_version_s
         self._lock = threading.Lock()  # the state concurrent calls share: suspended episodes, the endpoint
         self._loaded = threading.Condition()  # notified after every load
+        # agent programs' calls run one at a time: they share one endpoint, whose sampling an evaluation sets
+        self._programs = threading.Lock()
         self._loads = 0
         # slots on shared EnvWorkers: a random 32-bit prefix per rollout worker keeps them apart
         self._slots = itertools.count(int.from_bytes(os.urandom(4), "little") << 32)
@@ -92,7 +96,8 @@ class RolloutWorker:
         self._await_version(min_version)
         c = self.cfg
         if envs.is_agent_program(envs.env_class(self.env_cfg.id)):  # user code, through the endpoint
-            done = run_agent_episodes(self.serve(), self.env_cfg.id, self.env_cfg.kwargs, tasks, self.chat, "policy")
+            with self._programs:
+                done = run_agent_episodes(self.serve(), self.env_cfg.id, self.env_cfg.kwargs, tasks, self.chat, "policy")
             return ask(self.rubric, done, self.judge, self.env_cfg.kwargs)
         with self._lock:  # on an error they are closed, not handed back
             carried, self.suspended = self.suspended, []
@@ -144,7 +149,7 @@ class RolloutWorker:
 
         c = self.cfg
         if envs.is_agent_program(envs.env_class(env_id)):
-            with self.serve().sampling(temperature) as endpoint:  # eval.temperature, not the run's
+            with self._programs, self.serve().sampling(temperature) as endpoint:  # eval.temperature, not the run's
                 done = run_agent_episodes(endpoint, env_id, env_kwargs, tasks, self.chat, "policy")
         else:
             done = play(self.engine, self.chat, env_id, env_kwargs, tasks, max_turns=c.max_turns,
