@@ -103,6 +103,15 @@ def test_a_load_never_lands_inside_a_batch_and_each_generation_names_its_version
         engine.version = before  # other tests of the session read the engine's version
 
 
+def test_busy_seconds_count_the_call_in_progress(shared):
+    """The trainer's `engine_busy` metric reads them at every row: a call spanning two rows counts in both."""
+    hold = _hold(shared, 0.6)
+    time.sleep(0.3)
+    during = shared.busy_s
+    hold.join()
+    assert during >= 0.3 and shared.busy_s >= 0.6 and shared.busy_s >= during
+
+
 def test_an_engine_error_reaches_its_caller_and_the_thread_keeps_serving(shared):
     with pytest.raises(TypeError, match="bogus"):
         shared.generate([[5, 6]], max_tokens=2, bogus=1)

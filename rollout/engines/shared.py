@@ -54,7 +54,9 @@ class SharedEngine:
         self._closed = False
         self.batch_sizes: list[int] = []  # prompts per engine generate call (tests, metrics)
         self.requests_merged = 0  # generate requests that shared an engine call with another
-        self.busy_s = 0.0  # seconds the engine spent in calls (its utilisation, against wall time)
+        self._busy_s = 0.0  # seconds spent in finished engine calls
+        self._call_started: float | None = None  # when the call in progress began
+        self._timing = threading.Lock()  # the two above change together
         started: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(make, started), name=name, daemon=True)
         self._thread.start()
@@ -65,6 +67,14 @@ class SharedEngine:
             return self._generate_request(prompts, **kwargs)
 
         self.generate = generate
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds the engine has spent in calls, the one in progress included (its utilisation,
+        against wall time)."""
+        with self._timing:
+            started = self._call_started
+            return self._busy_s + (time.perf_counter() - started if started is not None else 0.0)
 
     # --- the protocol ---
     @property
@@ -128,12 +138,15 @@ class SharedEngine:
                 while isinstance(first, _Generate) and self._queue and isinstance(self._queue[0], _Generate) \
                         and self._queue[0].key == first.key:
                     batch.append(self._queue.popleft())
-            t0 = time.perf_counter()
+            with self._timing:
+                self._call_started = t0 = time.perf_counter()
             if isinstance(first, _Call):
                 _settle(first.done, lambda: first.fn(engine))
             else:
                 self._generate(engine, batch)
-            self.busy_s += time.perf_counter() - t0
+            with self._timing:
+                self._busy_s += time.perf_counter() - t0
+                self._call_started = None
 
     def _generate(self, engine, batch: list[_Generate]) -> None:
         temperature, top_p, stop, sampling = batch[0].key
