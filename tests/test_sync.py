@@ -213,26 +213,43 @@ def test_a_worker_reporting_another_version_is_named(ray_cluster):
         start_sync(learner, workers, 1.0).finish(timeout_s=30)
 
 
-@ray.remote(num_cpus=0.25)
-def _hold_load_turn(gpus: float, serial: bool, hold_s: float) -> tuple[float, float]:
-    """What a rollout worker's load does around the engine's load, holding it `hold_s`."""
-    from types import SimpleNamespace
+@ray.remote(num_cpus=0)  # it only sleeps: placed whatever the session's other actors hold
+class _LoadTurn:
+    """What a rollout worker's load does around the engine's load, in a process of its own."""
 
-    from rollout.config import RolloutConfig
-    from rollout.worker import RolloutWorker
+    def ready(self) -> bool:
+        import rollout.worker  # noqa: F401  (imported before the clock starts)
 
-    stand_in = SimpleNamespace(cfg=RolloutConfig(gpus_per_worker=gpus, serial_cpu_loads=serial))
-    with RolloutWorker._node_load_turn(stand_in):
-        start = time.time()
-        time.sleep(hold_s)
-        return start, time.time()
+        return True
+
+    def hold(self, gpus: float, serial: bool, hold_s: float) -> tuple[float, float]:
+        """Hold the engine's load turn `hold_s`; when it was held."""
+        from types import SimpleNamespace
+
+        from rollout.config import RolloutConfig
+        from rollout.worker import RolloutWorker
+
+        stand_in = SimpleNamespace(cfg=RolloutConfig(gpus_per_worker=gpus, serial_cpu_loads=serial))
+        with RolloutWorker._node_load_turn(stand_in):
+            start = time.time()
+            time.sleep(hold_s)
+            return start, time.time()
 
 
 @pytest.mark.parametrize("gpus,serial,overlap", [(0.0, True, False), (0.0, False, True), (1.0, True, True)])
 def test_cpu_engines_of_a_node_load_one_at_a_time(ray_cluster, gpus, serial, overlap):
     """Two workers' loads in two processes of one node: on CPU they take turns (each engine's threads
-    use every core), unless `serial_cpu_loads` is off; GPU engines never wait for each other."""
-    (a0, a1), (b0, b1) = sorted(ray.get([_hold_load_turn.remote(gpus, serial, 2.5) for _ in range(2)]))
+    use every core), unless `serial_cpu_loads` is off; GPU engines never wait for each other. The two
+    processes are started first and reserve no CPU: late in a loaded test session two such tasks ran
+    one after the other (a new process slower to start than one hold, or no CPU left to place it),
+    which made loads that may overlap look serial."""
+    holders = [_LoadTurn.remote() for _ in range(2)]
+    try:
+        assert ray.get([h.ready.remote() for h in holders], timeout=120) == [True, True]
+        (a0, a1), (b0, b1) = sorted(ray.get([h.hold.remote(gpus, serial, 2.5) for h in holders], timeout=120))
+    finally:
+        for h in holders:
+            ray.kill(h)
     assert (b0 < a1) == overlap, ((a0, a1), (b0, b1))
 
 
