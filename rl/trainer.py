@@ -503,10 +503,10 @@ class Trainer:
         if last or (it + 1) % self.cfg.checkpoint_every == 0:
             path = self.run_dir / "checkpoints" / f"version-{self.version:06d}"
             self._learner_get(self.learner.save_checkpoint.remote(str(path), {"iteration": it}), "a checkpoint save")
+        busy = self._engine_busy()  # read first: the clock below then spans what it spans
         now = time.perf_counter()
         iteration_s = now - (self._last_row_t or t0)
         self._last_row_t = now
-        busy = self._engine_busy()
         row = {"iteration": it, "policy_version": self.version, **summarise(trajs), **stats, **sync,
                "rollout_s": rollout_s, "iteration_s": iteration_s, "staleness_max": staleness,
                **held_out, **self._judge_row, "worker_restarts": self.worker_restarts, "episodes_rerun": self.episodes_rerun,
@@ -559,8 +559,8 @@ class Trainer:
                 if initial:
                     progress.console.log(f"held-out success before RL: {initial['eval/success']:.3f} "
                                          f"({initial['eval/ci95_low']:.3f}–{initial['eval/ci95_high']:.3f})")
-            self._last_row_t = time.perf_counter()
             self._engine_busy()  # the baseline: what the engines did before (an evaluation) is no iteration's
+            self._last_row_t = time.perf_counter()
             if self.cfg.schedule.mode == "async":  # the first iterations all start from the current weights
                 for j in range(self.start_iteration, self.start_iteration + self.cfg.schedule.max_staleness + 1):
                     self.submit(j)

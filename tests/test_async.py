@@ -53,7 +53,8 @@ def test_each_iteration_is_generated_by_the_version_the_schedule_allows(async_ru
     assert [r["staleness_max"] for r in rows] == [j - min(versions[j]) for j in range(ITERATIONS)]
     assert max(r["staleness_max"] for r in rows) > 0  # the schedule did run ahead of the learner
     # the engine's share of each row's wall time: in async mode a row may find its rollouts done earlier
-    assert all(0 <= r["engine_busy"] <= 1.05 for r in rows) and sum(r["engine_busy"] for r in rows) > 0
+    # (1.1: the worker reads its clock inside a Ray call, a few milliseconds off the driver's)
+    assert all(0 <= r["engine_busy"] <= 1.1 for r in rows) and sum(r["engine_busy"] for r in rows) > 0
     assert [r["policy_version"] for r in rows] == list(range(1, ITERATIONS + 1))
     assert all(r["stale_episodes_dropped"] == 0 for r in rows)
 
