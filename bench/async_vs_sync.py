@@ -77,7 +77,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 rows = trainer.run()
                 wall = time.perf_counter() - t0
-                busy = ray.get(trainer.workers[0].__ray_call__.remote(lambda self: self.engine.busy_s))
+                busy = ray.get(trainer.workers[0].engine_busy_s.remote())
             finally:
                 trainer.close()
             per_min[mode].append(60 * len(rows) / wall)

@@ -82,12 +82,13 @@ class SharedEngine:
         return self._engine.version
 
     def _generate_request(self, prompts, *, max_tokens, temperature: float = 1.0, top_p: float = 1.0,
-                 stop_token_ids=None, seeds=None, **sampling):
+                          stop_token_ids=None, seeds=None, **sampling):
         if not prompts:
             return []
         max_tokens = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
         options = tuple(sorted((k, _hashable(v)) for k, v in sampling.items()))
-        key = (temperature, top_p, tuple(stop_token_ids or ()), options)
+        # seeded and unseeded requests never share a call: the engine takes seeds for all or none
+        key = (temperature, top_p, tuple(stop_token_ids or ()), options, seeds is not None)
         return self._submit(_Generate(key, list(prompts), max_tokens, None if seeds is None else list(seeds)))
 
     def load_weights(self, named_tensors, version: int) -> dict:
@@ -149,13 +150,8 @@ class SharedEngine:
                 self._call_started = None
 
     def _generate(self, engine, batch: list[_Generate]) -> None:
-        temperature, top_p, stop, sampling = batch[0].key
+        temperature, top_p, stop, sampling, seeded = batch[0].key
         prompts = [p for r in batch for p in r.prompts]
-        seeded = all(r.seeds is not None for r in batch)
-        if not seeded and any(r.seeds is not None for r in batch):  # seeded and unseeded: run apart
-            for r in batch:
-                self._generate(engine, [r])
-            return
         self.batch_sizes.append(len(prompts))
         self.requests_merged += len(batch) if len(batch) > 1 else 0
         try:
