@@ -91,6 +91,17 @@ def engine(tiny_policy):
     return VLLMEngine(tiny_policy, kv_cache_gib=1, max_model_len=4096)
 
 
+@pytest.fixture
+def shared(engine):
+    """The session's engine, driven by a SharedEngine's thread for the test (vLLM allows one engine
+    per process), as a rollout worker drives its own: continuous batching; handed back afterwards."""
+    from rollout.engines.shared import SharedEngine
+
+    s = SharedEngine(lambda: engine)
+    yield s
+    s.close()
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray

@@ -1,8 +1,11 @@
 """SharedEngine (rollout/engines/shared.py): one engine on a thread of its own, serving callers on
-any thread. Concurrent generate requests share one engine call and get exactly what one plain
-call of the same prompts gives (the naive reference: the engine driven directly); other calls run
-alone and in order, so a load never lands inside a batch and every generation says which version
-sampled it; an engine's error reaches its caller and leaves the thread serving."""
+any thread. Concurrent generate requests share the engine's batch and get exactly what one plain
+call of the same prompts gives (the naive reference: the engine driven directly); with continuous
+batching (the vLLM engine) a request joins a running batch and leaves it when it ends, whatever its
+sampling settings; without it (an engine that can only be called: merged mode) only requests with
+the same settings share a call. Other calls run alone and in order, so a load never lands inside a
+batch and every generation says which version sampled it; an engine's error reaches its caller and
+leaves the thread serving."""
 
 import threading
 import time
@@ -15,11 +18,22 @@ from rollout.weights import CheckpointTensors
 pytestmark = pytest.mark.slow
 
 
+class CallOnly:
+    """The session's engine without its stepping methods: a SharedEngine then merges whole calls,
+    as it does for the native engine."""
+
+    def __init__(self, engine):
+        self._engine = engine
+        self.generate, self.load_weights = engine.generate, engine.load_weights
+
+    @property
+    def version(self):
+        return self._engine.version
+
+
 @pytest.fixture
-def shared(engine):
-    """The session's engine, driven by a SharedEngine's thread for the test (vLLM allows one engine
-    per process); handed back to the main thread afterwards."""
-    s = SharedEngine(lambda: engine)
+def merged(engine):
+    s = SharedEngine(lambda: CallOnly(engine))
     yield s
     s.close()
 
@@ -32,7 +46,10 @@ def _hold(shared, seconds: float) -> threading.Thread:
     return t
 
 
-def test_concurrent_requests_share_one_call_and_get_what_one_plain_call_gives(engine, shared):
+@pytest.mark.parametrize("mode", ["continuous", "merged"])
+def test_concurrent_requests_share_one_call_and_get_what_one_plain_call_gives(engine, request, mode):
+    shared = request.getfixturevalue("shared" if mode == "continuous" else "merged")
+    assert shared.continuous_batching == (mode == "continuous")
     prompts = [[5 + i, 17, 33, 2 + i] for i in range(6)]
     seeds = [100 + i for i in range(6)]
     reference = engine.generate(prompts, max_tokens=12, temperature=1.0, seeds=seeds)  # driven directly
@@ -56,7 +73,8 @@ def test_concurrent_requests_share_one_call_and_get_what_one_plain_call_gives(en
     assert {g.version for g in got} == {engine.version}
 
 
-def test_different_sampling_settings_are_not_merged(shared):
+def test_merged_mode_keeps_different_sampling_settings_apart(merged):
+    shared = merged
     hold = _hold(shared, 0.5)
     out = {}
     greedy = threading.Thread(target=lambda: out.setdefault("greedy", shared.generate([[5, 6, 7]], max_tokens=4,
@@ -72,7 +90,50 @@ def test_different_sampling_settings_are_not_merged(shared):
     assert len(out["greedy"]) == len(out["hot"]) == 1
 
 
-def test_a_load_never_lands_inside_a_batch_and_each_generation_names_its_version(engine, tiny_policy, shared):
+def test_requests_with_different_settings_share_the_batch_and_each_gets_its_own(engine, shared):
+    prompt = [5, 6, 7, 8]
+    greedy_ref = engine.generate([prompt], max_tokens=8, temperature=0.0, seeds=[1])[0]
+    hot_ref = engine.generate([prompt], max_tokens=8, temperature=1.0, top_p=0.9, seeds=[2])[0]
+    hold = _hold(shared, 0.5)
+    out = {}
+    asks = [threading.Thread(target=lambda: out.setdefault("greedy", shared.generate(
+                [prompt], max_tokens=8, temperature=0.0, seeds=[1]))),
+            threading.Thread(target=lambda: out.setdefault("hot", shared.generate(
+                [prompt], max_tokens=8, temperature=1.0, top_p=0.9, seeds=[2])))]
+    for t in asks:
+        t.start()
+        time.sleep(0.05)
+    for t in (hold, *asks):
+        t.join()
+    assert shared.batch_sizes == [2] and shared.requests_merged == 2  # one batch, two settings
+    assert out["greedy"][0].token_ids == greedy_ref.token_ids and out["hot"][0].token_ids == hot_ref.token_ids
+
+
+def test_a_request_joins_a_running_batch_and_leaves_it_when_it_ends(engine, shared):
+    """Continuous batching: a short request asked while a long one runs is answered long before it."""
+    short_ref = engine.generate([[40, 41, 42]], max_tokens=3, min_tokens=3, seeds=[4])[0]
+    ended: dict[str, float] = {}
+    out: dict[str, list] = {}
+
+    def ask(tag, prompt, n, seed):
+        out[tag] = shared.generate([prompt], max_tokens=n, min_tokens=n, seeds=[seed])
+        ended[tag] = time.perf_counter()
+
+    long = threading.Thread(target=ask, args=("long", [30, 31, 32], 400, 3))
+    long.start()
+    deadline = time.monotonic() + 30
+    while shared.batch_sizes != [1] and time.monotonic() < deadline:  # the long request is running
+        time.sleep(0.005)
+    ask("short", [40, 41, 42], 3, 4)
+    long.join()
+    assert shared.batch_sizes == [1, 1] and shared.requests_merged == 1  # it joined the running batch
+    assert ended["short"] < ended["long"] and len(out["long"][0].token_ids) == 400
+    assert out["short"][0].token_ids == short_ref.token_ids
+
+
+@pytest.mark.parametrize("mode", ["continuous", "merged"])
+def test_a_load_never_lands_inside_a_batch_and_each_generation_names_its_version(engine, tiny_policy, request, mode):
+    shared = request.getfixturevalue("shared" if mode == "continuous" else "merged")
     before = engine.version
     ckpt = CheckpointTensors(tiny_policy)
     tensors = [(n, ckpt[n]) for n in ckpt.files]  # the same weights, as a new version
@@ -112,9 +173,13 @@ def test_busy_seconds_count_the_call_in_progress(shared):
     assert during >= 0.3 and shared.busy_s >= 0.6 and shared.busy_s >= during
 
 
-def test_an_engine_error_reaches_its_caller_and_the_thread_keeps_serving(shared):
+@pytest.mark.parametrize("mode", ["continuous", "merged"])
+def test_an_engine_error_reaches_its_caller_and_the_thread_keeps_serving(request, mode):
+    shared = request.getfixturevalue("shared" if mode == "continuous" else "merged")
     with pytest.raises(TypeError, match="bogus"):
         shared.generate([[5, 6]], max_tokens=2, bogus=1)
+    with pytest.raises(Exception, match="maximum context length"):
+        shared.generate([[5, 6] * 3000], max_tokens=2)  # refused by the engine as it joins
     with pytest.raises(ZeroDivisionError):
         shared.call(lambda _: 1 / 0)
     assert len(shared.generate([[5, 6]], max_tokens=2, seeds=[0])[0].token_ids) >= 1

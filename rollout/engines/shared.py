@@ -6,21 +6,30 @@ threads of the worker's Ray actor, but vLLM's CPU backend keeps per-thread state
 and the thread count its attention metadata is built for: rollout/openai_api.py `Batcher` tells
 what broke), so the engine is made, and every call into it runs, on one thread: this one.
 
-- `generate` requests that wait together with the same sampling settings are merged into one
-  engine call, so concurrent episodes share a batch as they would in one call. A merged call
-  gives each request what it would have got alone, up to the engine's numerics at a different
-  batch shape (seeds are per prompt).
-- Everything else (`load_weights`, `score`, `call(fn)`) runs alone, in the order it was queued.
+- Continuous batching, where the engine can be stepped (`add`/`step`/`abort`: the vLLM engine):
+  a `generate` request joins the running batch at the next engine step, whatever its sampling
+  settings, and each of its prompts leaves the batch when it ends; the request returns when its
+  last prompt has. So a caller with one episode's turn gets it back as soon as that turn is
+  sampled, while longer ones go on (`continuous_batching`; the agent loop then runs each episode
+  on its own: rollout/agent_loop.py).
+- Otherwise (the native engine), `generate` requests that wait together with the same sampling
+  settings are merged into one engine call, so concurrent episodes share a batch as they would in
+  one call.
+- Either way a request gets what it would have got alone, up to the engine's numerics at a
+  different batch shape (seeds are per prompt).
+- Everything else (`load_weights`, `score`, `call(fn)`) runs alone, in the order it was queued:
+  once the requests queued before it have ended, and before any queued after it starts. So a load
+  never lands inside a batch.
 - Each `Generation` carries the policy version it was sampled with (`Generation.version`): a
   load queued by another caller may land between two of a caller's requests.
 
-Not covered: preempting a running engine call (a load waits for the batch in progress), and
-continuous batching inside an engine call (the engine's own scheduler does that).
+Not covered: preempting running requests (a load waits for those in flight to end).
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import time
 from collections import deque
@@ -36,6 +45,8 @@ class _Generate:
     max_tokens: list[int]
     seeds: list | None
     done: Future = field(default_factory=Future)
+    results: list = field(default_factory=list)  # continuous batching: per prompt, as they end
+    left: int = 0  # prompts still running
 
 
 @dataclass
@@ -52,8 +63,8 @@ class SharedEngine:
         self._queue: deque = deque()
         self._ready = threading.Condition()
         self._closed = False
-        self.batch_sizes: list[int] = []  # prompts per engine generate call (tests, metrics)
-        self.requests_merged = 0  # generate requests that shared an engine call with another
+        self.batch_sizes: list[int] = []  # prompts per engine generate call, or that joined the batch together
+        self.requests_merged = 0  # generate requests that shared the engine's batch with another
         self._busy_s = 0.0  # seconds spent in finished engine calls
         self._call_started: float | None = None  # when the call in progress began
         self._timing = threading.Lock()  # the two above change together
@@ -61,6 +72,7 @@ class SharedEngine:
         self._thread = threading.Thread(target=self._run, args=(make, started), name=name, daemon=True)
         self._thread.start()
         self._engine = started.result()  # the engine's own construction error is raised here
+        self.continuous_batching = _steppable(self._engine)
 
         @functools.wraps(self._engine.generate)  # its signature: callers check which options it takes
         def generate(prompts, **kwargs):
@@ -126,6 +138,19 @@ class SharedEngine:
             started.set_exception(exc)
             return
         started.set_result(engine)
+        (self._serve_continuous if _steppable(engine) else self._serve_merged)(engine)
+
+    def _timed(self, fn) -> None:
+        with self._timing:
+            self._call_started = t0 = time.perf_counter()
+        try:
+            fn()
+        finally:
+            with self._timing:
+                self._busy_s += time.perf_counter() - t0
+                self._call_started = None
+
+    def _serve_merged(self, engine) -> None:
         while True:
             with self._ready:
                 while not self._queue and not self._closed:
@@ -139,15 +164,70 @@ class SharedEngine:
                 while isinstance(first, _Generate) and self._queue and isinstance(self._queue[0], _Generate) \
                         and self._queue[0].key == first.key:
                     batch.append(self._queue.popleft())
-            with self._timing:
-                self._call_started = t0 = time.perf_counter()
             if isinstance(first, _Call):
-                _settle(first.done, lambda: first.fn(engine))
+                self._timed(lambda: _settle(first.done, lambda: first.fn(engine)))
             else:
-                self._generate(engine, batch)
-            with self._timing:
-                self._busy_s += time.perf_counter() - t0
-                self._call_started = None
+                self._timed(lambda: self._generate(engine, batch))
+
+    def _serve_continuous(self, engine) -> None:
+        running: dict[str, tuple[_Generate, int]] = {}  # engine request id -> (request, prompt index)
+        ids = itertools.count()
+        while True:
+            call = None
+            with self._ready:
+                while not self._queue and not running and not self._closed:
+                    self._ready.wait()
+                if not self._queue and not running:
+                    return
+                # the generate requests at the head join the batch; the first other item stops them, and
+                # runs once the batch has emptied, so nothing overtakes it and it never lands inside a batch
+                joining = []
+                while self._queue and isinstance(self._queue[0], _Generate):
+                    joining.append(self._queue.popleft())
+                if not running and not joining:
+                    call = self._queue.popleft()
+            if call is not None:
+                self._timed(lambda: _settle(call.done, lambda: call.fn(engine)))
+                continue
+            if joining:
+                self.batch_sizes.append(sum(len(r.prompts) for r in joining))
+                self.requests_merged += len(joining) if running or len(joining) > 1 else 0
+            self._timed(lambda: self._step(engine, joining, running, ids))
+
+    def _step(self, engine, joining: list[_Generate], running: dict, ids) -> None:
+        for r in joining:
+            temperature, top_p, stop, sampling, seeded = r.key
+            r.results, r.left, added = [None] * len(r.prompts), len(r.prompts), []
+            try:
+                for i, prompt in enumerate(r.prompts):
+                    rid = str(next(ids))
+                    engine.add(rid, prompt, max_tokens=r.max_tokens[i], temperature=temperature, top_p=top_p,
+                               stop_token_ids=list(stop) or None, seed=r.seeds[i] if seeded else None,
+                               **{k: _unhashable(v) for k, v in sampling})
+                    added.append(rid)
+                    running[rid] = (r, i)
+            except BaseException as exc:  # noqa: BLE001 - the request's caller gets it; the others go on
+                for rid in added:
+                    running.pop(rid)
+                _quietly(lambda: engine.abort(added))
+                r.done.set_exception(exc)
+        if not running:
+            return
+        try:
+            ended = engine.step()
+        except BaseException as exc:  # noqa: BLE001 - every request in the batch gets the engine's error
+            _quietly(lambda: engine.abort(list(running)))
+            for r in {id(r): r for r, _ in running.values()}.values():
+                r.done.set_exception(exc)
+            running.clear()
+            return
+        for rid, gen in ended:
+            r, i = running.pop(rid)
+            gen.version = engine.version
+            r.results[i] = gen
+            r.left -= 1
+            if r.left == 0:
+                r.done.set_result(r.results)
 
     def _generate(self, engine, batch: list[_Generate]) -> None:
         temperature, top_p, stop, sampling, seeded = batch[0].key
@@ -169,6 +249,17 @@ class SharedEngine:
         for r in batch:
             r.done.set_result(gens[at : at + len(r.prompts)])
             at += len(r.prompts)
+
+
+def _steppable(engine) -> bool:
+    return all(callable(getattr(engine, name, None)) for name in ("add", "step", "abort"))
+
+
+def _quietly(fn) -> None:
+    try:
+        fn()
+    except Exception:  # noqa: BLE001 - cleaning up after an error already reported
+        pass
 
 
 def _settle(fut: Future, fn) -> None:

@@ -111,6 +111,10 @@ class VLLMEngine:
             # on a GPU shared with the learner: the engine's share (vLLM checks that much is free)
             **({"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization > 0 else {}),
         )
+        # The first engine step pays a one-time set-up (~3 s here for a tiny model, whatever the batch):
+        # paid now, at start-up, so a run's first rollout is timed like the others. Greedy and seeded:
+        # the engine's own random state is left as it was.
+        self.generate([[0, 1, 2, 3]], max_tokens=2, temperature=0.0, seeds=[0])
 
     def generate(
         self,
@@ -128,34 +132,50 @@ class VLLMEngine:
         `min_tokens`: no stop before that many tokens (benchmarks use it to fix the length); `stop`:
         strings that end a completion (vLLM then detokenizes to find them; the ids returned are
         still every id sampled, up to the one that completed the string)."""
-        from vllm import SamplingParams, TokensPrompt
+        from vllm import TokensPrompt
 
         if isinstance(max_tokens, int):
             max_tokens = [max_tokens] * len(prompts)
-        params = [
-            SamplingParams(
-                max_tokens=max_tokens[i],
-                temperature=temperature,
-                top_p=top_p,
-                logprobs=0,  # the sampled token's own log-prob
-                stop_token_ids=stop_token_ids,
-                seed=None if seeds is None else seeds[i],
-                detokenize=bool(stop),
-                stop=stop or None,
-                min_tokens=min(min_tokens, max_tokens[i]),
-            )
-            for i in range(len(prompts))
-        ]
-        outs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+        params = [self._params(max_tokens[i], temperature, top_p, stop_token_ids, None if seeds is None else seeds[i],
+                               min_tokens, stop) for i in range(len(prompts))]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [_generation(out) for out in outs]
+
+    # --- continuous batching: requests join and leave the running batch between engine steps ---
+    def add(self, request_id: str, prompt: list[int], *, max_tokens: int, temperature: float = 1.0,
+            top_p: float = 1.0, stop_token_ids: list[int] | None = None, seed: int | None = None,
+            min_tokens: int = 0, stop: list[str] | None = None) -> None:
+        """Queue one prompt under `request_id` (the caller's, unique among those running); `step`
+        runs it with whatever else is running. The sampling options are `generate`'s."""
+        from vllm import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = self._params(max_tokens, temperature, top_p, stop_token_ids, seed, min_tokens, stop)
+        params.output_kind = RequestOutputKind.FINAL_ONLY  # a request's output once, when it ends
+        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
+
+    def step(self) -> list[tuple[str, Generation]]:
+        """One engine step over every running request; the requests that ended in it."""
+        return [(out.request_id, _generation(out)) for out in self.llm.llm_engine.step() if out.finished]
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.llm.llm_engine.abort_request(list(request_ids))
+
+    @staticmethod
+    def _params(max_tokens, temperature, top_p, stop_token_ids, seed, min_tokens, stop):
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            logprobs=0,  # the sampled token's own log-prob
+            stop_token_ids=stop_token_ids,
+            seed=seed,
+            detokenize=bool(stop),
+            stop=stop or None,
+            min_tokens=min(min_tokens, max_tokens),
         )
-        gens = []
-        for out in outs:
-            c = out.outputs[0]
-            ids = list(c.token_ids)
-            lps = [step[tok].logprob for tok, step in zip(ids, c.logprobs)]
-            gens.append(Generation(ids, lps, "length" if c.finish_reason == "length" else "stop"))
-        return gens
 
     def score(self, token_ids: list[int]) -> list[float]:
         """log p(token_ids[i] | token_ids[:i]) for i >= 1, computed by the engine (prompt log-probs)."""
@@ -185,3 +205,10 @@ class VLLMEngine:
         self.llm.reset_prefix_cache()
         self.version = version
         return out
+
+
+def _generation(out) -> Generation:
+    c = out.outputs[0]
+    ids = list(c.token_ids)
+    lps = [step[tok].logprob for tok, step in zip(ids, c.logprobs)]
+    return Generation(ids, lps, "length" if c.finish_reason == "length" else "stop")
