@@ -8,9 +8,9 @@ that generated it, and the learner's importance weights correct for whatever lag
 - async: rollouts of iterations i+1 … i+max_staleness are already running while the learner
   trains on iteration i. A worker runs these calls at once on one shared engine (its actor is
   threaded, rollout/engines/shared.py): while one iteration's episodes wait for their tools,
-  another's generate, in one batch when they are ready together. A load runs between two engine
-  batches, so the rollouts in flight continue with the newer weights (every turn records its
-  version). Iteration j is submitted once the sync of version j - max_staleness is queued, and
+  another's generate, each turn joining the engine's running batch. A load runs once the requests
+  in flight have ended, so the rollouts in flight continue with the newer weights (every turn
+  records its version). Iteration j is submitted once the sync of version j - max_staleness is queued, and
   waits on the worker until that version is loaded: no token is more than `max_staleness`
   versions older than the weights it is trained at.
 

@@ -3,14 +3,21 @@ episodes in lockstep, token-in/token-out.
 
 Every episode's context is a list of token ids that only grows: the prompt, then for each turn the
 ids the engine sampled (loss mask 1, with their log-probs) and the tokenised observation (mask 0).
-Each turn is one batched `engine.generate` over all live episodes.
+Two ways to drive the episodes, the same turns either way:
+- lockstep: each turn is one batched `engine.generate` over all live episodes, then all their env
+  steps at once; a slow environment holds back its batch's next turn.
+- each on its own (per-episode asynchrony), where the engine batches continuously
+  (`engine.continuous_batching`: rollout/engines/shared.py): every episode runs its turns on a
+  thread of its own, one generate request per turn; the engine batches the requests of whichever
+  episodes are generating at each step, so an episode's tool call starts as soon as its own turn
+  is sampled and its next turn joins the batch as soon as its tool returns.
 
 An environment that raises (in reset or step) or reports `info["infra_error"]` ends that episode
 with stop reason `infra_error` and the message; the batch and the worker carry on, and the
 learner keeps such episodes out of its group statistics.
 
-The episodes' environments are reset and stepped concurrently on a thread pool: sandboxed tools
-spend their time in subprocesses, remote environments (`envs.worker.RemoteEnv`) in Ray calls.
+The episodes' environments are reset and stepped concurrently on threads: sandboxed tools spend
+their time in subprocesses, remote environments (`envs.worker.RemoteEnv`) in Ray calls.
 
 Partial rollouts (`continue_episodes` with a `token_budget`): once a call has generated its budget
 of tokens, the episodes still running are handed back suspended, their environments open, and the
@@ -18,14 +25,16 @@ next call continues them (with whatever weights the engine holds by then; every 
 policy version). An episode in its `max_segments`-th call runs to its end whatever the budget, so
 no episode spans more calls than that.
 
-Not covered: per-episode asynchrony (a slow environment holds back its batch's next turn).
+Not covered: per-episode asynchrony on an engine that cannot batch continuously (the native
+engine: the episodes then run in lockstep).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Callable
 
 import envs
@@ -159,19 +168,18 @@ def continue_episodes(
     carried = list(suspended or [])
     for ep in carried:
         ep.segments += 1
+    sampling = dict(max_turns=max_turns, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                    run_seed=run_seed)
     ok = False
     try:
         started = list(pool.map(lambda task: _start(task, make_env, chat, max_episode_tokens), tasks))
         episodes = carried + started
-        generated = 0
-        while True:
-            live = [ep for ep in episodes if not ep.stop_reason]
-            if token_budget and generated >= token_budget:
-                live = [ep for ep in live if ep.segments >= max_segments]  # their last call: run to the end
-            if not live:
-                break
-            generated += _turn(engine, chat, live, pool, max_turns=max_turns, max_new_tokens=max_new_tokens,
-                               temperature=temperature, top_p=top_p, run_seed=run_seed)
+        budget = _Budget(token_budget, max_segments)
+        if getattr(engine, "continuous_batching", False):
+            _each_on_its_own(engine, chat, episodes, budget, **sampling)
+        else:
+            while live := budget.live(episodes):
+                budget.spend(_turn(engine, chat, live, pool, **sampling))
         ok = True
     finally:
         pool.shutdown()
@@ -182,88 +190,170 @@ def continue_episodes(
     return done, [ep for ep in episodes if not ep.stop_reason]
 
 
+class _Budget:
+    """A call's token budget (partial rollouts): once spent, only the episodes in their last
+    allowed call go on; the others are handed back suspended. Lockstep checks it between turns
+    (`live`, `spend`). Episodes on their own threads check it before each turn but their first in
+    the call, counting the turns in flight at their most (`start_turn`, `end_turn`): as in lockstep,
+    no turn starts once the tokens sampled would reach the budget, whatever order the threads run in."""
+
+    def __init__(self, tokens: int, max_segments: int):
+        self.tokens, self.max_segments = tokens, max_segments
+        self.generated = 0
+        self.in_flight = 0  # the most the turns running now may still sample
+        self._lock = threading.Lock()
+
+    def _spent(self) -> bool:
+        return bool(self.tokens) and self.generated + self.in_flight >= self.tokens
+
+    def live(self, episodes: list[_Episode]) -> list[_Episode]:
+        with self._lock:
+            spent = self._spent()
+        return [ep for ep in episodes if not ep.stop_reason and (not spent or ep.segments >= self.max_segments)]
+
+    def spend(self, n: int) -> None:
+        with self._lock:
+            self.generated += n
+
+    def start_turn(self, ep: _Episode, first: bool, at_most: int) -> bool:
+        with self._lock:
+            if ep.stop_reason or (not first and self._spent() and ep.segments < self.max_segments):
+                return False
+            self.in_flight += at_most
+            return True
+
+    def end_turn(self, at_most: int, n: int) -> None:
+        with self._lock:
+            self.in_flight -= at_most
+            self.generated += n
+
+
 def _turn(engine, chat: ChatFormat, live: list[_Episode], pool, *, max_turns, max_new_tokens,
           temperature, top_p, run_seed) -> int:
-    """One batched generation over the live episodes, then all their env steps at once; returns the
-    number of tokens generated. Each episode is at its own turn (partial rollouts mix them)."""
+    """Lockstep: one batched generation over the live episodes, then all their env steps at once;
+    returns the number of tokens generated. Each episode is at its own turn (partial rollouts mix them)."""
+    t0 = time.perf_counter()
+    gens = _generate(engine, chat, live, max_new_tokens, temperature, top_p, run_seed)
+    dt = (time.perf_counter() - t0) / max(1, len(live))
+    texts = [_sampled(ep, gen, chat, dt) for ep, gen in zip(live, gens)]
+    steps = list(pool.map(lambda pair: _step(pair[0], pair[1], len(pair[0].turns)), zip(live, texts)))
+    for ep, gen, text, step in zip(live, gens, texts, steps):
+        _stepped(ep, engine, chat, gen, text, step, max_turns, run_seed)
+    return sum(len(g.token_ids) for g in gens)
+
+
+def _each_on_its_own(engine, chat: ChatFormat, episodes: list[_Episode], budget: _Budget, *, max_turns,
+                     max_new_tokens, temperature, top_p, run_seed) -> None:
+    """Per-episode asynchrony: each episode runs its turns on its own thread (generate, then its env
+    step, until it ends or the budget suspends it); the engine batches whichever are generating."""
+    failed = threading.Event()  # one episode's engine error stops the others at their next turn
+
+    def run(ep: _Episode) -> None:
+        first = True
+        try:
+            while not failed.is_set() and budget.start_turn(ep, first, at_most := _turn_limit(ep, max_new_tokens)):
+                first = False
+                t0 = time.perf_counter()
+                gen = _generate(engine, chat, [ep], max_new_tokens, temperature, top_p, run_seed)[0]
+                budget.end_turn(at_most, len(gen.token_ids))  # (an error ends the call: nothing to give back)
+                text = _sampled(ep, gen, chat, time.perf_counter() - t0)
+                _stepped(ep, engine, chat, gen, text, _step(ep, text, len(ep.turns)), max_turns, run_seed)
+        except BaseException:
+            failed.set()
+            raise
+
+    live = [ep for ep in episodes if not ep.stop_reason]
+    with ThreadPoolExecutor(max_workers=max(1, len(live)), thread_name_prefix="episode") as threads:
+        futures = [threads.submit(run, ep) for ep in live]
+        wait(futures, return_when=FIRST_EXCEPTION)
+    for f in futures:
+        f.result()  # the first error, raised in the caller's thread
+
+
+def _turn_limit(ep: _Episode, max_new_tokens: int) -> int:
     # Each episode may generate at most what its token budget still allows, keeping one token
     # for the end-of-turn token appended when a turn is cut by the limit.
-    budgets = [min(max_new_tokens, ep.max_tokens - len(ep.ids) - 1) for ep in live]
-    t0 = time.perf_counter()
-    gens = engine.generate(
+    return min(max_new_tokens, ep.max_tokens - len(ep.ids) - 1)
+
+
+def _generate(engine, chat: ChatFormat, live: list[_Episode], max_new_tokens, temperature, top_p, run_seed):
+    return engine.generate(
         [ep.ids for ep in live],
-        max_tokens=budgets,
+        max_tokens=[_turn_limit(ep, max_new_tokens) for ep in live],
         temperature=temperature,
         top_p=top_p,
         stop_token_ids=[chat.eot_id],
         seeds=[turn_seed(run_seed, ep.task.episode_id, len(ep.turns)) for ep in live],
     )
-    dt = (time.perf_counter() - t0) / max(1, len(live))
-    texts = []
-    for ep, gen in zip(live, gens):
-        ep.gen_s += dt
-        if gen.prompt_routed_experts is not None:  # the context's routing, where not recorded yet
-            for pos, r in enumerate(gen.prompt_routed_experts):
-                if r and not ep.routed[pos]:
-                    ep.routed[pos] = r
-                    ep.any_routed = True
-        ep.turn_start = len(ep.ids)
-        ep.ids += gen.token_ids
-        ep.mask += [1] * len(gen.token_ids)
-        ep.logprobs += gen.logprobs
-        ep.routed += gen.routed_experts if gen.routed_experts is not None else [[] for _ in gen.token_ids]
-        ep.any_routed |= gen.routed_experts is not None
-        if not gen.token_ids or gen.token_ids[-1] != chat.eot_id:
-            # Cut by the token limit: close the turn so the next observation is well formed.
-            # The closing token is not the policy's, so it is masked out.
-            ep.ids.append(chat.eot_id)
-            ep.mask.append(0)
-            ep.logprobs.append(0.0)
-            ep.routed.append([])
-        texts.append(chat.decode(gen.token_ids))
-    steps = list(pool.map(lambda pair: _step(pair[0], pair[1], len(pair[0].turns)), zip(live, texts)))
 
-    for ep, gen, text, (obs, reward, terminated, truncated, info) in zip(live, gens, texts, steps):
-        gen_start, gen_end = ep.turn_start, len(ep.ids)
-        turn = len(ep.turns)
-        ep.reward += float(reward)
-        for m in info.get("milestones", []):
-            ep.milestones.append({**m, "turn": turn, "token": gen_end - 1})
-        n_errors = int(info.get("tool_errors", 0))
-        n_calls = sum(1 for m in info.get("messages", []) if m.get("role") == "tool")
 
-        if ep.stop_reason == "infra_error":
-            pass
-        elif terminated or truncated:
-            ep.stop_reason = "terminated" if terminated else "truncated"
-        elif turn + 1 >= max_turns:
-            ep.stop_reason = "max_turns"
+def _sampled(ep: _Episode, gen, chat: ChatFormat, gen_s: float) -> str:
+    """Append a sampled turn to the episode's context; its text."""
+    ep.gen_s += gen_s
+    if gen.prompt_routed_experts is not None:  # the context's routing, where not recorded yet
+        for pos, r in enumerate(gen.prompt_routed_experts):
+            if r and not ep.routed[pos]:
+                ep.routed[pos] = r
+                ep.any_routed = True
+    ep.turn_start = len(ep.ids)
+    ep.ids += gen.token_ids
+    ep.mask += [1] * len(gen.token_ids)
+    ep.logprobs += gen.logprobs
+    ep.routed += gen.routed_experts if gen.routed_experts is not None else [[] for _ in gen.token_ids]
+    ep.any_routed |= gen.routed_experts is not None
+    if not gen.token_ids or gen.token_ids[-1] != chat.eot_id:
+        # Cut by the token limit: close the turn so the next observation is well formed.
+        # The closing token is not the policy's, so it is masked out.
+        ep.ids.append(chat.eot_id)
+        ep.mask.append(0)
+        ep.logprobs.append(0.0)
+        ep.routed.append([])
+    return chat.decode(gen.token_ids)
+
+
+def _stepped(ep: _Episode, engine, chat: ChatFormat, gen, text: str, step: tuple, max_turns: int,
+             run_seed: int) -> None:
+    """Record a turn from its env step: reward, milestones, the observation appended or the end."""
+    obs, reward, terminated, truncated, info = step
+    gen_start, gen_end = ep.turn_start, len(ep.ids)
+    turn = len(ep.turns)
+    ep.reward += float(reward)
+    for m in info.get("milestones", []):
+        ep.milestones.append({**m, "turn": turn, "token": gen_end - 1})
+    n_errors = int(info.get("tool_errors", 0))
+    n_calls = sum(1 for m in info.get("messages", []) if m.get("role") == "tool")
+
+    if ep.stop_reason == "infra_error":
+        pass
+    elif terminated or truncated:
+        ep.stop_reason = "terminated" if terminated else "truncated"
+    elif turn + 1 >= max_turns:
+        ep.stop_reason = "max_turns"
+    else:
+        obs_ids = chat.observation_ids(info["messages"])
+        if not _room_to_generate(len(ep.ids) + len(obs_ids), ep.max_tokens):
+            ep.stop_reason = "max_tokens"
         else:
-            obs_ids = chat.observation_ids(info["messages"])
-            if not _room_to_generate(len(ep.ids) + len(obs_ids), ep.max_tokens):
-                ep.stop_reason = "max_tokens"
-            else:
-                ep.ids += obs_ids
-                ep.mask += [0] * len(obs_ids)
-                ep.logprobs += [0.0] * len(obs_ids)
-                ep.routed += [[] for _ in obs_ids]
-        ep.turns.append(
-            Turn(
-                gen_start=gen_start,
-                gen_end=gen_end,
-                obs_end=len(ep.ids),
-                text=text,
-                observation=obs,
-                tool_calls=n_calls,
-                tool_errors=n_errors,
-                policy_version=engine.version if gen.version is None else gen.version,
-                seed=turn_seed(run_seed, ep.task.episode_id, turn),
-                finish_reason=gen.finish_reason,
-                sandbox_events=list(info.get("sandbox_events", [])),
-                failures=list(info.get("failures", [])),
-            )
+            ep.ids += obs_ids
+            ep.mask += [0] * len(obs_ids)
+            ep.logprobs += [0.0] * len(obs_ids)
+            ep.routed += [[] for _ in obs_ids]
+    ep.turns.append(
+        Turn(
+            gen_start=gen_start,
+            gen_end=gen_end,
+            obs_end=len(ep.ids),
+            text=text,
+            observation=obs,
+            tool_calls=n_calls,
+            tool_errors=n_errors,
+            policy_version=engine.version if gen.version is None else gen.version,
+            seed=turn_seed(run_seed, ep.task.episode_id, turn),
+            finish_reason=gen.finish_reason,
+            sandbox_events=list(info.get("sandbox_events", [])),
+            failures=list(info.get("failures", [])),
         )
-    return sum(len(g.token_ids) for g in gens)
+    )
 
 
 def succeeded_in(env_id: str, milestones: list[dict], reward: float) -> bool:

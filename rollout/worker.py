@@ -6,8 +6,9 @@ tests and debugging. Environments run in the worker's process, or, given `env_ac
 EnvWorker actors (`envs/worker.py`), one slot per episode, spread over the actors round-robin.
 
 Its calls may run at once, on threads of their own (the async schedule makes its actor threaded):
-the engine is a `SharedEngine` (rollout/engines/shared.py), whose thread merges the concurrent
-calls' generate requests into one batch and runs a weight load between two batches. A rollout
+the engine is a `SharedEngine` (rollout/engines/shared.py), whose thread batches the concurrent
+calls' generate requests continuously (each episode's turn joins the running batch: the agent loop
+runs every episode on its own) and runs a weight load once the requests in flight have ended. A rollout
 that needs a version not loaded yet waits for it (`wait_for_version_s`) instead of refusing.
 Agent programs' episodes are the exception: they share one OpenAI-compatible endpoint, whose
 sampling an evaluation sets for its time, so their calls run one at a time.

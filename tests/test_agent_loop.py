@@ -1,6 +1,8 @@
 """The agent loop: milestones, rewards and token bookkeeping with a scripted expert policy, and
 the token budget with the real engine."""
 
+import time
+
 import pytest
 
 import envs
@@ -257,3 +259,53 @@ def test_routed_experts_from_the_engine_line_up_with_the_tokens(tokenizer):
                             "tools/calculator-v0", [EpisodeTask("e0", 0, 21, 0)], max_turns=5, max_new_tokens=64,
                             max_episode_tokens=4096)
     assert plain.routed_experts is None  # an engine that records nothing leaves nothing to store
+
+
+class SlowCalculator(envs.calculator.CalculatorEnv):
+    """Seed 1's tool takes 2 s a step; the others answer at once. Each step's end is logged."""
+
+    log: list = []
+
+    def reset(self, *, seed=None, options=None):
+        self._seed = seed
+        return super().reset(seed=seed, options=options)
+
+    def step(self, action):
+        if self._seed == 1:
+            time.sleep(2.0)
+        out = super().step(action)
+        self.log.append((self._seed, time.perf_counter()))
+        return out
+
+
+@pytest.mark.slow
+def test_each_episode_on_its_own_gives_the_lockstep_episodes(engine, shared, tokenizer):
+    """The naive reference: lockstep over the engine driven directly. Each episode on its own thread
+    through the continuously batching engine samples the same tokens (seeds are per episode and turn)."""
+    chat = ChatFormat(tokenizer)
+    tasks = [EpisodeTask(f"p{k}", k // 2, 30 + k, 0) for k in range(5)]
+    loop = dict(max_turns=3, max_new_tokens=24, max_episode_tokens=1024, run_seed=7)
+    make = lambda: envs.make("tools/calculator-v0")  # noqa: E731
+    lockstep = run_episodes(engine, chat, make, "tools/calculator-v0", tasks, **loop)
+    assert shared.continuous_batching
+    own = run_episodes(shared, chat, make, "tools/calculator-v0", tasks, **loop)
+    assert [t.episode_id for t in own] == [t.episode_id for t in lockstep]
+    for a, b in zip(own, lockstep):
+        assert a.token_ids == b.token_ids and a.loss_mask == b.loss_mask and a.reward == b.reward
+        assert [(x.gen_start, x.gen_end, x.obs_end, x.seed) for x in a.turns] == \
+               [(x.gen_start, x.gen_end, x.obs_end, x.seed) for x in b.turns]
+        assert max(abs(x - y) for x, y in zip(a.rollout_logprobs, b.rollout_logprobs)) < 1e-4
+    assert shared.requests_merged > 0  # one request per episode and turn, batched together by the engine
+
+
+@pytest.mark.slow
+def test_a_slow_environment_holds_back_only_its_own_episode(shared, tokenizer):
+    chat = ChatFormat(tokenizer)
+    SlowCalculator.log.clear()
+    tasks = [EpisodeTask(f"s{k}", k, k + 1, 0) for k in range(3)]  # seed 1 is slow
+    trajs = run_episodes(shared, chat, SlowCalculator, "test/slow-v0", tasks,
+                         max_turns=3, max_new_tokens=16, max_episode_tokens=1024)
+    assert all(len(t.turns) == 3 for t in trajs)  # a random policy never solves it: every episode runs 3 turns
+    slow_first = min(t for seed, t in SlowCalculator.log if seed == 1)
+    fast_last = max(t for seed, t in SlowCalculator.log if seed != 1)
+    assert fast_last < slow_first  # the fast episodes ran all their turns during the slow one's first step
