@@ -1,19 +1,22 @@
 """Asynchronous vs synchronous schedule: iterations per minute with slow environments, measured
 in the same run on the same config.
 
-    .venv/bin/python bench/async_vs_sync.py [--step-latency 0.5] [--iterations 8] [--repeats 2]
+    .venv/bin/python bench/async_vs_sync.py [--step-latency 0.5] [--iterations 16] [--repeats 2]
 
 The config is the quickstart's (tiny Qwen3-MoE, vLLM rollout workers, GRPO learner) on
 `tools/calculator-v0` whose every step sleeps `--step-latency` seconds, standing in for a remote
 tool backend. Only the schedule and the learner's threads differ between the runs: sync, async
 with `schedule.max_staleness=1` and with 2, each with `algo.threads` 2 and 1. In async mode a
 worker runs the rollouts in flight at once on its one engine (rl/trainer.py), so one iteration's
-episodes generate while another's wait for their tools, and the learner trains while the engine
-is busy: on these 2 cores two learner threads beside it oversubscribe them. The ratios are against
-the faster of the two sync runs. Runs alternate (each setting in turn, then again) on one local
-Ray so that load on this noisy machine hits all alike; each run's wall clock covers its iterations, not the start-up of its
-actors. The engine's busy share is its time inside engine calls (generate and loads) over that
-wall clock. Prints a Markdown table; `--json` prints the numbers.
+episodes generate while another's wait for their tools, and the learner trains while the engine is
+busy: on these 2 cores two learner threads beside it oversubscribe them. The ratios are against
+the faster of the two sync runs. An async run's first iteration waits for a whole rollout, as a
+sync one does, and the later ones overlap: 16 iterations a run, so that the ratio is that of a
+run's course rather than of its first iterations (a real run has hundreds). Runs alternate (each
+setting in turn, then again) on one local Ray so that load on this noisy machine hits all alike;
+each run's wall clock covers its iterations, not the start-up of its actors. The engine's busy
+share is its time inside engine calls (generate and loads) over that wall clock. Prints a Markdown
+table; `--json` prints the numbers.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--step-latency", type=float, default=0.5)
-    ap.add_argument("--iterations", type=int, default=8)
+    ap.add_argument("--iterations", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
