@@ -1,5 +1,5 @@
 """The agent loop: generate → parse tool calls → env.step → append observation, for a batch of
-episodes in lockstep, token-in/token-out.
+episodes (in lockstep, or each on its own: below), token-in/token-out.
 
 Every episode's context is a list of token ids that only grows: the prompt, then for each turn the
 ids the engine sampled (loss mask 1, with their log-probs) and the tokenised observation (mask 0).
@@ -206,10 +206,13 @@ class _Budget:
     def _spent(self) -> bool:
         return bool(self.tokens) and self.generated + self.in_flight >= self.tokens
 
+    def _goes_on(self, ep: _Episode, spent: bool) -> bool:
+        return not ep.stop_reason and (not spent or ep.segments >= self.max_segments)  # its last call: to the end
+
     def live(self, episodes: list[_Episode]) -> list[_Episode]:
         with self._lock:
             spent = self._spent()
-        return [ep for ep in episodes if not ep.stop_reason and (not spent or ep.segments >= self.max_segments)]
+        return [ep for ep in episodes if self._goes_on(ep, spent)]
 
     def spend(self, n: int) -> None:
         with self._lock:
@@ -217,7 +220,7 @@ class _Budget:
 
     def start_turn(self, ep: _Episode, first: bool, at_most: int) -> bool:
         with self._lock:
-            if ep.stop_reason or (not first and self._spent() and ep.segments < self.max_segments):
+            if not self._goes_on(ep, not first and self._spent()):
                 return False
             self.in_flight += at_most
             return True

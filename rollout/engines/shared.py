@@ -45,8 +45,13 @@ class _Generate:
     max_tokens: list[int]
     seeds: list | None
     done: Future = field(default_factory=Future)
-    results: list = field(default_factory=list)  # continuous batching: per prompt, as they end
-    left: int = 0  # prompts still running
+    results: list = field(default_factory=list)  # continuous batching: per prompt, None until it ends
+
+    def sampling(self) -> dict:
+        """The engine's sampling options of the request (all but the per-prompt ones)."""
+        temperature, top_p, stop, options, _ = self.key
+        return dict(temperature=temperature, top_p=top_p, stop_token_ids=list(stop) or None,
+                    **{k: _unhashable(v) for k, v in options})
 
 
 @dataclass
@@ -68,11 +73,11 @@ class SharedEngine:
         self._busy_s = 0.0  # seconds spent in finished engine calls
         self._call_started: float | None = None  # when the call in progress began
         self._timing = threading.Lock()  # the two above change together
+        self.continuous_batching = False  # set by the engine's thread, before it hands the engine over
         started: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(make, started), name=name, daemon=True)
         self._thread.start()
         self._engine = started.result()  # the engine's own construction error is raised here
-        self.continuous_batching = _steppable(self._engine)
 
         @functools.wraps(self._engine.generate)  # its signature: callers check which options it takes
         def generate(prompts, **kwargs):
@@ -137,8 +142,9 @@ class SharedEngine:
         except BaseException as exc:  # noqa: BLE001 - handed to the constructing thread
             started.set_exception(exc)
             return
+        self.continuous_batching = all(callable(getattr(engine, name, None)) for name in ("add", "step", "abort"))
         started.set_result(engine)
-        (self._serve_continuous if _steppable(engine) else self._serve_merged)(engine)
+        (self._serve_continuous if self.continuous_batching else self._serve_merged)(engine)
 
     def _timed(self, fn) -> None:
         with self._timing:
@@ -196,14 +202,12 @@ class SharedEngine:
 
     def _step(self, engine, joining: list[_Generate], running: dict, ids) -> None:
         for r in joining:
-            temperature, top_p, stop, sampling, seeded = r.key
-            r.results, r.left, added = [None] * len(r.prompts), len(r.prompts), []
+            r.results, added = [None] * len(r.prompts), []
             try:
                 for i, prompt in enumerate(r.prompts):
                     rid = str(next(ids))
-                    engine.add(rid, prompt, max_tokens=r.max_tokens[i], temperature=temperature, top_p=top_p,
-                               stop_token_ids=list(stop) or None, seed=r.seeds[i] if seeded else None,
-                               **{k: _unhashable(v) for k, v in sampling})
+                    engine.add(rid, prompt, max_tokens=r.max_tokens[i], seed=None if r.seeds is None else r.seeds[i],
+                               **r.sampling())
                     added.append(rid)
                     running[rid] = (r, i)
             except BaseException as exc:  # noqa: BLE001 - the request's caller gets it; the others go on
@@ -225,20 +229,18 @@ class SharedEngine:
             r, i = running.pop(rid)
             gen.version = engine.version
             r.results[i] = gen
-            r.left -= 1
-            if r.left == 0:
+            if all(g is not None for g in r.results):
                 r.done.set_result(r.results)
 
     def _generate(self, engine, batch: list[_Generate]) -> None:
-        temperature, top_p, stop, sampling, seeded = batch[0].key
         prompts = [p for r in batch for p in r.prompts]
         self.batch_sizes.append(len(prompts))
         self.requests_merged += len(batch) if len(batch) > 1 else 0
         try:
+            # one key for the batch: every request is seeded or none is
             gens = engine.generate(prompts, max_tokens=[m for r in batch for m in r.max_tokens],
-                                   temperature=temperature, top_p=top_p, stop_token_ids=list(stop) or None,
-                                   seeds=[s for r in batch for s in r.seeds] if seeded else None,
-                                   **{k: _unhashable(v) for k, v in sampling})
+                                   seeds=None if batch[0].seeds is None else [s for r in batch for s in r.seeds],
+                                   **batch[0].sampling())
         except BaseException as exc:  # noqa: BLE001 - every waiting caller gets the engine's error
             for r in batch:
                 r.done.set_exception(exc)
@@ -249,10 +251,6 @@ class SharedEngine:
         for r in batch:
             r.done.set_result(gens[at : at + len(r.prompts)])
             at += len(r.prompts)
-
-
-def _steppable(engine) -> bool:
-    return all(callable(getattr(engine, name, None)) for name in ("add", "step", "abort"))
 
 
 def _quietly(fn) -> None:
