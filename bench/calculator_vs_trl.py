@@ -30,6 +30,11 @@ with `--precision bf16`; ours on its rollout worker, TRL's checkpoint in a child
 Wilson 95% interval. Evaluation,
 TRL's checkpoint save and start-up are outside the clock. Time to target: training wall seconds
 until a held-out success of at least `--target`.
+
+Below the table: the per-step ratio, where our step's time went (the wait for rollouts, the
+learner's update, the weight sync; from the run's metrics), TRL's time in its `generate` calls
+(its own profiling timers), and this machine's matmul speed before and after each side: the two
+sides run one after the other, and on a shared host that speed has moved by 2× between runs.
 """
 
 from __future__ import annotations
@@ -111,7 +116,9 @@ def run_ours(init: str, a, run_dir: str) -> dict:
             t = time.perf_counter()
             row = trainer.iteration(it)
             train_s += time.perf_counter() - t
-            step = {"step": it + 1, "train_s": train_s, "reward": row["mean_reward"]}
+            # where the step's wall time went: the wait for rollouts, the learner's update, the weight sync
+            step = {"step": it + 1, "train_s": train_s, "reward": row["mean_reward"], "rollout_s": row["rollout_s"],
+                    "learner_s": row.get("train_s", 0.0), "sync_s": row.get("sync_s", 0.0)}
             if (it + 1) % a.eval_every == 0:
                 ev = trainer.evaluate()
                 step.update(success=ev["eval/success"], ci95=[ev["eval/ci95_low"], ev["eval/ci95_high"]])
@@ -163,7 +170,18 @@ def run_trl(init: str, a, run_dir: str) -> dict:
     model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32)
     model.config.output_router_logits = False  # see the docstring: no router loss on either side
 
-    state = {"begin": None, "train_s": 0.0, "hit": None, "steps": []}
+    state = {"begin": None, "train_s": 0.0, "hit": None, "steps": [], "generate_s": 0.0}
+    # TRL times each of its generate calls (trl/extras/profiling.py, for its loggers): summed per step here
+    from trl.extras import profiling
+
+    log_metrics = profiling.ProfilingContext._log_metrics
+
+    def timed(self, duration):
+        if "generate" in self.name:
+            state["generate_s"] += duration
+        return log_metrics(self, duration)
+
+    profiling.ProfilingContext._log_metrics = timed
 
     class Watch(TrainerCallback):
         def on_step_begin(self, args, st, control, **kw):
@@ -171,7 +189,8 @@ def run_trl(init: str, a, run_dir: str) -> dict:
 
         def on_step_end(self, args, st, control, model=None, **kw):
             state["train_s"] += time.perf_counter() - state["begin"]
-            step = {"step": st.global_step, "train_s": state["train_s"]}
+            step = {"step": st.global_step, "train_s": state["train_s"], "generate_s": state["generate_s"]}
+            state["generate_s"] = 0.0
             if st.global_step % a.eval_every == 0:
                 ckpt = Path(run_dir) / f"step-{st.global_step}"
                 model.save_pretrained(ckpt)
@@ -209,6 +228,21 @@ def run_trl(init: str, a, run_dir: str) -> dict:
             "malloc": in_use()}
 
 
+def machine_gflops(precision: str) -> float:
+    """This machine's matmul speed now, at the policy's shape (its speed drifts on a shared host: taken
+    before and after each side, so a drift between the two sides shows beside their ratio)."""
+    import torch
+
+    from learner_throughput import matmul_gflops
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        return matmul_gflops(576, 1536, torch.bfloat16 if precision == "bf16" else torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def measure(side: str, init: str, a) -> dict:
     from rl.allocator import actor_env
 
@@ -219,10 +253,12 @@ def measure(side: str, init: str, a) -> dict:
         # TRL's process gets the malloc our learner actor gets (rl/allocator.py: tcmalloc where installed):
         # an allocator is the machine's setting, not the framework's
         env = {**os.environ, **actor_env("auto")} if side == "trl" else None
+        before = machine_gflops(a.precision)
         r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=REPO, timeout=7200, env=env)
+        after = machine_gflops(a.precision)
     if r.returncode != 0:
         raise RuntimeError(f"{side} failed (its stderr is above)")
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return {**json.loads(r.stdout.strip().splitlines()[-1]), "gflops": [before, after]}
 
 
 def plot(runs: dict, start: dict, target: float, path: str) -> None:
@@ -308,6 +344,14 @@ def main() -> None:
         n = len(res["steps"])
         print(f"| {name} | {fmt(res['seconds'])} | {n} | {res['train_s'] / max(1, n):.1f} | {last(res)} | "
               f"{res['startup_s']:.1f} | {r} |")
+    n = max(1, len(o["steps"]))
+    part = lambda k: sum(s.get(k, 0.0) for s in o["steps"]) / n  # noqa: E731
+    print(f"\nPer step, TRL's s / ours: {t['train_s'] / max(1, len(t['steps'])) / (o['train_s'] / n):.2f}×. "
+          f"Our step's wall time, mean over its {len(o['steps'])} steps: rollout {part('rollout_s'):.1f} s, "
+          f"learner update {part('learner_s'):.1f} s, weight sync {part('sync_s'):.1f} s; TRL's, over its "
+          f"{len(t['steps'])}: generation (its `generate` calls) {sum(s['generate_s'] for s in t['steps']) / max(1, len(t['steps'])):.1f} s. "
+          f"This machine's {a.precision} matmul GFLOP/s at the policy's shape, before and after each side: ours "
+          f"{o['gflops'][0]:.0f} → {o['gflops'][1]:.0f}, TRL {t['gflops'][0]:.0f} → {t['gflops'][1]:.0f}.")
 
 
 if __name__ == "__main__":
