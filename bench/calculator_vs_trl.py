@@ -2,7 +2,7 @@
 against TRL's `GRPOTrainer` running its own multi-turn tool loop.
 
     .venv/bin/python bench/calculator_vs_trl.py [--target 0.7] [--max-steps 12] [--eval-every 2]
-        [--episodes 100] [--precision fp32|bf16] [--init WARM_START_DIR] [--plot PNG] [--json]
+        [--episodes 100] [--precision fp32|bf16] [--seed 0] [--init WARM_START_DIR] [--plot PNG] [--json]
 
 Task: `tools/calculator-v0` (a word problem `a·b − c`; tools `calculator` and `submit`; reward = its
 sparse milestones, 0.25 for the product and 1 for the right answer). Policy: SmolLM2-135M-Instruct
@@ -30,6 +30,10 @@ with `--precision bf16`; ours on its rollout worker, TRL's checkpoint in a child
 Wilson 95% interval. Evaluation,
 TRL's checkpoint save and start-up are outside the clock. Time to target: training wall seconds
 until a held-out success of at least `--target`.
+
+One training seed a run (`--seed`: the tasks, their order and the sampling on both sides; the
+warm start and the held-out episodes stay the same): every seed is fixed, so a rerun repeats its
+run, and the steps each side needs are one sample per seed.
 
 Below the table: the per-step ratio, where our step's time went (the wait for rollouts, the
 learner's update, the weight sync; from the run's metrics), TRL's time in its `generate` calls
@@ -105,7 +109,7 @@ def run_ours(init: str, a, run_dir: str) -> dict:
     t0 = time.perf_counter()
     cfg = base_config([f"policy.path={init}", "policy.pretrained=''", "warm_start.demos=0", "eval.every=0",
                        f"eval.episodes={a.episodes}", f"iterations={a.max_steps}", "checkpoint_every=100000",
-                       f"learner.precision={a.precision}", *engines(a.precision)])
+                       f"learner.precision={a.precision}", *engines(a.precision), f"seed={a.seed}"])
     trainer = Trainer(cfg, run_dir, console=Console(stderr=True, quiet=True))
     trainer.start()
     startup = time.perf_counter() - t0
@@ -146,7 +150,7 @@ def run_trl(init: str, a, run_dir: str) -> dict:
     from rollout.chat import ChatFormat
 
     t0 = time.perf_counter()
-    cfg = base_config()
+    cfg = base_config([f"seed={a.seed}"])
     r, algo = cfg.rollout, cfg.algo
     torch.manual_seed(cfg.seed)
     torch.set_num_threads(algo.threads or os.cpu_count())
@@ -249,7 +253,7 @@ def measure(side: str, init: str, a) -> dict:
     with tempfile.TemporaryDirectory() as d:
         cmd = [sys.executable, __file__, "--child", side, "--policy", init, "--run-dir", str(Path(d) / "run"),
                "--target", str(a.target), "--max-steps", str(a.max_steps), "--eval-every", str(a.eval_every),
-               "--episodes", str(a.episodes), "--precision", a.precision]
+               "--episodes", str(a.episodes), "--precision", a.precision, "--seed", str(a.seed)]
         # TRL's process gets the malloc our learner actor gets (rl/allocator.py: tcmalloc where installed):
         # an allocator is the machine's setting, not the framework's
         env = {**os.environ, **actor_env("auto")} if side == "trl" else None
@@ -293,6 +297,9 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=100, help="held-out episodes per evaluation")
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                     help="both learners' precision; bf16 also puts our engines (and the evaluator) in bf16")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="the training run's seed on both sides (its tasks, their order, the sampling); the warm start "
+                         "and the held-out episodes are the same for every seed")
     ap.add_argument("--init", help="a warm-started checkpoint to start both from (default: made here, as the demo does)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--plot", help="write held-out success against training wall time to this PNG")
@@ -335,7 +342,7 @@ def main() -> None:
         return f"{ev[0]['success']:.2f} [{ev[0]['ci95'][0]:.2f}, {ev[0]['ci95'][1]:.2f}]" if ev else "-"
 
     print(f"# time to held-out success ≥ {a.target} on {ENV} ({a.episodes} held-out episodes every {a.eval_every} "
-          f"steps), SmolLM2-135M upcycled to 4 experts top-1, {a.precision} learners{' and engines' if a.precision == 'bf16' else ''}, from one warm start (held-out success "
+          f"steps), training seed {a.seed}, SmolLM2-135M upcycled to 4 experts top-1, {a.precision} learners{' and engines' if a.precision == 'bf16' else ''}, from one warm start (held-out success "
           f"{start['success']:.2f} [{start['ci95'][0]:.2f}, {start['ci95'][1]:.2f}]); 3×8 episodes of ≤ 4 turns per step; learners' malloc: ours {o['malloc']}, TRL {t['malloc']}")
     print(f"# torch {torch.__version__}, vllm {vllm.__version__}, trl {trl.__version__}\n")
     print("| loop | seconds to target | steps | s / step | held-out success at the end | start-up s | TRL s / ours s |")
