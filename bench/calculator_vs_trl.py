@@ -232,17 +232,20 @@ def run_trl(init: str, a, run_dir: str) -> dict:
             "malloc": in_use()}
 
 
-def machine_gflops(precision: str) -> float:
-    """This machine's matmul speed now, at the policy's shape (its speed drifts on a shared host: taken
-    before and after each side, so a drift between the two sides shows beside their ratio)."""
+def machine_gflops(policy: str, precision: str) -> float:
+    """This machine's matmul speed now, at the policy's shape (hidden × an expert's width) on the
+    learners' threads (its speed drifts on a shared host: taken before and after each side, so a
+    drift between the two sides shows beside their ratio)."""
     import torch
 
     from learner_throughput import matmul_gflops
 
+    shape = json.loads((Path(policy) / "config.json").read_text())
     threads = torch.get_num_threads()
-    torch.set_num_threads(2)
+    torch.set_num_threads(base_config().algo.threads)
     try:
-        return matmul_gflops(576, 1536, torch.bfloat16 if precision == "bf16" else torch.float32)
+        return matmul_gflops(shape["hidden_size"], shape["intermediate_size"],
+                             torch.bfloat16 if precision == "bf16" else torch.float32)
     finally:
         torch.set_num_threads(threads)
 
@@ -257,9 +260,9 @@ def measure(side: str, init: str, a) -> dict:
         # TRL's process gets the malloc our learner actor gets (rl/allocator.py: tcmalloc where installed):
         # an allocator is the machine's setting, not the framework's
         env = {**os.environ, **actor_env("auto")} if side == "trl" else None
-        before = machine_gflops(a.precision)
+        before = machine_gflops(init, a.precision)
         r = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, cwd=REPO, timeout=7200, env=env)
-        after = machine_gflops(a.precision)
+        after = machine_gflops(init, a.precision)
     if r.returncode != 0:
         raise RuntimeError(f"{side} failed (its stderr is above)")
     return {**json.loads(r.stdout.strip().splitlines()[-1]), "gflops": [before, after]}
