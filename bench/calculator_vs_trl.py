@@ -2,7 +2,7 @@
 against TRL's `GRPOTrainer` running its own multi-turn tool loop.
 
     .venv/bin/python bench/calculator_vs_trl.py [--target 0.7] [--max-steps 12] [--eval-every 2]
-        [--episodes 100] [--precision fp32|bf16] [--seed 0] [--init WARM_START_DIR] [--plot PNG] [--json]
+        [--episodes 100] [--precision fp32|bf16] [--seeds 0 [1 2]] [--init WARM_START_DIR] [--plot PNG] [--json]
 
 Task: `tools/calculator-v0` (a word problem `a·b − c`; tools `calculator` and `submit`; reward = its
 sparse milestones, 0.25 for the product and 1 for the right answer). Policy: SmolLM2-135M-Instruct
@@ -31,9 +31,12 @@ Wilson 95% interval. Evaluation,
 TRL's checkpoint save and start-up are outside the clock. Time to target: training wall seconds
 until a held-out success of at least `--target`.
 
-One training seed a run (`--seed`: the tasks, their order and the sampling on both sides; the
-warm start and the held-out episodes stay the same): every seed is fixed, so a rerun repeats its
-run, and the steps each side needs are one sample per seed.
+Training seeds (`--seeds`: the tasks, their order and the sampling on both sides; the warm start
+and the held-out episodes stay the same for every seed): every seed is fixed, so a rerun repeats its
+run, and the steps each side needs to cross the target are one sample per seed. With several seeds
+the table has a row per seed and their medians: the crossing step is noisy (100 held-out episodes
+give a 95% interval of about ±0.09 at 0.7, and the evaluation comes every `--eval-every` steps), so
+one seed can make either side look twice as fast.
 
 Below the table: the per-step ratio, where our step's time went (the wait for rollouts, the
 learner's update, the weight sync; from the run's metrics), TRL's time in its `generate` calls
@@ -250,13 +253,13 @@ def machine_gflops(policy: str, precision: str) -> float:
         torch.set_num_threads(threads)
 
 
-def measure(side: str, init: str, a) -> dict:
+def measure(side: str, init: str, a, seed: int) -> dict:
     from rl.allocator import actor_env
 
     with tempfile.TemporaryDirectory() as d:
         cmd = [sys.executable, __file__, "--child", side, "--policy", init, "--run-dir", str(Path(d) / "run"),
                "--target", str(a.target), "--max-steps", str(a.max_steps), "--eval-every", str(a.eval_every),
-               "--episodes", str(a.episodes), "--precision", a.precision, "--seed", str(a.seed)]
+               "--episodes", str(a.episodes), "--precision", a.precision, "--seed", str(seed)]
         # TRL's process gets the malloc our learner actor gets (rl/allocator.py: tcmalloc where installed):
         # an allocator is the machine's setting, not the framework's
         env = {**os.environ, **actor_env("auto")} if side == "trl" else None
@@ -268,28 +271,132 @@ def measure(side: str, init: str, a) -> dict:
     return {**json.loads(r.stdout.strip().splitlines()[-1]), "gflops": [before, after]}
 
 
-def plot(runs: dict, start: dict, target: float, path: str) -> None:
+def plot(seeds: dict, start: dict, target: float, path: str) -> None:
+    """Held-out success against training wall time, one line per side and seed (one seed: with its
+    95% band and the train reward)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for side, res in runs.items():
-        pts = [(0.0, start["success"], *start["ci95"])] + [
-            (s["train_s"], s["success"], *s["ci95"]) for s in res["steps"] if "success" in s]
-        x, y, lo, hi = zip(*pts)
-        line, = ax.plot(x, y, marker="o", label=f"{side}: held-out success")
-        ax.fill_between(x, lo, hi, alpha=0.15, color=line.get_color())
-        rs = [(s["train_s"], s["reward"]) for s in res["steps"] if "reward" in s]
-        if rs:
-            ax.plot(*zip(*rs), linestyle="--", color=line.get_color(), alpha=0.6, label=f"{side}: train reward")
-    ax.axhline(target, color="grey", linestyle=":", label="target")
+    colours, styles = {"ours": "tab:blue", "trl": "tab:orange"}, ["-", "--", ":", "-."]
+    one = len(seeds) == 1
+    for k, (seed, runs) in enumerate(seeds.items()):
+        for side, res in runs.items():
+            pts = [(0.0, start["success"], *start["ci95"])] + [
+                (s["train_s"], s["success"], *s["ci95"]) for s in res["steps"] if "success" in s]
+            x, y, lo, hi = zip(*pts)
+            label = f"{side}: held-out success" + ("" if one else f", seed {seed}")
+            ax.plot(x, y, marker="o", color=colours[side], linestyle=styles[k % len(styles)], label=label)
+            if one:
+                ax.fill_between(x, lo, hi, alpha=0.15, color=colours[side])
+                rs = [(s["train_s"], s["reward"]) for s in res["steps"] if "reward" in s]
+                if rs:
+                    ax.plot(*zip(*rs), linestyle="--", color=colours[side], alpha=0.6, label=f"{side}: train reward")
+    ax.axhline(target, color="grey", linewidth=1, alpha=0.6, label="target")
     ax.set_xlabel("training wall seconds (start-up and evaluation excluded)")
-    ax.set_ylabel("held-out success / train reward")
-    ax.legend(fontsize=8)
+    ax.set_ylabel("held-out success / train reward" if one else "held-out success")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def speedup(o: dict, t: dict) -> tuple[float | None, str]:
+    """TRL's seconds to target over ours, as (a value to order seeds by, its text). A side that did
+    not reach the target bounds the ratio with its whole training time: ours alone reaching it is
+    above TRL's training time over ours (ordered as +inf), TRL alone below (ordered as 0); neither
+    reaching it says nothing (None)."""
+    if o["seconds"] and t["seconds"]:
+        r = t["seconds"] / o["seconds"]
+        return r, f"{r:.2f}×"
+    if o["seconds"]:
+        return float("inf"), f"> {t['train_s'] / o['seconds']:.2f}×"
+    if t["seconds"]:
+        return 0.0, f"< {t['seconds'] / o['train_s']:.2f}×"
+    return None, "-"
+
+
+def median_text(values: list[tuple[float | None, str]]) -> str:
+    """The median of per-seed ratios (bounds ordered as `speedup` says); seeds where neither side
+    reached the target are left out."""
+    known = sorted((v for v in values if v[0] is not None), key=lambda v: v[0])
+    if not known:
+        return "-"
+    mid = len(known) // 2
+    if len(known) % 2:
+        return known[mid][1]
+    lo, hi = known[mid - 1], known[mid]
+    if all(0 < v[0] < float("inf") for v in (lo, hi)):
+        return f"{(lo[0] + hi[0]) / 2:.2f}×"
+    return f"between {lo[1]} and {hi[1]}"
+
+
+def per_step(res: dict) -> float:
+    return res["train_s"] / max(1, len(res["steps"]))
+
+
+def step_split(o: dict, t: dict, precision: str) -> str:
+    n = max(1, len(o["steps"]))
+    part = lambda k: sum(s.get(k, 0.0) for s in o["steps"]) / n  # noqa: E731
+    return (f"Our step's wall time, mean over its {len(o['steps'])} steps: rollout {part('rollout_s'):.1f} s, "
+            f"learner update {part('learner_s'):.1f} s, weight sync {part('sync_s'):.1f} s; TRL's, over its "
+            f"{len(t['steps'])}: generation (its `generate` calls) "
+            f"{sum(s['generate_s'] for s in t['steps']) / max(1, len(t['steps'])):.1f} s. This machine's {precision} "
+            f"matmul GFLOP/s at the policy's shape, before and after each side: ours {o['gflops'][0]:.0f} → "
+            f"{o['gflops'][1]:.0f}, TRL {t['gflops'][0]:.0f} → {t['gflops'][1]:.0f}.")
+
+
+def report(seeds: dict, start: dict, a) -> None:
+    import statistics
+
+    import torch
+    import trl
+    import vllm
+
+    fmt = lambda x: f"{x:.0f}" if x is not None else f"not reached in {a.max_steps} steps"  # noqa: E731
+    first = next(iter(seeds.values()))
+    where = "training seed" + (f" {a.seeds[0]}" if len(a.seeds) == 1 else f"s {', '.join(map(str, a.seeds))}")
+    print(f"# time to held-out success ≥ {a.target} on {ENV} ({a.episodes} held-out episodes every {a.eval_every} "
+          f"steps), {where}, SmolLM2-135M upcycled to 4 experts top-1, {a.precision} learners"
+          f"{' and engines' if a.precision == 'bf16' else ''}, from one warm start (held-out success "
+          f"{start['success']:.2f} [{start['ci95'][0]:.2f}, {start['ci95'][1]:.2f}]); 3×8 episodes of ≤ 4 turns per "
+          f"step; learners' malloc: ours {first['ours']['malloc']}, TRL {first['trl']['malloc']}")
+    print(f"# torch {torch.__version__}, vllm {vllm.__version__}, trl {trl.__version__}\n")
+
+    def last(res):
+        ev = [s for s in res["steps"] if "success" in s][-1:]
+        return f"{ev[0]['success']:.2f} [{ev[0]['ci95'][0]:.2f}, {ev[0]['ci95'][1]:.2f}]" if ev else "-"
+
+    if len(seeds) == 1:
+        o, t = first["ours"], first["trl"]
+        print("| loop | seconds to target | steps | s / step | held-out success at the end | start-up s | TRL s / ours s |")
+        print("| --- | ---: | ---: | ---: | --- | ---: | ---: |")
+        for name, res, r in (("ours (Ray + vLLM + learner + sync)", o, speedup(o, t)[1]),
+                             ("TRL GRPOTrainer (HF generate, its tool loop)", t, "1.00×")):
+            print(f"| {name} | {fmt(res['seconds'])} | {len(res['steps'])} | {per_step(res):.1f} | {last(res)} | "
+                  f"{res['startup_s']:.1f} | {r} |")
+        print(f"\nPer step, TRL's s / ours: {per_step(t) / per_step(o):.2f}×. {step_split(o, t, a.precision)}")
+        return
+    print("| training seed | ours: seconds to target | steps | s / step | TRL: seconds to target | steps | s / step "
+          "| time to target, TRL / ours | per step, TRL / ours |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    ratios = []
+    for seed, runs in seeds.items():
+        o, t = runs["ours"], runs["trl"]
+        ratios.append(speedup(o, t))
+        print(f"| {seed} | {fmt(o['seconds'])} | {len(o['steps'])} | {per_step(o):.1f} | {fmt(t['seconds'])} | "
+              f"{len(t['steps'])} | {per_step(t):.1f} | {ratios[-1][1]} | {per_step(t) / per_step(o):.2f}× |")
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    os_, ts_ = [r["ours"] for r in seeds.values()], [r["trl"] for r in seeds.values()]
+    print(f"| median | | {med([len(o['steps']) for o in os_]):g} | {med([per_step(o) for o in os_]):.1f} | | "
+          f"{med([len(t['steps']) for t in ts_]):g} | {med([per_step(t) for t in ts_]):.1f} | {median_text(ratios)} | "
+          f"{med([per_step(t) / per_step(o) for o, t in zip(os_, ts_)]):.2f}× |")
+    print()
+    for seed, runs in seeds.items():
+        print(f"Seed {seed}: held-out success at the end, ours {last(runs['ours'])} and TRL {last(runs['trl'])}; "
+              f"start-up ours {runs['ours']['startup_s']:.1f} s, TRL {runs['trl']['startup_s']:.1f} s. "
+              + step_split(runs["ours"], runs["trl"], a.precision) + "\n")
 
 
 def main() -> None:
@@ -300,13 +407,14 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=100, help="held-out episodes per evaluation")
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
                     help="both learners' precision; bf16 also puts our engines (and the evaluator) in bf16")
-    ap.add_argument("--seed", type=int, default=0,
-                    help="the training run's seed on both sides (its tasks, their order, the sampling); the warm start "
-                         "and the held-out episodes are the same for every seed")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0],
+                    help="training seeds, one run of each side per seed (its tasks, their order, the sampling); the "
+                         "warm start and the held-out episodes are the same for every seed; several: the median too")
     ap.add_argument("--init", help="a warm-started checkpoint to start both from (default: made here, as the demo does)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--plot", help="write held-out success against training wall time to this PNG")
     ap.add_argument("--child", choices=["ours", "trl", "eval"], help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)  # a child's one seed
     ap.add_argument("--policy", help=argparse.SUPPRESS)
     ap.add_argument("--run-dir", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -317,10 +425,8 @@ def main() -> None:
         fn = run_ours if a.child == "ours" else run_trl
         print(json.dumps(fn(a.policy, a, a.run_dir)))
         return
-
-    import torch
-    import trl
-    import vllm
+    if len(set(a.seeds)) != len(a.seeds):
+        ap.error(f"--seeds repeats a seed ({a.seeds}): every seed is fixed, a repeat is the same run")
 
     with tempfile.TemporaryDirectory() as d:
         t = time.perf_counter()
@@ -328,40 +434,23 @@ def main() -> None:
         warm_s = time.perf_counter() - t
         start = held_out_in_child(init, a.episodes, a.precision)
         print(f"start: held-out success {start['success']:.3f} {start['ci95']}", file=sys.stderr, flush=True)
-        runs = {side: measure(side, init, a) for side in ("ours", "trl")}
+        seeds = {}
+        for seed in a.seeds:
+            seeds[seed] = {side: measure(side, init, a, seed) for side in ("ours", "trl")}
+            print(f"seed {seed}: {speedup(seeds[seed]['ours'], seeds[seed]['trl'])[1]} to target", file=sys.stderr,
+                  flush=True)
     if a.plot:
-        plot(runs, start, a.target, a.plot)
-    versions = {"torch": torch.__version__, "vllm": vllm.__version__, "trl": trl.__version__,
-                "python": platform.python_version()}
+        plot(seeds, start, a.target, a.plot)
     if a.json:
-        print(json.dumps({"start": start, "runs": runs, "warm_start_s": warm_s, "versions": versions}))
+        import torch
+        import trl
+        import vllm
+
+        versions = {"torch": torch.__version__, "vllm": vllm.__version__, "trl": trl.__version__,
+                    "python": platform.python_version()}
+        print(json.dumps({"start": start, "seeds": seeds, "warm_start_s": warm_s, "versions": versions}))
         return
-    o, t = runs["ours"], runs["trl"]
-    fmt = lambda x: f"{x:.0f}" if x is not None else f"not reached in {a.max_steps} steps"
-    ratio = f"{t['seconds'] / o['seconds']:.2f}×" if o["seconds"] and t["seconds"] else "-"
-
-    def last(res):
-        ev = [s for s in res["steps"] if "success" in s][-1:]
-        return f"{ev[0]['success']:.2f} [{ev[0]['ci95'][0]:.2f}, {ev[0]['ci95'][1]:.2f}]" if ev else "-"
-
-    print(f"# time to held-out success ≥ {a.target} on {ENV} ({a.episodes} held-out episodes every {a.eval_every} "
-          f"steps), training seed {a.seed}, SmolLM2-135M upcycled to 4 experts top-1, {a.precision} learners{' and engines' if a.precision == 'bf16' else ''}, from one warm start (held-out success "
-          f"{start['success']:.2f} [{start['ci95'][0]:.2f}, {start['ci95'][1]:.2f}]); 3×8 episodes of ≤ 4 turns per step; learners' malloc: ours {o['malloc']}, TRL {t['malloc']}")
-    print(f"# torch {torch.__version__}, vllm {vllm.__version__}, trl {trl.__version__}\n")
-    print("| loop | seconds to target | steps | s / step | held-out success at the end | start-up s | TRL s / ours s |")
-    print("| --- | ---: | ---: | ---: | --- | ---: | ---: |")
-    for name, res, r in (("ours (Ray + vLLM + learner + sync)", o, ratio), ("TRL GRPOTrainer (HF generate, its tool loop)", t, "1.00×")):
-        n = len(res["steps"])
-        print(f"| {name} | {fmt(res['seconds'])} | {n} | {res['train_s'] / max(1, n):.1f} | {last(res)} | "
-              f"{res['startup_s']:.1f} | {r} |")
-    n = max(1, len(o["steps"]))
-    part = lambda k: sum(s.get(k, 0.0) for s in o["steps"]) / n  # noqa: E731
-    print(f"\nPer step, TRL's s / ours: {t['train_s'] / max(1, len(t['steps'])) / (o['train_s'] / n):.2f}×. "
-          f"Our step's wall time, mean over its {len(o['steps'])} steps: rollout {part('rollout_s'):.1f} s, "
-          f"learner update {part('learner_s'):.1f} s, weight sync {part('sync_s'):.1f} s; TRL's, over its "
-          f"{len(t['steps'])}: generation (its `generate` calls) {sum(s['generate_s'] for s in t['steps']) / max(1, len(t['steps'])):.1f} s. "
-          f"This machine's {a.precision} matmul GFLOP/s at the policy's shape, before and after each side: ours "
-          f"{o['gflops'][0]:.0f} → {o['gflops'][1]:.0f}, TRL {t['gflops'][0]:.0f} → {t['gflops'][1]:.0f}.")
+    report(seeds, start, a)
 
 
 if __name__ == "__main__":
