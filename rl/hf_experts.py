@@ -80,15 +80,71 @@ def casts_cached():
             _CASTS.clear()
 
 
-def cast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`weight.to(dtype)` for the forward; inside `casts_cached()` made once and reused."""
+def _low(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`weight` cast to `dtype`, detached; inside `casts_cached()` made once and reused."""
     with torch.no_grad():
         hit = _CASTS.get(id(weight)) if _SCOPES else None
         if hit is None or hit[0]() is not weight or hit[1] != weight._version or hit[2].dtype != dtype:
             hit = (weakref.ref(weight), weight._version, weight.detach().to(dtype))
             if _SCOPES:
                 _CASTS[id(weight)] = hit
-    return _Cached.apply(weight, hit[2]) if weight.requires_grad and torch.is_grad_enabled() else hit[2]
+    return hit[2]
+
+
+def cast(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`weight.to(dtype)` for the forward; inside `casts_cached()` made once and reused."""
+    low = _low(weight, dtype)
+    return _Cached.apply(weight, low) if weight.requires_grad and torch.is_grad_enabled() else low
+
+
+class _ExpertViews(torch.autograd.Function):
+    """The E experts of `low` (a cast of the stacked weight `weight`, E × ...), a view each, whose
+    backward adds each expert's low-precision gradient straight into its slice of `weight.grad`.
+
+    `cast(weight).unbind(0)` gives the same forward, but its backward, every micro-batch, stacks the
+    E experts' gradients into a new tensor (zeros for an expert no token chose), converts the
+    stack to a new fp32 tensor and hands that to AccumulateGrad to add: three passes over the whole
+    weight and two allocations of it, where this is one in-place add per expert used (`.grad`
+    allocated once per optimizer step). The sums are the same bit for bit: a bf16 → fp32
+    conversion is exact, and the micro-batches add in the same order.
+
+    It writes `weight.grad` itself and gives autograd no gradient for `weight`, so it is only for a
+    plain leaf tensor without gradient hooks (`_writes_own_grad`), under `backward()`: a
+    `torch.autograd.grad` through it would not see the weight's gradient (the learner never takes
+    one of its weights that way)."""
+
+    @staticmethod
+    def forward(ctx, weight, low):
+        ctx.weight = weight
+        ctx.set_materialize_grads(False)  # an expert no token chose gets None, not a zero tensor
+        return low.unbind(0)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        w = ctx.weight
+        if w.grad is None:
+            w.grad = torch.zeros_like(w)
+        for e, g in enumerate(grads):
+            if g is not None:
+                w.grad[e].add_(g)
+        return None, None
+
+
+def _writes_own_grad(weight: torch.Tensor) -> bool:
+    """Whether `_ExpertViews` may write `weight.grad` itself: a plain leaf tensor (not a DTensor or
+    other subclass, whose gradients a parallel wrapper collects) that wants a gradient, with no
+    hook that expects to see it pass."""
+    return (type(weight) in (torch.Tensor, torch.nn.Parameter) and weight.is_leaf and weight.requires_grad
+            and torch.is_grad_enabled() and not weight._backward_hooks
+            and not getattr(weight, "_post_accumulate_grad_hooks", None))
+
+
+def expert_views(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """`weight.to(dtype).unbind(0)`: the stacked experts in `dtype`, one tensor each, the cast shared
+    within `casts_cached()`, the gradient reaching `weight` (through `_ExpertViews` where it can)."""
+    if _writes_own_grad(weight):
+        return _ExpertViews.apply(weight, _low(weight, dtype))
+    return cast(weight, dtype).unbind(0)
 
 
 class _CastWeights:
@@ -118,17 +174,19 @@ def sorted_experts_forward(self, hidden_ND, top_k_index_Nk, top_k_weights_Nk):
     """Σ_k w[n,k] · down_e(act(gate_e(x_n)) · up_e(x_n)), e = top_k_index[n,k], with the (token,
     slot) pairs sorted by expert once and one `linear` per expert on its contiguous block.
 
-    Inside autocast the stacked weights come from `cast` (once per optimizer step). `linear`'s
+    Inside autocast each expert's weights come from `expert_views` (one cast per optimizer step;
+    each expert's gradient added straight into the fp32 weight's gradient). `linear`'s
     backward writes each expert's weight gradient in the weight's own layout (out × in), where
     `torch._grouped_mm` on a transposed weight returns it transposed and the cast back to fp32
     then strides through memory (29 ms for one layer's gate_up_proj in the real policy's step)."""
     device = hidden_ND.device.type
-    gate_up, down = self.gate_up_proj, self.down_proj
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
-        gate_up, down = cast(gate_up, dtype), cast(down, dtype)
+        gate_up, down = expert_views(self.gate_up_proj, dtype), expert_views(self.down_proj, dtype)
         x_ND = hidden_ND.to(dtype)
     else:
+        # unbind, not gate_up[e]: indexing's backward writes a zero tensor of all E experts per expert
+        gate_up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
         x_ND = hidden_ND
     k = top_k_index_Nk.shape[-1]
     flat_S = top_k_index_Nk.reshape(-1)
@@ -141,8 +199,6 @@ def sorted_experts_forward(self, hidden_ND, top_k_index_Nk, top_k_weights_Nk):
     starts = [sum(padded[:e]) for e in range(len(padded))]
     slot_S = torch.cat([torch.arange(s, s + c, device=hidden_ND.device) for s, c in zip(starts, counts)])
     x_PH = x_ND.new_zeros(sum(padded), x_ND.shape[-1]).index_copy(0, slot_S, x_ND[token_S])
-    # unbind, not gate_up[e]: indexing's backward writes a zero tensor of all E experts per expert
-    gate_up, down = gate_up.unbind(0), down.unbind(0)
     outs = []
     for e, x_CH in enumerate(x_PH.split(padded)):
         if padded[e]:

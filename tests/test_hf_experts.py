@@ -124,15 +124,15 @@ def test_a_bf16_learner_forwards_its_updated_experts(tiny_policy, monkeypatch):
     assert not hf_experts._CASTS
     experts = [m for m in learner.model.modules() if hasattr(m, "gate_up_proj")]
     now = {id(m.gate_up_proj): m.gate_up_proj.detach().to(torch.bfloat16) for m in experts}
-    seen, real_cast = [], hf_experts.cast
+    seen, real_cast = [], hf_experts._low
 
-    def spy(weight, dtype):
+    def spy(weight, dtype):  # every cast of an expert weight goes through `_low`
         out = real_cast(weight, dtype)
         if id(weight) in now:
             seen.append(torch.equal(out.detach(), now[id(weight)]))
         return out
 
-    monkeypatch.setattr(hf_experts, "cast", spy)
+    monkeypatch.setattr(hf_experts, "_low", spy)
     learner.train_step(batch)
     assert seen and all(seen)
     assert any(not torch.equal(m.gate_up_proj.detach().to(torch.bfloat16), now[id(m.gate_up_proj)]) for m in experts)
@@ -157,3 +157,56 @@ def test_outside_autocast_the_forward_is_transformers_own(tiny_policy):
     assert theirs.config._experts_implementation == "grouped_mm"
     ids = torch.randint(3, 400, (1, 30), generator=torch.Generator().manual_seed(1))
     assert torch.equal(ours(ids).logits, theirs(ids).logits)
+
+
+def _two_micro_batches(ex, monkeypatch, direct: bool):
+    """The experts' weight gradients after two bf16-autocast micro-batches of one optimizer step
+    (one of them leaves an expert without tokens), by `_ExpertViews` or by the cast's own backward."""
+    if not direct:
+        monkeypatch.setattr(hf_experts, "_writes_own_grad", lambda w: False)
+    ex.gate_up_proj.grad = ex.down_proj.grad = None
+    xs = []
+    with casts_cached():
+        for n, skip, seed in ((37, 3, 1), (29, None, 2)):
+            idx_Nk, w_Nk = _routing(n, 4, skip=skip, seed=seed)
+            x = torch.randn(n, 24, generator=torch.Generator().manual_seed(seed)).requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = sorted_experts_forward(ex, x, idx_Nk, w_Nk.float())
+            out.float().pow(2).sum().backward()
+            xs.append(x.grad)
+    monkeypatch.undo()
+    return ex.gate_up_proj.grad.clone(), ex.down_proj.grad.clone(), xs
+
+
+def test_expert_views_add_the_gradient_the_cast_would_bit_for_bit(monkeypatch):
+    """The direct per-expert accumulation into the fp32 gradient (`_ExpertViews`) against the cast's
+    backward (stack, convert, AccumulateGrad): the same bits, over micro-batches, with an expert
+    that one micro-batch leaves unused."""
+    ex = _experts(torch.float32)
+    ex.has_gate, ex.is_concatenated = True, True
+    assert hf_experts._writes_own_grad(ex.gate_up_proj)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert type(hf_experts.expert_views(ex.gate_up_proj, torch.bfloat16)[0].grad_fn).__name__ == "_ExpertViewsBackward"
+    direct = _two_micro_batches(ex, monkeypatch, direct=True)
+    ref = _two_micro_batches(ex, monkeypatch, direct=False)
+    for a, b in zip(direct[:2], ref[:2]):
+        assert a.dtype == torch.float32 and float(a.abs().sum()) > 0
+        assert torch.equal(a, b)
+    for a, b in zip(direct[2], ref[2]):
+        assert torch.equal(a, b)
+
+
+def test_a_weight_with_a_gradient_hook_keeps_the_casts_backward():
+    """A hook on the weight (as a parallel wrapper would register) must see its gradient pass, so
+    such a weight is not written directly."""
+    ex = _experts(torch.float32)
+    ex.has_gate, ex.is_concatenated = True, True
+    seen = []
+    ex.gate_up_proj.register_hook(lambda g: seen.append(g.dtype))
+    assert not hf_experts._writes_own_grad(ex.gate_up_proj) and hf_experts._writes_own_grad(ex.down_proj)
+    idx_Nk, w_Nk = _routing(37, 4)
+    with casts_cached(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = sorted_experts_forward(ex, torch.randn(37, 24), idx_Nk, w_Nk.float())
+    out.float().sum().backward()
+    assert seen == [torch.float32]
+    assert float(ex.gate_up_proj.grad.abs().sum()) > 0 and float(ex.down_proj.grad.abs().sum()) > 0
