@@ -210,3 +210,23 @@ def test_a_weight_with_a_gradient_hook_keeps_the_casts_backward():
     out.float().sum().backward()
     assert seen == [torch.float32]
     assert float(ex.gate_up_proj.grad.abs().sum()) > 0 and float(ex.down_proj.grad.abs().sum()) > 0
+
+
+def test_inside_a_process_group_the_experts_keep_the_casts_backward(tmp_path):
+    """A learner group's process (FSDP collects its weights' gradients) keeps autograd's own
+    accumulation."""
+    import torch.distributed as dist
+
+    w = torch.nn.Parameter(torch.randn(4, 8, 6))
+    assert hf_experts._writes_own_grad(w)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        assert not hf_experts._writes_own_grad(w)
+        with casts_cached(), torch.autocast("cpu", dtype=torch.bfloat16):
+            views = hf_experts.expert_views(w, torch.bfloat16)
+        assert type(views[0].grad_fn).__name__ == "UnbindBackward0"
+        sum(v.float().sum() for v in views).backward()
+        torch.testing.assert_close(w.grad, torch.ones_like(w))
+    finally:
+        dist.destroy_process_group()
+    assert hf_experts._writes_own_grad(w)
