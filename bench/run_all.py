@@ -47,7 +47,7 @@ BENCHES = [
           ["--max-steps", "1", "--eval-every", "1", "--episodes", "16"], 7200),  # its own plot: the curves
     Bench(3, "Weight sync to N rollout workers vs a plain memory copy of the same bytes",
           ["bench/weight_sync.py"], ["--hidden", "128", "--layers", "2", "--repeats", "2"], 1200,
-          dict(kind="bar", x=["model", "publish"], y=["memcpy s", "publish s", "slowest load s", "end to end s"],
+          dict(kind="bar", x=["model", "transport", "publish"], y=["memcpy s", "publish s", "slowest load s", "end to end s"],
                ylabel="seconds")),
     Bench(4, "Learner step time and peak memory vs trajectory length: policy/ (KDA + MLA) vs a softmax stack",
           ["bench/policy_long_context.py"], ["--lengths", "1024", "2048", "--k3-lengths", "1024"], 5400,

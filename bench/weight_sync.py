@@ -3,9 +3,11 @@ copy of the same bytes, measured in the same run.
 
     .venv/bin/python bench/weight_sync.py [--cases compute real-bf16] [--hidden 512] [--layers 8] [--repeats 5] [--json]
 
-Two cases, each in a fresh process (a process holds one vLLM engine), each synced both ways
-(`sync.publish`): whole (every bucket in the object store before the loads start) and streamed
-(the workers load the first buckets while the learner still casts and puts the next):
+Two cases, each in a fresh process (a process holds one vLLM engine), each synced four ways: through
+Ray's object store or the learner's shared memory (`sync.shared_memory`, the default where the
+learner and the workers share a node), and whole (every bucket published before the loads start)
+or streamed (`sync.publish`: the workers load the first buckets while the learner still casts and
+writes the next):
 - compute: a Qwen3-MoE of hidden `--hidden`, `--layers` layers, 16 experts, fp32 learner and fp32
   engines, to 2 workers;
 - real-bf16: the real policy (SmolLM2-135M-Instruct upcycled to 4 experts top-1, what the demo and
@@ -13,8 +15,9 @@ Two cases, each in a fresh process (a process holds one vLLM engine), each synce
 
 The sync is the real path (`rl/sync.py`): the learner publishes its weights (cast to the engines'
 dtype; its actor started with the trainer's malloc, rl/allocator.py) into Ray's object store in
-buckets, every rollout worker fetches them and its vLLM engine
-loads in place (every tensor straight where the engine reads it: the CPU MoE experts packed into the
+buckets, or into its shared-memory slab (the cast is the one copy; the experts stay in the learner's
+fused blocks, which the engine packs from without staging them), and every rollout worker's vLLM
+engine loads in place (every tensor straight where the engine reads it: the CPU MoE experts packed into the
 engine's kernel tensors, each linear layer packed again from its checkpoint shards, norms and the
 embedding written in place; rollout/engines/vllm_ext.py). The limit is what the bytes alone cost: one `memcpy` of the bytes sent into
 a preallocated buffer per worker (each engine must end up with its own copy). Sync and copy
@@ -38,6 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+MODES = [("object store", "whole"), ("object store", "streamed"), ("shared memory", "whole"), ("shared memory", "streamed")]
 CASES = {
     "compute": dict(workers=2, engine_dtype="float32"),
     "real-bf16": dict(workers=1, engine_dtype="bfloat16", pretrained=True),
@@ -97,11 +101,16 @@ def run_case(case: str, args) -> dict:
     for d in dst:  # touch the pages once so the copy measures copying, not page faults
         d.fill(0)
 
-    syncs, copies = {False: [], True: []}, []
-    start_sync(learner, workers, args.bucket_mb).finish(600)  # warm: first loads allocate
+    syncs, copies = {m: [] for m in MODES}, []
+    for shared in (False, True):  # warm: first loads allocate, the first shared publish maps its slab
+        start_sync(learner, workers, args.bucket_mb, shared=shared).finish(600)
     for _ in range(args.repeats):
-        for stream in (False, True):  # whole, then streamed (`sync.publish`)
-            syncs[stream].append(start_sync(learner, workers, args.bucket_mb, stream=stream).finish(600))
+        for mode in MODES:
+            transport, publish = mode
+            out = start_sync(learner, workers, args.bucket_mb, stream=publish == "streamed",
+                             shared=transport == "shared memory").finish(600)
+            assert out["sync_shared"] == (transport == "shared memory"), out
+            syncs[mode].append(out)
         t0 = time.perf_counter()
         for d in dst:
             np.copyto(d, src)
@@ -124,15 +133,15 @@ def run_case(case: str, args) -> dict:
             reload[direct].append(time.perf_counter() - t0)
 
     copy = statistics.median(copies)
-    first = syncs[False][0]
+    first = syncs[MODES[0]][0]
 
     def modes(key):
-        return {("streamed" if stream else "whole"): statistics.median(s[key] for s in syncs[stream])
-                for stream in (False, True)}
+        return {" ".join(m): statistics.median(s[key] for s in syncs[m]) for m in MODES}
 
     return {"case": case, "malloc": malloc, "bytes": nbytes, "workers": n_workers, "engine_dtype": engine_dtype,
             "buckets": first["sync_buckets"], "tensors": first.get("sync_tensors"),
             "direct_tensors": first.get("sync_direct_tensors"),
+            "unstaged": {" ".join(m): syncs[m][0].get("sync_unstaged_expert_layers") for m in MODES},
             "sync_s": modes("sync_wall_s"), "publish_s": modes("sync_publish_s"), "load_s_max": modes("sync_load_s_max"),
             "memcpy_s": copy, "memcpy_one_s": copy / n_workers,
             "reload_layerwise_s": statistics.median(reload[False]), "reload_direct_s": statistics.median(reload[True])}
@@ -171,20 +180,21 @@ def main() -> None:
     if args.json:
         print(json.dumps({"rows": rows, "versions": versions, "repeats": args.repeats}))
         return
-    print(f"# weight sync: learner → vLLM rollout workers through Ray's object store, buckets of ≤ "
+    print(f"# weight sync: learner → vLLM rollout workers through Ray's object store or the learner's shared memory, buckets of ≤ "
           f"{args.bucket_mb:g} MiB, median of {args.repeats}; against one memcpy of the bytes sent per worker. "
           f"compute: Qwen3-MoE hidden {args.hidden}, {args.layers} layers, 16 experts, fp32; real-bf16: "
           "SmolLM2-135M upcycled to 4 experts, fp32 learner, bf16 engine; learner's malloc: "
           + ", ".join(sorted({r["malloc"] for r in rows})))
     print(f"# torch {torch.__version__}, vllm {vllm.__version__}, ray {ray.__version__}, {platform.machine()}\n")
-    print("| model | engines | publish | MiB sent | memcpy s | publish s | slowest load s | end to end s | vs memcpy |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| model | engines | transport | publish | MiB sent | memcpy s | publish s | slowest load s | end to end s | vs memcpy |")
+    print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         c = r["memcpy_s"]
-        for mode in ("whole", "streamed"):
+        for transport, publish in MODES:
+            mode = f"{transport} {publish}"
             p, load, wall = r["publish_s"][mode], r["load_s_max"][mode], r["sync_s"][mode]
-            print(f"| {r['case']} | {r['workers']} × {r['engine_dtype']} | {mode} | {r['bytes'] / 2**20:.0f} | {c:.3f} | "
-                  f"{p:.3f} ({p / c:.1f}×) | {load:.3f} ({load / c:.1f}×) | {wall:.3f} | {wall / c:.1f}× |")
+            print(f"| {r['case']} | {r['workers']} × {r['engine_dtype']} | {transport} | {publish} | {r['bytes'] / 2**20:.0f} | "
+                  f"{c:.3f} | {p:.3f} ({p / c:.1f}×) | {load:.3f} ({load / c:.1f}×) | {wall:.3f} | {wall / c:.1f}× |")
     print("\nThe engine's reload alone (one engine, the workers gone), against one copy of the bytes:\n")
     print("| model | one copy s | vLLM's layerwise reload s | direct load s | tensors direct |")
     print("| --- | ---: | ---: | ---: | ---: |")

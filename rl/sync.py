@@ -15,6 +15,12 @@ through Ray's object transfer. The wire format (`Manifest`, `publish`, `Outgoing
 is rollout/weights.py. The driver drops the manifest after the sync and the buckets are
 freed.
 
+Shared-memory path (`sync.shared_memory`, the default where the learner and every worker share a
+node): the same buckets, but the learner writes the tensors into a shared-memory slab it keeps
+(rl/shared_weights.py, rollout/shared_memory.py) and a bucket only names where they lie; the
+workers' engines read them in place. `ray.put` alone cost ~3× a memcpy of its bytes, which is what
+this skips. The driver hands the slab back (`release_shared`) once every load is done.
+
 Collective path (`sync.transport: collective`; NCCL between GPUs, gloo on CPUs, rollout/collective.py):
 the learner's rank 0 and every rollout worker form their own process group at start-up
 (`form_group`); a sync queues a receive on every worker and a broadcast on the learner
@@ -56,6 +62,7 @@ class PendingSync:
         self.version = manifest.version if manifest is not None else version
         self.sender = sender
         self.lost: list[int] = []  # workers that died before loading this version (see `finish`)
+        self.release = None  # a shared-memory version: hands its slab back to the learner (`start_sync`)
 
     def _published(self) -> float:
         """The learner's publish seconds (a streamed publish reports them once its last bucket is
@@ -123,9 +130,13 @@ class PendingSync:
                 raise RuntimeError(f"weight sync: rollout worker {self.futures[ref]} reports version {r['version']}, "
                                    f"expected {self.version}")
         published = self._published()
+        shared = bool(self.manifest is not None and self.manifest.shared)
         self.manifest = None  # the buckets are freed once nobody holds a reference
+        if self.release is not None:  # every load is done (a late one raised above: its slab stays held)
+            self.release()
         out = {"sync_version": self.version, "sync_publish_s": published,
-               "sync_wall_s": time.perf_counter() - self.started, "sync_workers_lost": len(self.lost)}
+               "sync_wall_s": time.perf_counter() - self.started, "sync_workers_lost": len(self.lost),
+               "sync_shared": shared}
         if loads:
             load_max = max(r["load_s"] for _, r in loads)
             # sync_s: what delivering the version cost (the publish until the loads were queued + the
@@ -140,6 +151,8 @@ class PendingSync:
                 # through vLLM's layerwise reload (rollout/engines/vllm_ext.py), of those it received
                 out.update({"sync_tensors": loads[0][1]["tensors"],
                             "sync_direct_tensors": min(r["direct"] for _, r in loads)})
+            if all("unstaged" in r for _, r in loads):  # expert layers packed straight from what was sent
+                out["sync_unstaged_expert_layers"] = min(r["unstaged"] for _, r in loads)
         return out
 
 
@@ -179,7 +192,7 @@ def start_collective_sync(learner, workers: list, bucket_mb: float, version: int
 
 
 def start_sync(learner, workers: list, bucket_mb: float, indices: list[int] | None = None,
-               stream: bool = True) -> PendingSync:
+               stream: bool = True, shared: bool = False) -> PendingSync:
     """Publish the learner's current weights and queue a load on every worker; returns once the
     loads are queued (on each worker a load runs after the calls already queued there).
     `indices` names the workers in errors (default: their positions in `workers`).
@@ -188,19 +201,37 @@ def start_sync(learner, workers: list, bucket_mb: float, indices: list[int] | No
     driver asks for each bucket (`publish_bucket`, a call whose result is the bucket in the object
     store) and hands the workers the manifest of those pending results at once, so a worker loads
     bucket 1 while the learner casts and puts bucket 2. Otherwise, and always for a learner group
-    (its gathers are collective), the learner puts every bucket before the loads are queued."""
+    (its gathers are collective), the learner puts every bucket before the loads are queued.
+
+    `shared` (`sync.shared_memory`): when the learner and every worker share a node, the learner
+    writes the version into shared memory instead of the object store (rollout/shared_memory.py),
+    and its slab is released to it once every load is done."""
     t0 = time.perf_counter()
-    plan = result(learner.plan_publish.remote(bucket_mb)) if stream else None
+    shared = {"shared": True} if shared and same_node(learner, workers) else {}
+    plan = result(learner.plan_publish.remote(bucket_mb, **shared)) if stream else None
     seconds = None
     if plan is None:
-        manifest = result(learner.publish.remote(bucket_mb))  # a learner group answers with rank 0's manifest
+        manifest = result(learner.publish.remote(bucket_mb, **shared))  # a learner group answers with rank 0's manifest
     else:
         manifest = planned_manifest(plan, [_one(learner.publish_bucket.remote(i)) for i in range(len(plan["names"]))])
         seconds = _one(learner.publish_seconds.remote())  # runs right after the last bucket
     publish_s = time.perf_counter() - t0
     indices = list(range(len(workers))) if indices is None else indices
     futures = {w.load_weights.remote(manifest): i for i, w in zip(indices, workers)}
-    return PendingSync(manifest, futures, publish_s, t0, publish_seconds_ref=seconds)
+    pending = PendingSync(manifest, futures, publish_s, t0, publish_seconds_ref=seconds)
+    if manifest is not None and manifest.shared:
+        pending.release = lambda: _one(learner.release_shared.remote(manifest.version))
+    return pending
+
+
+def same_node(learner, workers: list) -> bool:
+    """Whether the learner (a single one) and every worker run on one node, so the workers can open
+    the learner's shared memory. Asked at every sync: a worker Ray restarted may be on another node.
+    (In async mode a worker runs this call beside its rollouts; in sync mode it has none queued.)"""
+    ranks = getattr(learner, "actors", [learner])  # rl/learner_group.py LearnerGroup, or the actor itself
+    if len(ranks) > 1:  # a learner group publishes through the object store
+        return False
+    return len(set(ray.get([a.node_id.remote() for a in [ranks[0], *workers]], timeout=60))) == 1
 
 
 def _one(ref):

@@ -387,7 +387,8 @@ class Trainer:
             if version >= min_version:
                 return
             with self._learner_alive("publishing weights"):
-                pending = start_sync(self.learner, [w], self.cfg.sync.bucket_mb, [i], self.cfg.sync_streams())
+                pending = start_sync(self.learner, [w], self.cfg.sync.bucket_mb, [i], self.cfg.sync_streams(),
+                                     shared=self.cfg.sync.shared_memory)
             pending.finish(max(1.0, deadline - time.monotonic()))
             if not pending.lost:
                 self.console.log(f"rollout worker {i} is back, at policy version {pending.version}")
@@ -406,7 +407,8 @@ class Trainer:
                 out = pending.finish(self.cfg.sync.timeout_s)
         else:
             with self._learner_alive("publishing weights"):
-                pending = start_sync(self.learner, self.workers, self.cfg.sync.bucket_mb, stream=self.cfg.sync_streams())
+                pending = start_sync(self.learner, self.workers, self.cfg.sync.bucket_mb, stream=self.cfg.sync_streams(),
+                                     shared=self.cfg.sync.shared_memory)
             out = pending.finish(self.cfg.sync.timeout_s)
         for i in pending.lost:
             self.restore_worker(i, pending.version)
@@ -489,7 +491,8 @@ class Trainer:
         if asynchronous and self.workers:
             # the load queues behind every rollout already submitted; what is submitted next uses it
             with self._learner_alive("publishing weights"):
-                pending = start_sync(self.learner, self.workers, self.cfg.sync.bucket_mb, stream=self.cfg.sync_streams())
+                pending = start_sync(self.learner, self.workers, self.cfg.sync.bucket_mb, stream=self.cfg.sync_streams(),
+                                     shared=self.cfg.sync.shared_memory)
             self._syncs.append((max(self._inflight, default=it), pending))
             self.submit(it + 1 + self.cfg.schedule.max_staleness)
         else:

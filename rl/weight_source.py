@@ -4,7 +4,8 @@ sync group.
 
 A mixin of `rl.learner.Learner`, kept apart because it is one job: it reads the learner's `model`,
 `lm` (rl/logprobs.py `CausalLM`), `lora`, `engine_factors`, `engine_dtype`, `version`, `rank` and
-`world`, and never trains. Imports no Ray (rollout/weights.py imports it where it puts buckets).
+`world`, and never trains. Imports Ray only inside calls (rollout/weights.py where it puts buckets;
+the node of a shared-memory sync).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import torch
 class WeightSource:
     """The learner's weight-sync surface (its Ray actor's `publish`, `plan_publish`, `publish_bucket`,
     `broadcast_weights`, ...)."""
+
+    _shared = None  # rl/shared_weights.py SharedPublisher, made at the first shared-memory sync
+    _outgoing = None
 
     @torch.no_grad()
     def weights(self) -> list[tuple[str, np.ndarray]]:
@@ -76,12 +80,18 @@ class WeightSource:
         return (to_wire(self.engine_tensors(self.engine_dtype), self.engine_dtype), False,
                 self.engine_dtype == torch.bfloat16)
 
-    def publish(self, bucket_mb: float):
+    def publish(self, bucket_mb: float, shared: bool = False):
         """Put what a sync sends into Ray's object store in buckets (rl/sync.py); the manifest names
         this version. In a group every rank gathers tensor by tensor and rank 0 puts the buckets as
-        they fill, so no rank holds a full copy of the model (the others return None)."""
-        from rollout.weights import publish
+        they fill, so no rank holds a full copy of the model (the others return None). `shared`: write
+        it into a shared-memory slab instead, for workers of this node (`plan_publish`)."""
+        from rollout.weights import Manifest, publish
 
+        plan = self.plan_publish(bucket_mb, shared=True) if shared else None
+        if plan is not None and plan.get("shared"):
+            buckets = [self.publish_bucket(i) for i in range(len(plan["names"]))]
+            return Manifest(version=plan["version"], buckets=buckets, bucket_bytes=plan["bytes"], names=plan["names"],
+                            shared=plan["shared"], shared_node=plan["shared_node"])
         named, adapter, bf16 = self._sync_source()
         if self.rank == 0:
             return publish(named, self.version, bucket_mb, adapter=adapter, bf16=bf16)
@@ -89,14 +99,27 @@ class WeightSource:
             pass
         return None
 
-    def plan_publish(self, bucket_mb: float) -> dict | None:
+    def plan_publish(self, bucket_mb: float, shared: bool = False) -> dict | None:
         """Start publishing the current version bucket by bucket (`publish_bucket`, rl/sync.py): its
         plan, from the tensors' sizes alone. None in a group, which publishes whole (`publish`): its
-        gathers are collective, so a plan would cost a gather of the whole model."""
+        gathers are collective, so a plan would cost a gather of the whole model.
+
+        `shared` (the driver found every worker on this node): the buckets are written into a
+        shared-memory slab and name where their tensors lie in it (rl/shared_weights.py), unless the
+        weights are LoRA factors or every slab is still held by a version in flight; the plan then
+        says `shared` (the slab) and `shared_node`."""
         from rollout.weights import Outgoing, wire_nbytes
 
         if self.world > 1:
             return None
+        self._outgoing = None
+        if shared and self.lora is None:
+            plan = self._shared_publisher().plan(self.version, bucket_mb, self._shared_source())
+            if plan is not None:
+                import ray
+
+                self._outgoing = self._shared
+                return {**plan, "shared_node": ray.get_runtime_context().get_node_id()}
         named, adapter, bf16 = self._sync_source()
         if adapter:  # the factors are megabytes: computed once, sized and sent from the same list
             named = list(named)
@@ -108,14 +131,47 @@ class WeightSource:
 
     def publish_bucket(self, index: int) -> list:
         """Bucket `index` of the planned version, cut from the weights as they are now; its return
-        value is what goes into the object store. Ray runs one caller's calls in order, so every
-        bucket is cut before the driver's next training step reaches this actor."""
+        value is what goes into the object store (on the shared path: where its tensors lie in the
+        slab). Ray runs one caller's calls in order, so every bucket is cut before the driver's next
+        training step reaches this actor."""
+        if self._outgoing is self._shared and self._shared is not None:
+            return self._shared.bucket(index)
         return self._outgoing.take(index)
 
     def publish_seconds(self) -> float:
         """Seconds since the plan: called right after the last bucket (Ray runs them in order), the
         streamed publish's share of a sync, the buckets' copies into the object store included."""
+        if self._outgoing is self._shared and self._shared is not None:
+            return self._shared.seconds()
         return time.perf_counter() - self._outgoing.started
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def release_shared(self, version: int) -> None:
+        """The driver saw every load of `version` finish: its shared-memory slab may be reused."""
+        if self._shared is not None:
+            self._shared.release(version)
+
+    def _shared_state(self):
+        state = self.model.state_dict()
+        return _untied((n, t.detach()) for n, t in state.items())
+
+    def _shared_publisher(self):
+        if self._shared is None:
+            from rl.shared_weights import SharedPublisher, layout
+
+            self._shared = SharedPublisher(layout(self.lm, list(self._shared_state()), self.engine_dtype))
+        return self._shared
+
+    def _shared_source(self):
+        """The tensors the shared layout's regions hold, in its order: the learner's own, or, for a
+        model whose renaming is more than slicing, the renamed ones (rl/shared_weights.py)."""
+        if self._shared.layout.views:
+            return self._shared_state()
+        return self.lm.checkpoint_names(self._shared_state())
 
     def join_sync_group(self, master: str, world: int, backend: str, timeout_s: float) -> None:
         """Rank 0 joins the weight-sync process group as its sender (`sync.transport: collective`,

@@ -25,6 +25,8 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
+from rollout.shared_memory import SlabReader, view, written_version
+
 
 @dataclass
 class Manifest:
@@ -36,7 +38,8 @@ class Manifest:
     names: list[list[str]] = field(default_factory=list)
     adapter: bool = False  # the buckets hold LoRA factors to add to the base weights (merge_adapters)
     bf16: bool = False  # its int16 arrays are bfloat16 bit patterns (`to_wire`): iter_weights views them back
-
+    shared: str | None = None  # the learner's shared-memory slab: the buckets hold `SharedTensor`s into it
+    shared_node: str | None = None  # the Ray node whose processes can open it (rollout/shared_memory.py)
 
     @property
     def nbytes(self) -> int:
@@ -132,20 +135,40 @@ class Outgoing:
 def planned_manifest(plan: dict, refs: list) -> Manifest:
     """An `Outgoing` plan's manifest, its buckets the (maybe still pending) results of `take`, in order."""
     return Manifest(version=plan["version"], buckets=list(refs), bucket_bytes=plan["bytes"], names=plan["names"],
-                    adapter=plan["adapter"], bf16=plan["bf16"])
+                    adapter=plan["adapter"], bf16=plan["bf16"], shared=plan.get("shared"),
+                    shared_node=plan.get("shared_node"))
 
 
 def iter_weights(manifest: Manifest) -> Iterator[tuple[str, np.ndarray]]:
     """(name, array) pairs of a manifest, fetching one bucket at a time (runs inside a rollout worker);
     a bf16 manifest's tensors come as torch bf16 views. The previous bucket is released before the next
-    is fetched."""
+    is fetched. A shared-memory manifest's tensors are views of the learner's slab (its buckets, plain
+    lists or object refs, name where they lie), and the slab must still hold this version once they
+    have all been read: a slab rewritten meanwhile fails the load (rollout/shared_memory.py)."""
     import ray
 
+    slab = _shared_slab(manifest) if manifest.shared else None
     for ref in manifest.buckets:
-        bucket = ray.get(ref)
+        bucket = ray.get(ref) if isinstance(ref, ray.ObjectRef) else ref
         for name, arr in bucket:
-            yield name, from_wire(arr, manifest.bf16)
+            yield name, view(slab, arr) if slab is not None else from_wire(arr, manifest.bf16)
         del bucket
+    if slab is not None and written_version(slab) != manifest.version:
+        raise RuntimeError(f"weight sync to version {manifest.version}: the learner's shared-memory slab now holds "
+                           f"version {written_version(slab)}; it was rewritten while this worker read it")
+
+
+_SLABS = SlabReader()
+
+
+def _shared_slab(manifest: Manifest):
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    if manifest.shared_node is not None and here != manifest.shared_node:
+        raise RuntimeError(f"weight sync to version {manifest.version}: published in shared memory on node "
+                           f"{manifest.shared_node}, and this rollout worker runs on node {here}")
+    return _SLABS.open(manifest.shared)
 
 
 class CheckpointTensors:

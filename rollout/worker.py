@@ -282,5 +282,9 @@ class RolloutWorker:
     def score(self, token_ids: list[int]) -> list[float]:
         return self.engine.score(token_ids)
 
+    def node_id(self) -> str:
+        """The Ray node this worker runs on (rl/sync.py: whether it can read the learner's shared memory)."""
+        return ray.get_runtime_context().get_node_id()
+
 
 RolloutWorkerActor = ray.remote(RolloutWorker)

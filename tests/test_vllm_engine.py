@@ -146,13 +146,13 @@ def test_direct_loading_serves_what_vllms_own_reload_serves(engine, hf_model, ti
     assert n_experts > 0 and any(n.endswith("q_proj.weight") for n, _ in moved)
     try:
         out = engine.llm.collective_rpc("lh_reload_weights", args=(iter(moved),), kwargs={"direct": False})[0]
-        assert out == {"tensors": len(moved), "direct": 0}
+        assert out == {"tensors": len(moved), "direct": 0, "unstaged": 0}
         engine.llm.reset_prefix_cache()
         ref_served, ref = engine.llm.collective_rpc(_served)[0], engine.score(prompt)
         engine.load_weights(_checkpoint_tensors(tiny_policy), version=1)  # back, through the direct path
         assert gen_error(engine, hf_model, prompt) < TOL
         out = engine.llm.collective_rpc("lh_reload_weights", args=(iter(moved),))[0]
-        assert out == {"tensors": len(moved), "direct": len(moved)}
+        assert out == {"tensors": len(moved), "direct": len(moved), "unstaged": 0}  # separate arrays: staged
         engine.llm.reset_prefix_cache()
         served, got = engine.llm.collective_rpc(_served)[0], engine.score(prompt)
         assert served.keys() == ref_served.keys() and any("qkv_proj" in k for k in served)
@@ -168,6 +168,68 @@ def test_direct_loading_serves_what_vllms_own_reload_serves(engine, hf_model, ti
         with pytest.raises(Exception, match=r"layers\.1\.self_attn\.qkv_proj\.weight shard 2: got shape"):
             engine.llm.collective_rpc("lh_reload_weights", args=(iter(wrong),))
     finally:  # back to the checkpoint's weights for the other tests of this session
+        engine.load_weights(_checkpoint_tensors(tiny_policy), version=0)
+    assert gen_error(engine, hf_model, prompt) < TOL
+
+
+def _fused_slices(named: list) -> list:
+    """`named` (checkpoint names, one array per expert) with each layer's experts turned into slices
+    of two blocks in the kernel's layout, as a shared-memory sync sends them (the learner's fused
+    gate_up_proj E × 2I × H and down_proj E × H × I); everything else as it is, in the same order."""
+    import re
+
+    tensors = {n: torch.from_numpy(a) for n, a in named}
+    experts: dict = {}
+    for n in tensors:
+        m = re.match(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", n)
+        if m:
+            experts.setdefault(m[1], set()).add(int(m[2]))
+    blocks = {}
+    for prefix, ids in experts.items():
+        e = range(len(ids))
+        blocks[prefix] = (torch.stack([torch.cat([tensors[f"{prefix}.{i}.gate_proj.weight"],
+                                                  tensors[f"{prefix}.{i}.up_proj.weight"]]) for i in e]),
+                          torch.stack([tensors[f"{prefix}.{i}.down_proj.weight"] for i in e]))
+    out = []
+    for n, t in tensors.items():
+        m = re.match(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", n)
+        if m:
+            (gate_up, down), i = blocks[m[1]], int(m[2])
+            inter = down.shape[-1]
+            t = {"gate": gate_up[i, :inter], "up": gate_up[i, inter:], "down": down[i]}[m[3]]
+        out.append((n, t))
+    return out
+
+
+def test_experts_sent_as_slices_of_the_kernels_layout_are_packed_without_staging(engine, hf_model, tiny_policy, prompt):
+    """A shared-memory sync sends the experts as slices of the learner's fused blocks, which are in
+    the CPU kernel's layout: the engine packs each layer straight from them (no staging copy) and then
+    serves exactly what the same weights sent as separate arrays (staged) give. A block whose slices
+    are out of place (one expert's up taken from another row) is staged and still loads the same."""
+    moved = _checkpoint_tensors(tiny_policy, moved=0.02, seed=3)
+    layers = len({n.split(".experts.")[0] for n, _ in moved if ".experts." in n})
+    try:
+        out = engine.llm.collective_rpc("lh_reload_weights", args=(iter(moved),))[0]
+        assert out["unstaged"] == 0
+        engine.llm.reset_prefix_cache()
+        ref_served, ref = engine.llm.collective_rpc(_served)[0], engine.score(prompt)
+        engine.load_weights(_checkpoint_tensors(tiny_policy), version=1)
+        sliced = _fused_slices(moved)
+        out = engine.llm.collective_rpc("lh_reload_weights", args=(iter(sliced),))[0]
+        assert out == {"tensors": len(moved), "direct": len(moved), "unstaged": layers}
+        engine.llm.reset_prefix_cache()
+        served = engine.llm.collective_rpc(_served)[0]
+        assert [k for k in served if not torch.equal(served[k], ref_served[k])] == []
+        assert engine.score(prompt) == ref
+        # one tensor out of place: that layer is staged (its held slices copied), the others are not
+        odd = next(n for n, _ in sliced if n.endswith("experts.1.up_proj.weight"))
+        swapped = [(n, t.clone() if n == odd else t) for n, t in sliced]
+        engine.load_weights(_checkpoint_tensors(tiny_policy), version=2)
+        out = engine.llm.collective_rpc("lh_reload_weights", args=(iter(swapped),))[0]
+        assert out["unstaged"] == layers - 1
+        served = engine.llm.collective_rpc(_served)[0]
+        assert [k for k in served if not torch.equal(served[k], ref_served[k])] == []
+    finally:
         engine.load_weights(_checkpoint_tensors(tiny_policy), version=0)
     assert gen_error(engine, hf_model, prompt) < TOL
 

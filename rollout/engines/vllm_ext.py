@@ -74,7 +74,13 @@ def _staging(pool: dict, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
 class _ExpertLayer:
     """One fused-MoE layer's packed kernel tensors, and the checkpoint-layout staging buffers its
     experts' tensors are copied into until the layer is complete; then both are packed at once
-    (the pack runs its experts in parallel: packing one expert per call was slower than vLLM's path)."""
+    (the pack runs its experts in parallel: packing one expert per call was slower than vLLM's path).
+
+    No staging copy when the experts' tensors arrive as slices of one block already in the kernel's
+    layout (a shared-memory sync sends the learner's fused `gate_up_proj` E × 2I × H, which is vLLM's
+    w13 = [gate; up] per expert, and `down_proj` E × H × I, its w2): the tensors are held, each
+    checked to lie where that layout puts it, and the layer is packed straight from the block. The
+    first one that does not (an object-store sync's separate arrays) sends what is held to staging."""
 
     def __init__(self, module: torch.nn.Module, fused, name: str):
         self.module, self.fused, self.name = module, fused, name
@@ -86,7 +92,33 @@ class _ExpertLayer:
         self.inter = self.w2.shape[-1]
         self.stage: tuple[torch.Tensor, torch.Tensor] | None = None
         self.done: set[tuple[int, str]] = set()
+        self.held: dict[tuple[int, str], torch.Tensor] | None = {}  # None: staging
+        self.blocks: dict[str, tuple] = {}  # "w13"/"w2" -> (storage pointer, element offset of expert 0)
         self.loaded = False
+        self.unstaged = False  # this load packed the experts straight from the tensors sent
+
+    def _in_block(self, key: tuple[int, str], t: torch.Tensor) -> bool:
+        """Whether `t` lies where expert `key` of a block in the kernel's layout would, given the
+        tensors held so far (the first of each block fixes where its block starts)."""
+        expert, shard = key
+        block = "w2" if shard == "w2" else "w13"
+        target = self.w2 if block == "w2" else self.w13
+        if t.dtype != target.dtype or not t.is_contiguous():
+            return False
+        per_expert = target[0].numel()
+        start = t.storage_offset() - expert * per_expert - (self.inter * target.shape[-1] if shard == "w3" else 0)
+        where = (t.untyped_storage().data_ptr(), start)
+        if start < 0 or start + target.numel() > t.untyped_storage().nbytes() // t.element_size():
+            return False
+        return self.blocks.setdefault(block, where) == where
+
+    def _to_stage(self, key: tuple[int, str], t: torch.Tensor, pool: dict) -> None:
+        if self.stage is None:
+            self.stage = (_staging(pool, self.w13.shape, self.w13.dtype), _staging(pool, self.w2.shape, self.w2.dtype))
+        s13, s2 = self.stage
+        expert, shard = key
+        rows = {"w1": s13[expert, :self.inter], "w3": s13[expert, self.inter:], "w2": s2[expert]}[shard]
+        rows.copy_(t)  # vLLM's w13 is [gate (w1); up (w3)]
 
     def put(self, key: tuple[int, str], t: torch.Tensor, pool: dict) -> None:
         from vllm import _custom_ops as ops  # noqa: F401  (registers torch.ops._C)
@@ -96,19 +128,31 @@ class _ExpertLayer:
         if tuple(t.shape) != tuple(want):
             raise ValueError(f"weight sync: {self.name} expert {expert} {shard}: got shape {tuple(t.shape)}, "
                              f"the engine's is {tuple(want)}")
-        if self.stage is None:
-            self.stage = (_staging(pool, self.w13.shape, self.w13.dtype), _staging(pool, self.w2.shape, self.w2.dtype))
-        s13, s2 = self.stage
-        rows = {"w1": s13[expert, :self.inter], "w3": s13[expert, self.inter:], "w2": s2[expert]}[shard]
-        rows.copy_(t)  # vLLM's w13 is [gate (w1); up (w3)]
+        if self.held is not None and self._in_block(key, t):
+            self.held[key] = t
+        else:
+            if self.held:  # what was held goes to staging after all
+                for k, h in self.held.items():
+                    self._to_stage(k, h, pool)
+            self.held = None
+            self._to_stage(key, t, pool)
         self.done.add(key)
         if len(self.done) == 3 * self.w13.shape[0]:
-            torch.ops._C.prepack_moe_weight(s13, self.w13.data, self.fused.isa)
-            torch.ops._C.prepack_moe_weight(s2, self.w2.data, self.fused.isa)
-            self.loaded = True
-            for s in self.stage:
+            if self.held is not None:  # both blocks complete, in the kernel's layout: packed from them
+                src13, src2 = (self._block(b, target) for b, target in (("w13", self.w13), ("w2", self.w2)))
+            else:
+                src13, src2 = self.stage
+            torch.ops._C.prepack_moe_weight(src13, self.w13.data, self.fused.isa)
+            torch.ops._C.prepack_moe_weight(src2, self.w2.data, self.fused.isa)
+            self.loaded, self.unstaged, self.held = True, self.held is not None, {}
+            for s in self.stage or ():
                 pool[(tuple(s.shape), s.dtype)].append(s)
             self.stage = None
+
+    def _block(self, block: str, target: torch.Tensor) -> torch.Tensor:
+        first = next(t for (_, shard), t in self.held.items() if (shard == "w2") == (block == "w2"))
+        contiguous = torch.empty(target.shape, device="meta").stride()
+        return first.as_strided(tuple(target.shape), contiguous, self.blocks[block][1])
 
     def check(self) -> None:
         if self.done and not self.loaded:
@@ -355,7 +399,9 @@ class WeightSyncExtension:
                 for module in group:
                     if id(module) not in processed:
                         module.quant_method.process_weights_after_loading(module)
-        return {"tensors": count, "direct": count - len(rest)}
+        # `unstaged`: expert layers packed straight from the tensors sent (no staging copy; _ExpertLayer)
+        return {"tensors": count, "direct": count - len(rest),
+                "unstaged": sum(isinstance(layer, _ExpertLayer) and layer.unstaged for layer in done)}
 
     def _lh_vllm_reload(self, model, rest: list, done: list, repack_moe: bool) -> None:
         """vLLM's layerwise reload of what the direct path did not load."""
