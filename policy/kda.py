@@ -184,7 +184,7 @@ class _KDAChunked(torch.autograd.Function):
         segments = _segments(T, C, B * H * max(K, v.shape[-1]))
         outs, starts, S = [], [], S0
         for t0, t1 in segments:
-            W, U, Qg, QK, carry, K_out = _intra(*(_chunks(t[:, t0:t1], C) for t in (q, k, v, g, beta)), s, pairwise)
+            W, U, Qg, QK, carry, K_out = _intra(*_segment((q, k, v, g, beta), t0, t1, C, S0.dtype), s, pairwise)
             S_all = _scan(_transition(W, carry, K_out), K_out @ U, S)
             S_in = S_all[:-1]
             outs.append(_unchunk(Qg @ S_in + QK @ (U - W @ S_in), t1 - t0))
@@ -205,7 +205,7 @@ class _KDAChunked(torch.autograd.Function):
         for i in reversed(range(len(segments))):
             t0, t1 = segments[i]
             with torch.enable_grad():
-                leaves = [_chunks(t[:, t0:t1], C).requires_grad_() for t in inputs]
+                leaves = [t.requires_grad_() for t in _segment(inputs, t0, t1, C, starts.dtype)]
                 outs = W, U, Qg, QK, carry, K_out = _intra(*leaves, s, pairwise)
             M = _transition(W, carry, K_out)
             S = _scan(M, K_out @ U, starts[i])[:-1]  # the chunks' states again, from the segment's start
@@ -218,8 +218,14 @@ class _KDAChunked(torch.autograd.Function):
             douts = (-dV_new @ S.transpose(-1, -2), dV_new, dO @ S.transpose(-1, -2), dO @ V_new.transpose(-1, -2),
                      (dS_next * S).sum(-1), dS_next @ V_new.transpose(-1, -2))
             for grad, leaf_grad in zip(grads, torch.autograd.grad(outs, leaves, douts)):
-                grad[:, t0:t1] = _unchunk(leaf_grad, t1 - t0)
+                grad[:, t0:t1] = _unchunk(leaf_grad, t1 - t0)  # in the input's dtype (bf16: rounded once)
         return (*grads, dS if ctx.needs_input_grad[5] else None, None, None, None)
+
+
+def _segment(inputs, t0: int, t1: int, C: int, dt: torch.dtype) -> list[torch.Tensor]:
+    """Tokens [t0, t1) of each input in chunk layout, in the math dtype `dt` (a bf16 input is
+    upcast here, a segment at a time: exact, so the math is fp32's on the bf16 values)."""
+    return [_chunks(t[:, t0:t1], C).to(dt) for t in inputs]
 
 
 def kda_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV=None, chunk_size: int = 16,
@@ -229,13 +235,21 @@ def kda_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV=None, chunk_siz
     `chunk_size` ≤ 16 or a multiple of 16 (sub-chunks of 16). `step_bound`: the largest |g| a step
     can have (the safe gate's |g_min|); given, the diagonal blocks' form is chosen once
     (`factorisable`) without looking at the data; without it (the softplus gate is unbounded) the
-    data's largest span decides, with one host sync per call."""
+    data's largest span decides, with one host sync per call.
+
+    bf16 operands: the inputs are kept (and saved for backward) in their own dtype, and each segment
+    is upcast as it is computed, so bf16 q, k, v cost autograd half the bytes of fp32 ones while the
+    math, the state and the output stay fp32 (exactly the fp32 result on the bf16 values); their
+    gradients come back in their dtype. The decay g and β should stay fp32 (the decay's cumulative
+    sums over a chunk would lose their small steps in bf16), as `KDA.inputs` gives them."""
     if chunk_size < 1 or (chunk_size > SUB_CHUNK and chunk_size % SUB_CHUNK):
         raise ValueError(f"chunk_size {chunk_size}: must be <= {SUB_CHUNK} or a multiple of {SUB_CHUNK}")
-    dt = torch.promote_types(q_BTHK.dtype, torch.float32)
-    q, k, v, g, beta = (t.to(dt) for t in (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH))
+    q, k, v, g, beta = q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH
+    dt = torch.float32
+    for t in (q, k, v, g, beta):
+        dt = torch.promote_types(dt, t.dtype)
     B, T, H, K = q.shape
-    S = q.new_zeros(B, H, K, v.shape[-1]) if S_BHKV is None else S_BHKV.to(dt)
+    S = torch.zeros(B, H, K, v.shape[-1], dtype=dt, device=q.device) if S_BHKV is None else S_BHKV.to(dt)
     s = min(chunk_size, SUB_CHUNK)
     static = factorisable(chunk_size, step_bound)
     pairwise = (not static) if static is not None else _diag_span(g, s) > _MAX_EXP
@@ -324,15 +338,17 @@ class KDA(nn.Module):
         return self.a.g_min * torch.sigmoid(A * f)
 
     def inputs(self, x_BTD, conv_states=(None, None, None)):
-        """The recurrence's inputs: q, k (L2-normalised, q scaled), v (B, T, H, K), β (B, T, H) and g,
-        then the three new conv states."""
+        """The recurrence's inputs: q, k (L2-normalised, q scaled), v (B, T, H, K) in the projections'
+        dtype, β (B, T, H) and g in fp32, then the three new conv states."""
         B, T, _ = x_BTD.shape
         H, K = self.a.n_heads, self.a.head_dim
         (q, cq), (k, ck), (v, cv) = (causal_conv(proj(x_BTD), w, c) for proj, w, c in
                                      zip((self.q_proj, self.k_proj, self.v_proj), (self.q_conv, self.k_conv, self.v_conv),
                                          conv_states))
-        q = F.normalize(upcast(q.view(B, T, H, K)), dim=-1, eps=1e-6) * K**-0.5
-        k = F.normalize(upcast(k.view(B, T, H, K)), dim=-1, eps=1e-6)
+        # normalised in fp32, then kept in the projections' dtype: in a bf16 model the chunk form keeps
+        # q and k in bf16 for backward (half the bytes) and computes on their values in fp32
+        q = (F.normalize(upcast(q.view(B, T, H, K)), dim=-1, eps=1e-6) * K**-0.5).to(q.dtype)
+        k = F.normalize(upcast(k.view(B, T, H, K)), dim=-1, eps=1e-6).to(k.dtype)
         beta = torch.sigmoid(upcast(self.beta_proj(x_BTD)))
         return q, k, v.view(B, T, H, K), beta, self.decay(x_BTD), cq, ck, cv
 
@@ -362,4 +378,5 @@ class KDA(nn.Module):
             o, S = kda_chunked(q, k, v, g, beta, st.S, self.a.chunk_size, step_bound=bound)
         if state is not None:
             (state.conv_q, state.conv_k, state.conv_v), state.S = convs, S
+        o = o.to(x_BTD.dtype)  # what `output` reads it as: kept for backward in the model's dtype, not fp32
         return recompute(self.output, (o, x_BTD), list(self.parameters())) if train else self.output(o, x_BTD)

@@ -96,6 +96,55 @@ def test_strong_unbounded_decay_takes_the_pairwise_diagonal_blocks_and_equals_re
     assert (len(spans) == 1 and spans[0] > 60) if bound is None else spans == []
 
 
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_bf16_operands_are_kept_in_bf16_and_computed_as_fp32_math_on_their_values(chunk, monkeypatch):
+    """bf16 q, k, v (g and β fp32, as `KDA.inputs` gives them): autograd keeps them in bf16 (half the
+    bytes), the output and state are fp32, and they equal the fp64 recurrence on the same bf16
+    values to fp32 tolerance (the upcast is exact: only the rounding of the inputs differs from fp32
+    inputs); the gradients come back in bf16 and equal the fp64 recurrence's rounded to bf16."""
+    from policy import kda as kda_module
+
+    monkeypatch.setattr(kda_module, "_SEGMENT_ELEMENTS", 16 * 2 * 3 * 8)  # several segments
+    q, k, v, g, beta, S0 = _kda_inputs(torch.float32, T=45)
+    low = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    rest = [t.requires_grad_() for t in (g, beta, S0)]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, t.numel())) or t, lambda t: t):
+        o, S = kda_chunked(*low, *rest[:2], rest[2], chunk_size=chunk, step_bound=5.0)
+    assert o.dtype == S.dtype == torch.float32
+    assert sorted(n for dt, n in saved if dt == torch.bfloat16) == sorted(t.numel() for t in low)  # kept as given
+    (o.pow(2).sum() + S.sum()).backward()
+    ref = [t.detach().double().requires_grad_() for t in (*low, *rest)]
+    o_ref, S_ref = kda_recurrent(*ref)
+    (o_ref.pow(2).sum() + S_ref.sum()).backward()
+    assert (o.double() - o_ref).abs().max() < 1e-4 and (S.double() - S_ref).abs().max() < 1e-4
+    for t, r in zip((*low, *rest), ref):
+        assert t.grad.dtype == t.dtype
+        scale = r.grad.abs().max()
+        tol = 1e-2 * scale if t.dtype == torch.bfloat16 else 1e-4 * scale  # bf16: its rounding of the gradient
+        assert (t.grad.double() - r.grad).abs().max() <= tol
+
+
+def test_a_bf16_kda_layer_keeps_only_the_decay_and_beta_in_fp32_for_backward():
+    """A bf16 KDA layer in training: of what autograd keeps per token, only the decay g and β are fp32
+    (x, q, k, v and the recurrence's output are bf16), and its gradients are finite."""
+    from policy.args import load_model_args
+
+    args = load_model_args("configs/policy/debug.yaml")
+    torch.manual_seed(0)
+    layer = KDA(args.dim, args.kda).to(torch.bfloat16)
+    T, H, K = 64, args.kda.n_heads, args.kda.head_dim
+    x = torch.randn(1, T, args.dim, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, tuple(t.shape))) or t, lambda t: t):
+        y = layer(x)
+    per_token = [(dt, shape) for dt, shape in saved if T in shape]
+    assert sorted(shape for dt, shape in per_token if dt == torch.float32) == [(1, T, H), (1, T, H, K)]
+    assert sum(dt == torch.bfloat16 for dt, _ in per_token) >= 5  # x (twice: both recomputes), q, k, v, o
+    y.float().pow(2).sum().backward()
+    assert torch.isfinite(x.grad).all() and all(torch.isfinite(p.grad).all() for p in layer.parameters())
+
+
 def test_the_chunk_form_saves_only_its_inputs_and_a_state_per_segment(monkeypatch):
     """Autograd keeps, for the chunk form, its five inputs and the state at each segment's start:
     nothing per token beyond the inputs; the intermediates and the chunks' states are recomputed in
