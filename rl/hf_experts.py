@@ -133,14 +133,16 @@ class _ExpertViews(torch.autograd.Function):
 def _writes_own_grad(weight: torch.Tensor) -> bool:
     """Whether `_ExpertViews` may write `weight.grad` itself: a plain leaf tensor (not a DTensor or
     other subclass) that wants a gradient, with no hook that expects to see it pass, in a process
-    without a torch.distributed group (a learner group's FSDP collects the gradients of the
-    unsharded weights it swaps in, on its own schedule: that path keeps autograd's accumulation)."""
+    outside a torch.distributed group of several ranks (a learner group's FSDP collects the gradients
+    of the unsharded weights it swaps in, on its own schedule: that path keeps autograd's
+    accumulation). A group of one does not count: it shards nothing, and vLLM starts one of its own
+    in any process that runs an engine in-process (the test session's does)."""
     import torch.distributed as dist
 
     return (type(weight) in (torch.Tensor, torch.nn.Parameter) and weight.is_leaf and weight.requires_grad
             and torch.is_grad_enabled() and not weight._backward_hooks
             and not getattr(weight, "_post_accumulate_grad_hooks", None)
-            and not (dist.is_available() and dist.is_initialized()))
+            and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1))
 
 
 def expert_views(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
