@@ -87,8 +87,8 @@ class WeightSource:
         it into a shared-memory slab instead, for workers of this node (`plan_publish`)."""
         from rollout.weights import Manifest, publish
 
-        plan = self.plan_publish(bucket_mb, shared=True) if shared else None
-        if plan is not None and plan.get("shared"):
+        plan = self._plan_shared(bucket_mb) if shared and self.world == 1 else None
+        if plan is not None:
             buckets = [self.publish_bucket(i) for i in range(len(plan["names"]))]
             return Manifest(version=plan["version"], buckets=buckets, bucket_bytes=plan["bytes"], names=plan["names"],
                             shared=plan["shared"], shared_node=plan["shared_node"])
@@ -112,14 +112,9 @@ class WeightSource:
 
         if self.world > 1:
             return None
-        self._outgoing = None
-        if shared and self.lora is None:
-            plan = self._shared_publisher().plan(self.version, bucket_mb, self._shared_source())
-            if plan is not None:
-                import ray
-
-                self._outgoing = self._shared
-                return {**plan, "shared_node": ray.get_runtime_context().get_node_id()}
+        plan = self._plan_shared(bucket_mb) if shared else None
+        if plan is not None:
+            return plan
         named, adapter, bf16 = self._sync_source()
         if adapter:  # the factors are megabytes: computed once, sized and sent from the same list
             named = list(named)
@@ -154,6 +149,20 @@ class WeightSource:
         """The driver saw every load of `version` finish: its shared-memory slab may be reused."""
         if self._shared is not None:
             self._shared.release(version)
+
+    def _plan_shared(self, bucket_mb: float) -> dict | None:
+        """The shared-memory plan of the current version (its slab taken), or None: LoRA factors
+        (megabytes, through the object store), or every slab still held by a version in flight."""
+        self._outgoing = None
+        if self.lora is not None:
+            return None
+        plan = self._shared_publisher().plan(self.version, bucket_mb, self._shared_source())
+        if plan is None:
+            return None
+        import ray
+
+        self._outgoing = self._shared
+        return {**plan, "shared_node": ray.get_runtime_context().get_node_id()}
 
     def _shared_state(self):
         state = self.model.state_dict()
