@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from rollout.shared_memory import SharedTensor, Slab, aligned
+from rollout.weights import bucketize
 
 
 @dataclass
@@ -45,7 +46,7 @@ def _regions(named, engine_dtype: torch.dtype):
     for name, shape, dtype in named:
         dt = _region_dtype(dtype, engine_dtype)
         regions.append((name, tuple(shape), dt, offset))
-        offset += aligned(max(1, torch.Size(shape).numel()) * torch.empty((), dtype=dt).element_size())
+        offset += aligned(max(1, torch.Size(shape).numel()) * dt.itemsize)
     return regions, offset
 
 
@@ -94,8 +95,7 @@ def layout(lm, named: list[tuple[str, torch.Tensor]], engine_dtype: torch.dtype)
             return renamed_layout(lm, named, engine_dtype)
         r, local, stride = hit
         _, _, dt, offset = regions[r]
-        size = torch.empty((), dtype=dt).element_size()
-        entries.append((name, r, SharedTensor(offset + local * size, tuple(t.shape), stride, str(dt).removeprefix("torch."))))
+        entries.append((name, r, SharedTensor(offset + local * dt.itemsize, tuple(t.shape), stride, str(dt).removeprefix("torch."))))
     return Layout(regions, entries, True, nbytes)
 
 
@@ -112,7 +112,7 @@ def renamed_layout(lm, named: list[tuple[str, torch.Tensor]], engine_dtype: torc
 class SharedPublisher:
     """Versions written into slabs: one per version in flight, reused once the driver releases it
     (`release`); at most `max_slabs` (beyond that `plan` answers None and the version goes through
-    the object store)."""
+    the object store). Cut like rollout/weights.py `Outgoing`: `take(i)` in order, `started`."""
 
     def __init__(self, layout: Layout, max_slabs: int = 4):
         self.layout, self.max_slabs = layout, max_slabs
@@ -129,23 +129,16 @@ class SharedPublisher:
             self.slabs.append(slab)
         slab.version = version
         slab.mark(-1)
-        max_bytes = max(1, int(bucket_mb * (1 << 20)))
-        buckets, size = [[]], 0
-        for i, (_, _, ref) in enumerate(self.layout.entries):
-            n = _nbytes(ref)
-            if buckets[-1] and size + n > max_bytes:
-                buckets.append([])
-                size = 0
-            buckets[-1].append(i)
-            size += n
-        self._cut = {"slab": slab, "buckets": buckets, "source": iter(source), "written": 0, "next": 0,
-                     "started": time.perf_counter()}
+        sizes = ((i, _nbytes(ref)) for i, (_, _, ref) in enumerate(self.layout.entries))
+        buckets = [[i for i, _ in g] for g in bucketize(sizes, max(1, int(bucket_mb * (1 << 20))), nbytes=lambda n: n)]
+        self.started = time.perf_counter()
+        self._cut = {"slab": slab, "buckets": buckets, "source": iter(source), "written": 0, "next": 0}
         names = [[self.layout.entries[i][0] for i in b] for b in buckets]
         nbytes = [sum(_nbytes(self.layout.entries[i][2]) for i in b) for b in buckets]
         return {"version": version, "names": names, "bytes": nbytes, "adapter": False, "bf16": False,
                 "shared": slab.path}
 
-    def bucket(self, index: int) -> list[tuple[str, SharedTensor]]:
+    def take(self, index: int) -> list[tuple[str, SharedTensor]]:
         """Write what bucket `index` views into the slab (the regions up to its last), and name its
         tensors. The last bucket writes every remaining region and marks the slab with the version."""
         cut = self._cut
@@ -172,9 +165,6 @@ class SharedPublisher:
             slab.region(offset, shape, dtype).copy_(t)  # the cast to the engines' dtype is this copy
             cut["written"] += 1
 
-    def seconds(self) -> float:
-        return time.perf_counter() - self._cut["started"]
-
     def release(self, version: int) -> None:
         """Every load of `version` is done: its slab may take the next version."""
         for slab in self.slabs:
@@ -183,4 +173,4 @@ class SharedPublisher:
 
 
 def _nbytes(ref: SharedTensor) -> int:
-    return torch.Size(ref.shape).numel() * torch.empty((), dtype=getattr(torch, ref.dtype)).element_size()
+    return torch.Size(ref.shape).numel() * getattr(torch, ref.dtype).itemsize

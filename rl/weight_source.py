@@ -129,15 +129,11 @@ class WeightSource:
         value is what goes into the object store (on the shared path: where its tensors lie in the
         slab). Ray runs one caller's calls in order, so every bucket is cut before the driver's next
         training step reaches this actor."""
-        if self._outgoing is self._shared and self._shared is not None:
-            return self._shared.bucket(index)
         return self._outgoing.take(index)
 
     def publish_seconds(self) -> float:
         """Seconds since the plan: called right after the last bucket (Ray runs them in order), the
         streamed publish's share of a sync, the buckets' copies into the object store included."""
-        if self._outgoing is self._shared and self._shared is not None:
-            return self._shared.seconds()
         return time.perf_counter() - self._outgoing.started
 
     def node_id(self) -> str:

@@ -66,20 +66,14 @@ class Slab:
 
     def region(self, offset: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         """The contiguous tensor of `shape` at byte `offset` (past the header), to write into."""
-        numel = torch.Size(shape).numel()
-        size = torch.empty((), dtype=dtype).element_size()
-        return self.bytes[HEADER + offset:HEADER + offset + numel * size].view(dtype).view(shape)
-
-    def close(self) -> None:
-        self.bytes = None
-        self._map.close()
-        os.close(self.fd)
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        return self.bytes[HEADER + offset:HEADER + offset + nbytes].view(dtype).view(shape)
 
 
 def view(slab_bytes: torch.Tensor, ref: SharedTensor) -> torch.Tensor:
     """The tensor `ref` describes, as a view of a slab's bytes (no copy)."""
     dtype = getattr(torch, ref.dtype)
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     if ref.offset % size:
         raise ValueError(f"weight sync: a shared tensor at byte {ref.offset} is not aligned to its {ref.dtype} elements")
     body = slab_bytes[HEADER:]

@@ -44,7 +44,7 @@ def _named(model):
 def _publish(lm, named, dtype, version=3, bucket_mb=0.01, lay=None):
     pub = SharedPublisher(lay or layout(lm, named, dtype))
     plan = pub.plan(version, bucket_mb, iter(named) if pub.layout.views else lm.checkpoint_names(iter(named)))
-    buckets = [pub.bucket(i) for i in range(len(plan["names"]))]
+    buckets = [pub.take(i) for i in range(len(plan["names"]))]
     return pub, plan, buckets
 
 
@@ -97,7 +97,7 @@ def test_slabs_are_reused_only_once_released():
     pub = SharedPublisher(layout(lm, named, torch.float32), max_slabs=2)
     first = pub.plan(1, 1.0, iter(named))
     for i in range(len(first["names"])):
-        pub.bucket(i)
+        pub.take(i)
     second = pub.plan(2, 1.0, iter(named))
     assert second["shared"] != first["shared"]  # version 1 still in flight: a second slab
     assert pub.plan(3, 1.0, iter(named)) is None  # both held: this version takes the object store
@@ -112,7 +112,7 @@ def test_a_learner_whose_tensors_changed_fails_by_name():
     plan = pub.plan(1, 1e-9, iter(named[:1] + [("other.weight", named[1][1])] + named[2:]))
     with pytest.raises(RuntimeError, match=r"learner's tensor 1 is other.weight .*layout expects model.layers.0"):
         for i in range(len(plan["names"])):
-            pub.bucket(i)
+            pub.take(i)
 
 
 @ray.remote(num_cpus=0)
@@ -137,7 +137,7 @@ class _Publisher:
 
     def publish(self, version):
         plan = self.pub.plan(version, 1.0, iter(self.named))
-        buckets = [self.pub.bucket(i) for i in range(len(plan["names"]))]
+        buckets = [self.pub.take(i) for i in range(len(plan["names"]))]
         return Manifest(version, buckets, plan["bytes"], plan["names"], shared=plan["shared"],
                         shared_node=ray.get_runtime_context().get_node_id())
 
