@@ -4,7 +4,8 @@ the whole loop on one GPU.
 `longhorizon train configs/gpu/one_gpu.yaml` for a few iterations — the real policy (SmolLM2-135M
 upcycled to 4 experts, top-1), the learner on CUDA in bf16 and one vLLM engine sharing the GPU,
 GRPO on the calculator — then, per iteration from metrics.jsonl: generated tokens/s of the rollouts,
-the learner's seconds and tokens/s, the weight sync's seconds and bytes, and the engine/learner
+the learner's seconds and tokens/s, the weight sync's seconds, bytes and path (the one-GPU config's
+must be the learner's GPU memory, mapped by the engine through CUDA IPC), and the engine/learner
 log-prob gap on the tokens of the current version (mean |Δ log p| and the k3 KL), which is what a
 wrong or stale sync would show first. Add `lora.enabled=true algo.lr=2e-4` (or any override) after
 `--` to check LoRA RL on the GPU the same way.
@@ -57,18 +58,23 @@ def main() -> int:
     for row in rows:
         print(json.dumps({k: row.get(k) for k in (
             "iteration", "mean_reward", "generated_tokens", "gen_tokens_per_s", "rollout_s", "train_s", "sync_s",
-            "sync_bytes", "rollout_logprob_diff_mean_current", "rollout_kl", "learner_gpu_peak_mib", "iteration_s")}))
+            "sync_bytes", "sync_shared_gpu", "rollout_logprob_diff_mean_current", "rollout_kl", "learner_gpu_peak_mib", "iteration_s")}))
     print(f"\n# {' '.join(['longhorizon train', Path(a.config).name, *cmd[5:]])} on {torch.cuda.get_device_name()}\n")
-    print("| iteration | reward | rollout gen tok/s | learner s | sync s | sync MiB | engine/learner |Δ log p| | KL | "
-          "learner GPU peak GiB |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| iteration | reward | rollout gen tok/s | learner s | sync s | sync MiB | sync through | engine/learner |Δ log p| | "
+          "KL | learner GPU peak GiB |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
     for row in rows:
         print(f"| {row['iteration']} | {row['mean_reward']:.3f} | {row['generated_tokens'] / max(row['rollout_s'], 1e-9):,.0f} | "
               f"{row['train_s']:.2f} | {row.get('sync_s', 0):.2f} | {row.get('sync_bytes', 0) / 2**20:,.0f} | "
+              f"{'GPU memory (CUDA IPC)' if row.get('sync_shared_gpu') else 'host memory' if row.get('sync_shared') else 'object store'} | "
               f"{row.get('rollout_logprob_diff_mean_current', float('nan')):.2e} | {row['rollout_kl']:.2e} | "
               f"{row.get('learner_gpu_peak_mib', 0) / 1024:.1f} |")
     gap = max(r.get("rollout_logprob_diff_mean_current", 0) for r in rows)
-    return 0 if gap < 0.05 else 1  # bf16 learner against an fp32 engine: ~1e-2 (bench/gpu_learner_check.py)
+    # one_gpu.yaml's engine shares the learner's GPU: its syncs must go through that GPU's memory
+    ipc = any(r.get("sync_shared_gpu") for r in rows) or a.config != ap.get_default("config")
+    if not ipc:
+        print("error: no sync went through the GPU's memory (CUDA IPC)", file=sys.stderr)
+    return 0 if gap < 0.05 and ipc else 1  # bf16 learner against an fp32 engine: ~1e-2 (bench/gpu_learner_check.py)
 
 
 if __name__ == "__main__":

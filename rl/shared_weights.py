@@ -11,6 +11,8 @@ learner. Which slices they are is not written down per model: `layout` runs the 
 renaming once on tensors of element indices and reads every output back as (offset, strides) into
 the input it came from. A model whose renaming makes anything but slices (a sum, a reversed copy)
 gets a layout of the renamed tensors themselves, written by running the renaming at every sync.
+The same layout serves a slab in host memory or in the learner's GPU (CUDA IPC, for engines on
+that GPU): only where the slab lies differs.
 """
 
 from __future__ import annotations
@@ -118,14 +120,19 @@ class SharedPublisher:
         self.layout, self.max_slabs = layout, max_slabs
         self.slabs: list[Slab] = []
 
-    def plan(self, version: int, bucket_mb: float, source) -> dict | None:
+    def plan(self, version: int, bucket_mb: float, source, device: torch.device | None = None) -> dict | None:
         """Take a slab for `version` and plan its buckets (consecutive entries of at most `bucket_mb`
-        MiB); `source` yields the regions' (name, tensor), read once, in order, as buckets are cut."""
-        slab = next((s for s in self.slabs if s.version is None), None)
+        MiB); `source` yields the regions' (name, tensor), read once, in order, as buckets are cut.
+        `device`: a CUDA device puts the slab in its memory (engines on that GPU), else host memory."""
+        device = torch.device("cpu") if device is None else torch.device(device)
+        slab = next((s for s in self.slabs if s.version is None and s.device == device), None)
         if slab is None:
+            idle = [s for s in self.slabs if s.version is None]  # free, but in the other memory
+            if len(self.slabs) >= self.max_slabs and idle:
+                self.slabs.remove(idle[0])
             if len(self.slabs) >= self.max_slabs:
                 return None
-            slab = Slab(self.layout.nbytes)
+            slab = Slab(self.layout.nbytes, device)
             self.slabs.append(slab)
         slab.version = version
         slab.mark(-1)
@@ -136,7 +143,7 @@ class SharedPublisher:
         names = [[self.layout.entries[i][0] for i in b] for b in buckets]
         nbytes = [sum(_nbytes(self.layout.entries[i][2]) for i in b) for b in buckets]
         return {"version": version, "names": names, "bytes": nbytes, "adapter": False, "bf16": False,
-                "shared": slab.path}
+                "shared": slab.address}
 
     def take(self, index: int) -> list[tuple[str, SharedTensor]]:
         """Write what bucket `index` views into the slab (the regions up to its last), and name its
@@ -151,6 +158,8 @@ class SharedPublisher:
         cut["next"] += 1
         if last:
             cut["slab"].mark(cut["slab"].version)
+        else:
+            cut["slab"].flush()
         return [(name, ref) for name, _, ref in entries]
 
     def _write(self, cut: dict, upto: int) -> None:

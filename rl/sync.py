@@ -19,7 +19,9 @@ Shared-memory path (`sync.shared_memory`, the default where the learner and ever
 node): the same buckets, but the learner writes the tensors into a shared-memory slab it keeps
 (rl/shared_weights.py, rollout/shared_memory.py) and a bucket only names where they lie; the
 workers' engines read them in place. `ray.put` alone cost ~3× a memcpy of its bytes, which is what
-this skips. The driver hands the slab back (`release_shared`) once every load is done.
+this skips. The driver hands the slab back (`release_shared`) once every load is done. A learner
+on a GPU whose every engine runs on that same GPU (configs/gpu/one_gpu.yaml) keeps the slab in GPU
+memory and the engines map it through CUDA IPC (`shared_memory_kind`; metric `sync_shared_gpu`).
 
 Collective path (`sync.transport: collective`; NCCL between GPUs, gloo on CPUs, rollout/collective.py):
 the learner's rank 0 and every rollout worker form their own process group at start-up
@@ -44,6 +46,7 @@ import ray
 
 from rl.ray_utils import result
 from rollout.weights import Manifest, planned_manifest
+from rollout.shared_memory import CudaIpc
 
 # How a rollout worker's death shows in a call to it: its process died (crash, kill, node loss),
 # its result was lost with it, or Ray's memory monitor killed it (the actor restarts like a crash).
@@ -131,12 +134,13 @@ class PendingSync:
                                    f"expected {self.version}")
         published = self._published()
         shared = bool(self.manifest is not None and self.manifest.shared)
+        on_gpu = shared and isinstance(self.manifest.shared, CudaIpc)
         self.manifest = None  # the buckets are freed once nobody holds a reference
         if self.release is not None:  # every load is done (a late one raised above: its slab stays held)
             self.release()
         out = {"sync_version": self.version, "sync_publish_s": published,
                "sync_wall_s": time.perf_counter() - self.started, "sync_workers_lost": len(self.lost),
-               "sync_shared": shared}
+               "sync_shared": shared, "sync_shared_gpu": on_gpu}
         if loads:
             load_max = max(r["load_s"] for _, r in loads)
             # sync_s: what delivering the version cost (the publish until the loads were queued + the
@@ -205,9 +209,11 @@ def start_sync(learner, workers: list, bucket_mb: float, indices: list[int] | No
 
     `shared` (`sync.shared_memory`): when the learner and every worker share a node, the learner
     writes the version into shared memory instead of the object store (rollout/shared_memory.py),
-    and its slab is released to it once every load is done."""
+    in its GPU's memory when it trains on a GPU every worker's engine shares (CUDA IPC), and its slab
+    is released to it once every load is done."""
     t0 = time.perf_counter()
-    shared = {"shared": True} if shared and same_node(learner, workers) else {}
+    kind = shared_memory_kind(*placements(learner, workers)) if shared else None
+    shared = {"shared": kind} if kind else {}
     plan = result(learner.plan_publish.remote(bucket_mb, **shared)) if stream else None
     seconds = None
     if plan is None:
@@ -224,14 +230,26 @@ def start_sync(learner, workers: list, bucket_mb: float, indices: list[int] | No
     return pending
 
 
-def same_node(learner, workers: list) -> bool:
-    """Whether the learner (a single one) and every worker run on one node, so the workers can open
-    the learner's shared memory. Asked at every sync: a worker Ray restarted may be on another node.
-    (In async mode a worker runs this call beside its rollouts; in sync mode it has none queued.)"""
+def placements(learner, workers: list) -> tuple[dict | None, list[dict]]:
+    """Where the learner (a single one; None for a group, which publishes through the object store)
+    and each worker run: {"node": Ray node id, "gpus": UUIDs of the GPUs its process uses}. Asked at
+    every sync: a worker Ray restarted may be elsewhere. (In async mode a worker runs this call
+    beside its rollouts; in sync mode it has none queued.)"""
     ranks = getattr(learner, "actors", [learner])  # rl/learner_group.py LearnerGroup, or the actor itself
-    if len(ranks) > 1:  # a learner group publishes through the object store
-        return False
-    return len(set(ray.get([a.node_id.remote() for a in [ranks[0], *workers]], timeout=60))) == 1
+    if len(ranks) > 1:
+        return None, []
+    places = ray.get([a.placement.remote() for a in [ranks[0], *workers]], timeout=60)
+    return places[0], places[1:]
+
+
+def shared_memory_kind(learner: dict | None, workers: list[dict]) -> str | None:
+    """Which memory a shared sync goes through: "cuda" when the learner trains on a GPU that every
+    worker's engine runs on (CUDA IPC, rollout/shared_memory.py), "host" when they share the
+    learner's node, None when a worker is elsewhere (or the learner is a group): the object store."""
+    if learner is None or any(w["node"] != learner["node"] for w in workers):
+        return None
+    gpu = learner["gpus"][0] if learner["gpus"] else None
+    return "cuda" if gpu and workers and all(gpu in w["gpus"] for w in workers) else "host"
 
 
 def _one(ref):

@@ -5,7 +5,7 @@ sync group.
 A mixin of `rl.learner.Learner`, kept apart because it is one job: it reads the learner's `model`,
 `lm` (rl/logprobs.py `CausalLM`), `lora`, `engine_factors`, `engine_dtype`, `version`, `rank` and
 `world`, and never trains. Imports Ray only inside calls (rollout/weights.py where it puts buckets;
-the node of a shared-memory sync).
+the placement of a shared-memory sync).
 """
 
 from __future__ import annotations
@@ -80,14 +80,14 @@ class WeightSource:
         return (to_wire(self.engine_tensors(self.engine_dtype), self.engine_dtype), False,
                 self.engine_dtype == torch.bfloat16)
 
-    def publish(self, bucket_mb: float, shared: bool = False):
+    def publish(self, bucket_mb: float, shared: str | None = None):
         """Put what a sync sends into Ray's object store in buckets (rl/sync.py); the manifest names
         this version. In a group every rank gathers tensor by tensor and rank 0 puts the buckets as
         they fill, so no rank holds a full copy of the model (the others return None). `shared`: write
         it into a shared-memory slab instead, for workers of this node (`plan_publish`)."""
         from rollout.weights import Manifest, publish
 
-        plan = self._plan_shared(bucket_mb) if shared and self.world == 1 else None
+        plan = self._plan_shared(bucket_mb, shared) if shared and self.world == 1 else None
         if plan is not None:
             buckets = [self.publish_bucket(i) for i in range(len(plan["names"]))]
             return Manifest(version=plan["version"], buckets=buckets, bucket_bytes=plan["bytes"], names=plan["names"],
@@ -99,20 +99,21 @@ class WeightSource:
             pass
         return None
 
-    def plan_publish(self, bucket_mb: float, shared: bool = False) -> dict | None:
+    def plan_publish(self, bucket_mb: float, shared: str | None = None) -> dict | None:
         """Start publishing the current version bucket by bucket (`publish_bucket`, rl/sync.py): its
         plan, from the tensors' sizes alone. None in a group, which publishes whole (`publish`): its
         gathers are collective, so a plan would cost a gather of the whole model.
 
-        `shared` (the driver found every worker on this node): the buckets are written into a
-        shared-memory slab and name where their tensors lie in it (rl/shared_weights.py), unless the
+        `shared` (rl/sync.py `shared_memory_kind`: "host", every worker on this node; "cuda", every
+        worker's engine on this learner's GPU): the buckets are written into a shared-memory slab, in
+        host or GPU memory, and name where their tensors lie in it (rl/shared_weights.py), unless the
         weights are LoRA factors or every slab is still held by a version in flight; the plan then
-        says `shared` (the slab) and `shared_node`."""
+        says `shared` (the slab's address) and `shared_node`."""
         from rollout.weights import Outgoing, wire_nbytes
 
         if self.world > 1:
             return None
-        plan = self._plan_shared(bucket_mb) if shared else None
+        plan = self._plan_shared(bucket_mb, shared) if shared else None
         if plan is not None:
             return plan
         named, adapter, bf16 = self._sync_source()
@@ -136,23 +137,29 @@ class WeightSource:
         streamed publish's share of a sync, the buckets' copies into the object store included."""
         return time.perf_counter() - self._outgoing.started
 
-    def node_id(self) -> str:
+    def placement(self) -> dict:
+        """This learner's Ray node and, when it trains on a GPU, that GPU's UUID (rl/sync.py `placements`)."""
         import ray
 
-        return ray.get_runtime_context().get_node_id()
+        from rollout.shared_memory import gpu_uuid
+
+        gpus = [gpu_uuid(self.device.index or 0)] if self.device.type == "cuda" else []
+        return {"node": ray.get_runtime_context().get_node_id(), "gpus": gpus}
 
     def release_shared(self, version: int) -> None:
         """The driver saw every load of `version` finish: its shared-memory slab may be reused."""
         if self._shared is not None:
             self._shared.release(version)
 
-    def _plan_shared(self, bucket_mb: float) -> dict | None:
-        """The shared-memory plan of the current version (its slab taken), or None: LoRA factors
-        (megabytes, through the object store), or every slab still held by a version in flight."""
+    def _plan_shared(self, bucket_mb: float, kind: str) -> dict | None:
+        """The shared-memory plan of the current version (its slab taken, on this learner's GPU when
+        `kind` is "cuda"), or None: LoRA factors (megabytes, through the object store), or every slab
+        still held by a version in flight."""
         self._outgoing = None
         if self.lora is not None:
             return None
-        plan = self._shared_publisher().plan(self.version, bucket_mb, self._shared_source())
+        device = self.device if kind == "cuda" else None
+        plan = self._shared_publisher().plan(self.version, bucket_mb, self._shared_source(), device)
         if plan is None:
             return None
         import ray

@@ -21,8 +21,8 @@ never joined fails the sync instead of hanging it, and the driver forms a new gr
 What is sent is whatever the learner publishes: full weights, or LoRA factors (`adapter`: the worker
 merges them into its base weights, as on the object-store path).
 
-Not covered: CUDA IPC for an engine on the learner's own GPU (NCCL refuses two ranks on one device:
-a one-GPU config uses the object-store path), and broadcasting in async mode (the broadcast would
+Not covered: an engine on the learner's own GPU (NCCL refuses two ranks on one device: a one-GPU
+config syncs through a slab in that GPU's memory, CUDA IPC, rollout/shared_memory.py), and broadcasting in async mode (the broadcast would
 hold the learner until every worker's queued rollouts end; `sync.transport: collective` needs
 `schedule.mode: sync`).
 """

@@ -17,7 +17,16 @@ The learner reuses a slab only once the driver has released it (every load done)
 (an asynchronous run has several versions in flight), each the size of the model in the engines'
 dtype, for as long as it lives: memory the object store would have held for each sync anyway, kept.
 
-Not covered: processes on other nodes, or of another user; a memfd-less OS (Linux only).
+A learner on a GPU whose engines run on that same GPU (configs/gpu/one_gpu.yaml: both halves of
+one device) gets a slab in GPU memory instead, shared through CUDA IPC (`CudaIpc`): its cast into
+the slab is a copy on the device, and the engine copies its parameters from the same device memory,
+so nothing crosses PCIe. The learner waits for its writes before it hands a bucket out
+(`Slab.flush`), and a reader for its copies before it checks the header. CUDA IPC handles name a
+device by its index in the learner's process; a reader maps them to its own index for the same GPU
+by its UUID (Ray gives each process its own CUDA_VISIBLE_DEVICES).
+
+Not covered: processes on other nodes, or of another user; a memfd-less OS (Linux only); CUDA IPC
+to an engine on another GPU of the node (those engines read a host slab).
 """
 
 from __future__ import annotations
@@ -43,26 +52,53 @@ class SharedTensor:
     dtype: str  # torch dtype name ("bfloat16")
 
 
+@dataclass(frozen=True)
+class CudaIpc:
+    """Where a slab in GPU memory is (`Manifest.shared` for engines on the learner's GPU)."""
+
+    gpu: str  # the device's UUID (`gpu_uuid`)
+    rebuild: tuple  # torch.multiprocessing.reductions.reduce_tensor's (function, args) for its bytes
+
+
+def gpu_uuid(index: int) -> str:
+    """The UUID of this process's CUDA device `index`: the same GPU has the same UUID in every process."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
 def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
 class Slab:
-    """The learner's side: one shared-memory region of `nbytes` (plus the header), mapped writable."""
+    """The learner's side: one shared-memory region of `nbytes` (plus the header), mapped writable; on
+    a CUDA `device`, one allocation there shared through CUDA IPC. `address` is what readers open."""
 
-    def __init__(self, nbytes: int):
+    def __init__(self, nbytes: int, device: torch.device | None = None):
         self.nbytes = nbytes
-        self.fd = os.memfd_create("longhorizon-weights", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, HEADER + nbytes)
-        self._map = mmap.mmap(self.fd, HEADER + nbytes)
-        self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
-        self.path = f"/proc/{os.getpid()}/fd/{self.fd}"
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        if self.device.type == "cuda":
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            self.bytes = torch.zeros(HEADER + nbytes, dtype=torch.uint8, device=self.device)
+            self.address: str | CudaIpc = CudaIpc(gpu_uuid(self.bytes.device.index), reduce_tensor(self.bytes))
+        else:
+            self.fd = os.memfd_create("longhorizon-weights", os.MFD_CLOEXEC)
+            os.ftruncate(self.fd, HEADER + nbytes)
+            self._map = mmap.mmap(self.fd, HEADER + nbytes)
+            self.bytes = torch.frombuffer(self._map, dtype=torch.uint8)
+            self.address = f"/proc/{os.getpid()}/fd/{self.fd}"
         self.version: int | None = None  # the version in flight in it (None: free for the next one)
         self.mark(-1)
 
     def mark(self, version: int) -> None:
         """Write the header's version (-1: being written)."""
         self.bytes[:8].view(torch.int64)[0] = version
+        self.flush()
+
+    def flush(self) -> None:
+        """Wait for the writes queued on a GPU slab (a reader in another process must see them all)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def region(self, offset: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         """The contiguous tensor of `shape` at byte `offset` (past the header), to write into."""
@@ -89,7 +125,11 @@ class SlabReader:
         self.keep = keep
         self._maps: dict = {}  # (path, inode, size) -> (mmap, bytes)
 
-    def open(self, path: str) -> torch.Tensor:
+    def open(self, address: str | CudaIpc) -> torch.Tensor:
+        """The bytes of the slab at `address`: a memfd's path, or a GPU slab's `CudaIpc`."""
+        if isinstance(address, CudaIpc):
+            return self._open_cuda(address)
+        path = address
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as exc:
@@ -111,6 +151,23 @@ class SlabReader:
             return self._maps[key][1]
         finally:
             os.close(fd)
+
+
+    def _open_cuda(self, address: CudaIpc) -> torch.Tensor:
+        fn, args = address.rebuild
+        key = (address.gpu, args[7], args[9])  # the GPU, the allocation's handle, the offset in it
+        if key not in self._maps:
+            seen = [gpu_uuid(i) for i in range(torch.cuda.device_count())]
+            if address.gpu not in seen:
+                raise RuntimeError(f"weight sync: the learner's slab lies on GPU {address.gpu}, which this rollout "
+                                   f"worker does not see (its GPUs: {', '.join(seen) or 'none'}); CUDA IPC serves "
+                                   "engines on the learner's own GPU")
+            args = list(args)
+            args[6] = seen.index(address.gpu)  # the device index as this process numbers that GPU
+            self._maps[key] = (None, fn(*args))
+            while len(self._maps) > self.keep:
+                self._maps.pop(next(iter(self._maps)))
+        return self._maps[key][1]
 
 
 def written_version(slab_bytes: torch.Tensor) -> int:

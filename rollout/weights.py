@@ -25,7 +25,7 @@ from typing import Iterable, Iterator
 import numpy as np
 import torch
 
-from rollout.shared_memory import SlabReader, view, written_version
+from rollout.shared_memory import CudaIpc, SlabReader, view, written_version
 
 
 @dataclass
@@ -38,7 +38,7 @@ class Manifest:
     names: list[list[str]] = field(default_factory=list)
     adapter: bool = False  # the buckets hold LoRA factors to add to the base weights (merge_adapters)
     bf16: bool = False  # its int16 arrays are bfloat16 bit patterns (`to_wire`): iter_weights views them back
-    shared: str | None = None  # the learner's shared-memory slab: the buckets hold `SharedTensor`s into it
+    shared: str | CudaIpc | None = None  # the learner's shared-memory slab: the buckets hold `SharedTensor`s into it
     shared_node: str | None = None  # the Ray node whose processes can open it (rollout/shared_memory.py)
 
     @property
@@ -153,6 +153,8 @@ def iter_weights(manifest: Manifest) -> Iterator[tuple[str, np.ndarray]]:
         for name, arr in bucket:
             yield name, view(slab, arr) if slab is not None else from_wire(arr, manifest.bf16)
         del bucket
+    if slab is not None and slab.is_cuda:  # a GPU slab (CUDA IPC): the engine's copies from it must be done
+        torch.cuda.synchronize(slab.device)
     if slab is not None and written_version(slab) != manifest.version:
         raise RuntimeError(f"weight sync to version {manifest.version}: the learner's shared-memory slab now holds "
                            f"version {written_version(slab)}; it was rewritten while this worker read it")

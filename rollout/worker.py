@@ -282,9 +282,15 @@ class RolloutWorker:
     def score(self, token_ids: list[int]) -> list[float]:
         return self.engine.score(token_ids)
 
-    def node_id(self) -> str:
-        """The Ray node this worker runs on (rl/sync.py: whether it can read the learner's shared memory)."""
-        return ray.get_runtime_context().get_node_id()
+    def placement(self) -> dict:
+        """The Ray node this worker runs on and the UUIDs of the GPUs its engine uses (rl/sync.py: whether
+        it can read the learner's shared memory, and whether in the learner's GPU)."""
+        import torch
+
+        from rollout.shared_memory import gpu_uuid
+
+        gpus = [gpu_uuid(i) for i in range(torch.cuda.device_count())] if self.cfg.gpus_per_worker > 0 else []
+        return {"node": ray.get_runtime_context().get_node_id(), "gpus": gpus}
 
 
 RolloutWorkerActor = ray.remote(RolloutWorker)

@@ -12,7 +12,8 @@ import torch
 from rl.logprobs import CausalLM
 from rl.shared_weights import SharedPublisher, layout, renamed_layout
 from rl.weight_source import _untied
-from rollout.shared_memory import SlabReader, view, written_version
+from rl.sync import shared_memory_kind
+from rollout.shared_memory import CudaIpc, SlabReader, view, written_version
 from rollout.weights import Manifest, iter_weights
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -60,7 +61,7 @@ def test_shared_views_equal_the_renamed_checkpoint_tensors(make, dtype):
     assert lay.views and len(lay.regions) == len(named) < len(lay.entries)  # per-expert names are slices
     pub, plan, buckets = _publish(lm, named, dtype, lay=lay)
     slab = pub.slabs[0]
-    assert written_version(slab.bytes) == 3 and plan["shared"] == slab.path and len(plan["names"]) > 1
+    assert written_version(slab.bytes) == 3 and plan["shared"] == slab.address and len(plan["names"]) > 1
     want = list(lm.checkpoint_names((n, t.to(dtype) if t.is_floating_point() else t) for n, t in named))
     got = [(n, view(slab.bytes, ref)) for b in buckets for n, ref in b]
     assert [n for n, _ in got] == [n for n, _ in want] == [n for b in plan["names"] for n in b]
@@ -164,6 +165,27 @@ def test_a_slab_outside_reach_is_a_clear_error():
         SlabReader().open("/proc/1/fd/999999")
 
 
+def test_a_gpu_slab_on_a_gpu_this_process_lacks_is_a_clear_error():
+    """A CUDA IPC address names its GPU by UUID; a worker that does not see that GPU says so (here: no
+    GPU at all) instead of mapping another device's memory."""
+    address = CudaIpc("GPU-0a1b", (None, (None,) * 15))
+    with pytest.raises(RuntimeError, match=r"slab lies on GPU GPU-0a1b, which this rollout worker does not see"):
+        SlabReader().open(address)
+
+
+@pytest.mark.parametrize("learner, workers, kind", [
+    ({"node": "a", "gpus": []}, [{"node": "a", "gpus": []}] * 2, "host"),  # CPU learner and engines
+    ({"node": "a", "gpus": ["G0"]}, [{"node": "a", "gpus": ["G0"]}], "cuda"),  # one GPU shared (one_gpu.yaml)
+    ({"node": "a", "gpus": ["G0"]}, [{"node": "a", "gpus": ["G0"]}, {"node": "a", "gpus": ["G1"]}], "host"),
+    ({"node": "a", "gpus": ["G0"]}, [{"node": "a", "gpus": []}], "host"),  # CPU engines beside a GPU learner
+    ({"node": "a", "gpus": []}, [{"node": "a", "gpus": []}, {"node": "b", "gpus": []}], None),  # a worker elsewhere
+    ({"node": "a", "gpus": ["G0"]}, [{"node": "b", "gpus": ["G0"]}], None),
+    (None, [{"node": "a", "gpus": []}], None),  # a learner group publishes through the object store
+])
+def test_which_memory_a_shared_sync_uses(learner, workers, kind):
+    assert shared_memory_kind(learner, workers) == kind
+
+
 @pytest.mark.slow
 def test_a_real_learner_syncs_a_vllm_worker_through_shared_memory(ray_cluster, tiny_policy):
     """The real path: a learner actor writes its moved weights into shared memory (streamed and
@@ -174,7 +196,7 @@ def test_a_real_learner_syncs_a_vllm_worker_through_shared_memory(ray_cluster, t
 
     from rl.config import AlgoConfig, EnvConfig, RolloutConfig
     from rl.learner_group import LearnerActor
-    from rl.sync import start_sync
+    from rl.sync import placements, start_sync
     from rollout.worker import RolloutWorkerActor
 
     learner = LearnerActor.options(num_cpus=0).remote(tiny_policy, AlgoConfig(), seed=0, engine_dtype="bfloat16")
@@ -182,11 +204,13 @@ def test_a_real_learner_syncs_a_vllm_worker_through_shared_memory(ray_cluster, t
     worker = RolloutWorkerActor.options(num_cpus=0).remote(tiny_policy, rollout, EnvConfig(), seed=0)
     try:
         ray.get(learner.__ray_call__.remote(_move_weights))  # a version unlike the checkpoint the worker started from
+        assert shared_memory_kind(*placements(learner, [worker])) == "host"
         ids = list(range(5, 45))
         got = {}
         for shared, stream in ((False, False), (True, True), (True, False)):
             out = start_sync(learner, [worker], 0.05, stream=stream, shared=shared).finish(120)
             assert out["sync_shared"] == shared and out["sync_direct_tensors"] == out["sync_tensors"]
+            assert out["sync_shared_gpu"] is False  # CPU: the slab is host memory
             assert out["sync_unstaged_expert_layers"] == (2 if shared else 0)  # the tiny policy's MoE layers
             got[shared, stream] = np.array(ray.get(worker.score.remote(ids)))
             if shared:  # handed back: the next shared sync reuses the one slab
@@ -204,3 +228,16 @@ def _move_weights(learner):
     with torch.no_grad():
         for p in learner.model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.02)
+
+
+def test_the_gpu_ipc_check_runs_through_host_memory():
+    """bench/gpu_ipc_check.py (the CUDA IPC sync, for a lent GPU) as a dry run through a host slab: a
+    second process maps the slab, loads every tensor bit for bit, and sees a rewrite begin."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "gpu_ipc_check.py"
+    r = subprocess.run([sys.executable, str(script), "--cpu", "--hidden", "128", "--layers", "2", "--experts", "2"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "tensors whose bits differ: 0; header read 2 (want 2), after the learner began version 3: -1" in r.stdout

@@ -7,11 +7,11 @@ a second process per worker and forbid passing tensors to `collective_rpc`.
 The project's `policy/` checkpoints are served through its vLLM model plugin
 (rollout/engines/vllm_plugin.py, registered by an entry point); without prefix caching (see below).
 
-Weights arrive through `load_weights` whichever way they travelled (Ray's object store, or a
-broadcast over the sync group: rollout/collective.py); on a GPU they may be CUDA tensors.
+Weights arrive through `load_weights` whichever way they travelled (Ray's object store, the
+learner's shared memory, or a broadcast over the sync group: rollout/collective.py); on a GPU they
+may be CUDA tensors (a broadcast, or views of a learner's slab on this engine's GPU via CUDA IPC).
 
-Not covered here: tensor/pipeline parallel engines, CUDA IPC from a learner on the same GPU;
-multimodal prompts.
+Not covered here: tensor/pipeline parallel engines; multimodal prompts.
 """
 
 from __future__ import annotations
