@@ -198,7 +198,7 @@ class SyncConfig:
     timeout_s: float = 300.0
     """Seconds every rollout worker has to load a published version once its earlier calls are done; a late worker is named in the error."""
     shared_memory: bool = True
-    """When the learner (a single one) and every rollout worker run on one node, a version goes through a shared-memory slab the learner writes and the workers read in place, not Ray's object store (whose put alone cost ~3× a memcpy; rollout/shared_memory.py). Each version in flight holds a slab the size of the model in the engines' dtype, kept for reuse. false: always the object store."""
+    """When the learner (a single one) and every rollout worker run on one node, a version goes through a shared-memory slab the learner writes and the workers read in place, not Ray's object store (whose put alone cost ~3× a memcpy; rollout/shared_memory.py); a learner on a GPU that every engine shares keeps the slab in that GPU's memory (CUDA IPC). Each version in flight holds a slab the size of the model in the engines' dtype, kept for reuse. false: always the object store."""
     publish: Literal["auto", "streamed", "whole"] = "auto"
     """How a single learner puts a version into the object store: streamed (the workers load the first buckets while the learner still casts and puts the next; rl/sync.py) or whole (every bucket before the loads start; a learner group always does). auto streams when the learner trains on a GPU or the rollout workers have GPUs: where both are CPU processes of one node they share its cores, and overlapping them was slower (bench row 3). streamed suits CPU clusters whose rollout workers sit on other nodes than the learner."""
 

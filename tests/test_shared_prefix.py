@@ -144,3 +144,28 @@ def test_a_cache_that_cannot_be_shared_falls_back_to_the_plain_forward(tiny_poli
     assert len(info1["hf_routers"]) == len(info0["hf_routers"]) > 0
     for (l0, i0), (l1, i1) in zip(info0["hf_routers"], info1["hf_routers"]):
         assert l1.shape == l0.shape and torch.equal(i1, i0)
+
+
+def test_right_padding_runs_without_a_mask_and_gives_the_masked_forward(tiny_policy):
+    """A right-padded micro-batch (the learner's) runs without its attention mask (SDPA's causal
+    kernel instead of a materialised mask): the same hidden states at every real token as the masked
+    forward; a mask that pads on the left is still applied."""
+    from rl.logprobs import right_padded
+
+    lm = load_causal_lm(tiny_policy, torch.float32)
+    lm.module.eval()
+    ids, attn = _rows(prefix=3, suffixes=(30, 17, 25, 9))
+    assert right_padded(attn) and right_padded(None)
+    left = attn.flip(1)
+    assert not right_padded(left)
+    with torch.no_grad():
+        masked = lm.module.model(input_ids=ids, attention_mask=attn).last_hidden_state
+        h, _ = lm.hidden_and_routing(ids, attn)
+        valid = attn.bool()
+        torch.testing.assert_close(h[valid], masked[valid], rtol=1e-5, atol=1e-6)
+        left_ids = torch.stack([torch.roll(r, int((1 - a).sum())) for r, a in zip(ids, attn)])
+        want = lm.module.model(input_ids=left_ids, attention_mask=left).last_hidden_state
+        got, _ = lm.hidden_and_routing(left_ids, left)
+        torch.testing.assert_close(got, want)  # passed through: the left padding stays masked
+        unmasked = lm.module.model(input_ids=left_ids).last_hidden_state
+        assert not torch.allclose(got[left.bool()], unmasked[left.bool()], atol=1e-4)
