@@ -153,9 +153,7 @@ def right_padded(attn_BT: torch.Tensor | None) -> bool:
     runs its causal kernel instead of a materialised B × T × T mask: the real policy's forward and
     backward of a demo iteration's micro-batches took 20.4 s against 22.4 with the mask, with the same
     hidden states at every real position."""
-    if attn_BT is None:
-        return True
-    return bool((attn_BT[:, 1:] <= attn_BT[:, :-1]).all()) if attn_BT.shape[1] > 1 else True
+    return attn_BT is None or bool((attn_BT[:, 1:] <= attn_BT[:, :-1]).all())
 
 
 class CausalLM:
@@ -193,7 +191,8 @@ class CausalLM:
         replays recorded expert ids (`routing`, L × B × T × k, -1 where none); right padding needs
         no mask there (every layer is causal, padding only follows real tokens), and a Hugging Face
         model gets none either when `attention_mask` only pads on the right (`right_padded`; the
-        shared-prefix forward keeps it: its suffix attends to a cache). A Hugging Face MoE replays through hooks, and with `capture` reports each router's logits and chosen experts
+        shared-prefix forward keeps it: its suffix attends to a cache). A Hugging Face MoE replays
+        through hooks, and with `capture` reports each router's logits and chosen experts
         (`hf_routers`, for load balancing and load metrics: rl/routing.py)."""
         if self.kind == "policy":
             return (self.root or self.module.hidden_states)(input_ids, routing=routing)

@@ -45,8 +45,8 @@ import time
 import ray
 
 from rl.ray_utils import result
-from rollout.weights import Manifest, planned_manifest
 from rollout.shared_memory import CudaIpc
+from rollout.weights import Manifest, planned_manifest
 
 # How a rollout worker's death shows in a call to it: its process died (crash, kill, node loss),
 # its result was lost with it, or Ray's memory monitor killed it (the actor restarts like a crash).

@@ -22,9 +22,9 @@ What is sent is whatever the learner publishes: full weights, or LoRA factors (`
 merges them into its base weights, as on the object-store path).
 
 Not covered: an engine on the learner's own GPU (NCCL refuses two ranks on one device: a one-GPU
-config syncs through a slab in that GPU's memory, CUDA IPC, rollout/shared_memory.py), and broadcasting in async mode (the broadcast would
-hold the learner until every worker's queued rollouts end; `sync.transport: collective` needs
-`schedule.mode: sync`).
+config syncs through a slab in that GPU's memory, CUDA IPC, rollout/shared_memory.py), and
+broadcasting in async mode (the broadcast would hold the learner until every worker's queued
+rollouts end; `sync.transport: collective` needs `schedule.mode: sync`).
 """
 
 from __future__ import annotations

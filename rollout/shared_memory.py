@@ -65,6 +65,11 @@ def gpu_uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
+def visible_gpus() -> list[str]:
+    """The UUIDs of the GPUs this process sees, in its own device order (index i is `cuda:i`)."""
+    return [gpu_uuid(i) for i in range(torch.cuda.device_count())]
+
+
 def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
@@ -152,12 +157,11 @@ class SlabReader:
         finally:
             os.close(fd)
 
-
     def _open_cuda(self, address: CudaIpc) -> torch.Tensor:
         fn, args = address.rebuild
         key = (address.gpu, args[7], args[9])  # the GPU, the allocation's handle, the offset in it
         if key not in self._maps:
-            seen = [gpu_uuid(i) for i in range(torch.cuda.device_count())]
+            seen = visible_gpus()
             if address.gpu not in seen:
                 raise RuntimeError(f"weight sync: the learner's slab lies on GPU {address.gpu}, which this rollout "
                                    f"worker does not see (its GPUs: {', '.join(seen) or 'none'}); CUDA IPC serves "

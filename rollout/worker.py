@@ -285,11 +285,9 @@ class RolloutWorker:
     def placement(self) -> dict:
         """The Ray node this worker runs on and the UUIDs of the GPUs its engine uses (rl/sync.py: whether
         it can read the learner's shared memory, and whether in the learner's GPU)."""
-        import torch
+        from rollout.shared_memory import visible_gpus
 
-        from rollout.shared_memory import gpu_uuid
-
-        gpus = [gpu_uuid(i) for i in range(torch.cuda.device_count())] if self.cfg.gpus_per_worker > 0 else []
+        gpus = visible_gpus() if self.cfg.gpus_per_worker > 0 else []
         return {"node": ray.get_runtime_context().get_node_id(), "gpus": gpus}
 
 
