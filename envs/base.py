@@ -106,6 +106,20 @@ class ToolEnv(gym.Env):
     def tool_functions(self) -> dict[str, Callable[..., str]]:
         raise NotImplementedError
 
+    def expert_summary(self, done: int) -> str:
+        """What the scripted expert writes at a compaction turn (rollout/context.py) after its first
+        `done` turns: everything the rest of its turns need. The default names its progress and the
+        next call; an environment whose later turns depend on what earlier ones found says that.
+        Needs `expert_turns()`, the scripted expert's turns for the current task."""
+        turns = self.expert_turns()
+        if done >= len(turns):
+            return f"I have made all {len(turns)} tool calls of my plan."
+        from envs.tool_calls import parse_tool_calls
+
+        calls, _ = parse_tool_calls(turns[done])
+        nxt = f" Next I call {calls[0].name}." if calls else ""
+        return f"I have made {done} of the {len(turns)} tool calls of my plan.{nxt}"
+
     def judge_reference(self) -> str:
         """The answer a good episode of the current task carries, for judge rubric parts
         (rewards/judge.py) to compare with; "" (the default): the environment has none."""

@@ -140,7 +140,7 @@ def _inspect(args) -> int:
 
 
 def _replay(args) -> int:
-    from longhorizon.replay import agent_tokenizer, replay_episode, rescore, run_env_kwargs
+    from longhorizon.replay import agent_tokenizer, replay_episode, rescore, run_env_kwargs, run_rollout
     from rl.store import TrajectoryStore
 
     try:
@@ -164,8 +164,10 @@ def _replay(args) -> int:
                             f"{r['episode_id']}: {r['recorded']:g} -> {r['rescored']:g}{parts(r)}" for r in rows))
             return 0
         kwargs = run_env_kwargs(args.run_dir)
-        tokenizer = agent_tokenizer(args.run_dir, trajs)  # None unless an agent program's episode is replayed
-        results = [replay_episode(t, kwargs, tokenizer=tokenizer) for t in trajs]
+        # None unless an agent program's episode, or one of several context segments, is replayed
+        tokenizer = agent_tokenizer(args.run_dir, trajs)
+        rollout = run_rollout(args.run_dir) if tokenizer is not None else None
+        results = [replay_episode(t, kwargs, tokenizer=tokenizer, rollout=rollout) for t in trajs]
     except (OSError, KeyError, ValueError, ImportError, AttributeError) as exc:
         print(f"error: {message(exc)}", file=sys.stderr)
         return 2

@@ -134,7 +134,9 @@ def print_episode(run_dir: str | Path, episode_id: str, console: Console) -> Non
     console.print(Text.assemble((t.episode_id, "bold"), f" env {t.env_id} seed {t.seed} group {t.group_id}  "
                                 f"reward {t.reward:.3f}  stop {t.stop_reason}  tokens {len(t.token_ids)} "
                                 f"({t.num_generated} generated)  "
-                                + (f"{len(t.sample_starts)} samples  " if t.sample_starts else ""), _kind(t.failure)))
+                                + (f"{len(t.sample_starts)} {'context segments' if t.context in ('window', 'compact') else 'samples'}  "
+                                   if t.sample_starts else "")
+                                + (f"context {t.context}  " if t.context not in ("", "full") else ""), _kind(t.failure)))
     if t.reward_parts:  # a rubric's parts, each on its own (rewards/rubric.py)
         console.print(Text("reward parts: " + "  ".join(f"{k} {v:.3f}" for k, v in t.reward_parts.items())))
     if t.infra_error:
@@ -145,11 +147,13 @@ def print_episode(run_dir: str | Path, episode_id: str, console: Console) -> Non
         by_turn[m["turn"]].append(f"{m['name']} +{m['reward']:g}")
     openers = t.sample_openers()
     for i, turn in enumerate(t.turns):
-        if i in openers:  # a split episode (rollout/agent_program.py)
-            k = openers[i]
-            console.print(Text(f"sample {k + 1} of {len(t.sample_starts)}: the history was rewritten before this call; its "
-                               f"prompt was rendered anew ({turn.gen_start - t.sample_starts[k]} tokens) and is trained "
-                               "as a sequence of its own", style="yellow"))
+        if i in openers:
+            console.print(Text(opener_note(t, i, openers[i]), style="yellow"))
+        if turn.kind == "summary":  # a compaction turn (rollout/context.py): the policy's own summary
+            console.print(Panel(Text(turn.text or "(empty)"), title=Text(
+                f"turn {i} · summary (compaction turn) · v{turn.policy_version} · {turn.gen_end - turn.gen_start} tokens · "
+                f"{turn.finish_reason}"), title_align="left", border_style="yellow"))
+            continue
         # what went wrong first: a narrow (piped) console cuts a long title at its end
         title = (f"turn {i}" + (f" · {', '.join(turn.failures)}" if turn.failures else "")
                  + f" · v{turn.policy_version} · {turn.gen_end - turn.gen_start} tokens · "
@@ -162,6 +166,18 @@ def print_episode(run_dir: str | Path, episode_id: str, console: Console) -> Non
             console.print(Text(f"  milestones: {', '.join(by_turn[i])}", style="green"))
         for event in turn.sandbox_events:
             console.print(Text(f"  sandbox: {event}", style="yellow"))
+
+
+def opener_note(t, turn: int, k: int) -> str:
+    """What starts sample `k` of a split episode, said where its first turn is shown."""
+    n, tokens = len(t.sample_starts), t.turns[turn].gen_start - t.sample_starts[k]
+    if t.context in ("window", "compact"):
+        how = ("the task, the policy's summary and its last turns" if t.context == "compact"
+               else "the task, a stub for the turns no longer shown and the last turns")
+        return (f"context segment {k + 1} of {n}: the context was rebuilt from {how} ({tokens} tokens, "
+                f"from token {t.sample_starts[k]}); trained as a sequence of its own")
+    return (f"sample {k + 1} of {n}: the history was rewritten before this call; its prompt was rendered anew "
+            f"({tokens} tokens) and is trained as a sequence of its own")
 
 
 def _kind(failure: str) -> Text:

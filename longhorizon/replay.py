@@ -7,6 +7,12 @@ the first difference is reported (turn, what, recorded vs replayed). Episodes th
 infrastructure error are replayed up to the failing turn; one that failed before its first turn
 completed (at reset, or in its first step) has nothing to check and is reported as not replayed.
 
+An episode the agent loop ran under `window` or `compact` context management (rollout/context.py)
+is replayed through the loop itself, with the run's rollout settings and tokenizer: an engine
+answers each call with the turn recorded for it once the context it is given is exactly the
+recorded one, so every context segment, the summaries' place and every kept turn are rebuilt and
+compared token for token with the stored ids (the first departure is named, with its segment).
+
 An agent program's episode (envs/agent_program.py) is replayed by running the program again against
 an endpoint whose engine answers each call with the completion recorded for it (rollout/recorded.py):
 each call's prompt ids must be the recorded ones, the program must make as many calls, and its
@@ -50,11 +56,18 @@ def _short(x, n: int = 200) -> str:
 
 
 def replay_episode(traj: Trajectory, env_kwargs: dict | None = None, make_env: Callable | None = None,
-                   tokenizer=None) -> ReplayResult:
+                   tokenizer=None, rollout=None) -> ReplayResult:
+    """`rollout`: the run's `RolloutConfig` (with `tokenizer`, what a context-managed episode needs)."""
     if make_env is None and envs.is_agent_program(envs.env_class(traj.env_id)):
         return replay_agent(traj, env_kwargs, tokenizer)
     if traj.infra_error and len(traj.turns) <= 1:  # the failing turn has no record: nothing to step
         return ReplayResult(traj.episode_id, True, 0, not_replayed=f"it never ran: {traj.infra_error}")
+    if segmented(traj) and not traj.infra_error:
+        if tokenizer is None or rollout is None:
+            raise ValueError(f"replaying {traj.episode_id} (context {traj.context}, {len(traj.sample_starts)} segments) "
+                             "needs the run's tokenizer and rollout settings")
+        make = make_env or (lambda: envs.make(traj.env_id, **(env_kwargs or {})))
+        return replay_segments(traj, make, tokenizer, rollout)
     env = make_env() if make_env is not None else envs.make(traj.env_id, **(env_kwargs or {}))
     try:
         return _replay(env, traj)
@@ -84,6 +97,55 @@ def _replay(env, traj: Trajectory) -> ReplayResult:
     if not traj.infra_error and abs(total - traj.reward) > 1e-9:
         return fail(last, "total reward", traj.reward, total)
     return ReplayResult(traj.episode_id, True, last)
+
+
+def segmented(traj: Trajectory) -> bool:
+    """Whether the agent loop rebuilt the episode's context (several context segments)."""
+    return bool(traj.sample_starts) and traj.context in ("window", "compact")
+
+
+def replay_segments(traj: Trajectory, make_env: Callable, tokenizer, rollout) -> ReplayResult:
+    """The agent loop run again over the recorded turns (see the module doc)."""
+    from rollout.agent_loop import run_episodes
+    from rollout.chat import ChatFormat
+    from rollout.engines.base import Generation
+    from rollout.recorded import RecordedEngine
+    from rollout.trajectory import EpisodeTask, first_difference
+
+    calls = []
+    for turn in traj.turns:  # what the engine was given and what it answered: the turn's sampled ids
+        start = max(s for s, _ in traj.sample_spans() if s <= turn.gen_start)
+        ids = [x for x, m in zip(traj.token_ids[turn.gen_start:turn.gen_end], traj.loss_mask[turn.gen_start:turn.gen_end]) if m]
+        calls.append((list(traj.token_ids[start:turn.gen_start]),
+                      Generation(ids, [lp for lp, m in zip(traj.rollout_logprobs[turn.gen_start:turn.gen_end],
+                                                            traj.loss_mask[turn.gen_start:turn.gen_end]) if m],
+                                 turn.finish_reason)))
+    engine = RecordedEngine(calls, tokenizer.decode)
+    loop = rollout.loop(max_episode_tokens=rollout.episode_tokens_at(traj.iteration))
+    task = EpisodeTask(traj.episode_id, traj.group_id, traj.seed, traj.iteration)
+    try:
+        (again,) = run_episodes(engine, ChatFormat(tokenizer), make_env, traj.env_id, [task], **loop)
+    except Exception as exc:
+        if engine.departure:
+            n = engine.answered
+            segment = sum(s <= traj.turns[n].gen_start for s in traj.sample_starts) if n < len(traj.turns) else "-"
+            return ReplayResult(traj.episode_id, False, n, f"turn {n} (segment {segment}): {engine.departure}")
+        return ReplayResult(traj.episode_id, False, engine.answered, f"the loop failed on replay: {type(exc).__name__}: {exc}")
+    at = first_difference(traj.token_ids, again.token_ids)
+    if at is not None:
+        segment = sum(s <= at for s in traj.sample_starts) or 1
+        turn = next((i for i, u in enumerate(traj.turns) if at < u.obs_end), len(traj.turns))
+        return ReplayResult(traj.episode_id, False, turn,
+                            f"token {at} (segment {segment}, turn {turn}) differs: recorded "
+                            f"{tokenizer.decode(traj.token_ids[at:at + 12])!r}, replayed {tokenizer.decode(again.token_ids[at:at + 12])!r}")
+    rec, got = ([(m["name"], m["reward"], m["turn"]) for m in t.milestones] for t in (traj, again))
+    for what, a, b in (("segment starts", traj.sample_starts, again.sample_starts), ("loss mask", traj.loss_mask, again.loss_mask),
+                       ("milestones", rec, got), ("stop reason", traj.stop_reason, again.stop_reason)):
+        if a != b:
+            return ReplayResult(traj.episode_id, False, len(traj.turns), f"{what} differ: recorded {_short(a)}, replayed {_short(b)}")
+    if abs(traj.reward - again.reward) > 1e-9 and not traj.reward_parts:
+        return ReplayResult(traj.episode_id, False, len(traj.turns), f"total reward differs: recorded {traj.reward!r}, replayed {again.reward!r}")
+    return ReplayResult(traj.episode_id, True, len(traj.turns))
 
 
 def replay_agent(traj: Trajectory, env_kwargs: dict | None, tokenizer) -> ReplayResult:
@@ -205,10 +267,17 @@ def run_env_kwargs(run_dir: str | Path) -> dict:
     return load_config(Path(run_dir) / "config.yaml").env.kwargs
 
 
+def run_rollout(run_dir: str | Path):
+    """The `rollout` section of the config the run was made with."""
+    from rl.config import load_config
+
+    return load_config(Path(run_dir) / "config.yaml").rollout
+
+
 def agent_tokenizer(run_dir: str | Path, trajectories) -> object | None:
     """The run's tokenizer when one of `trajectories` is an agent program's (its calls are rendered
-    again on replay), else None (nothing loaded)."""
-    if not any(envs.is_agent_program(envs.env_class(t.env_id)) for t in trajectories):
+    again on replay) or has several context segments (they are rebuilt), else None (nothing loaded)."""
+    if not any(envs.is_agent_program(envs.env_class(t.env_id)) or segmented(t) for t in trajectories):
         return None
     from transformers import AutoTokenizer
 

@@ -28,7 +28,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from longhorizon.inspect import compare_group, load_metrics, mean_advantage, run_tokenizer, summary
+from longhorizon.inspect import compare_group, load_metrics, mean_advantage, opener_note, run_tokenizer, summary
 from rl.store import TrajectoryStore
 from rollout.trajectory import FAILURE_KINDS
 
@@ -45,8 +45,10 @@ def episode_payload(t, tok, max_tokens: int, learner: dict | None = None) -> dic
         "n_tokens": len(t.token_ids), "n_generated": t.num_generated, "cut": n < len(t.token_ids),
         "tokens": pieces, "mask": t.loss_mask[:n], "logprobs": [round(x, 4) for x in t.rollout_logprobs[:n]],
         "turns": [vars(turn) for turn in t.turns],
-        # a split episode (rollout/agent_program.py): where its samples start, and the turns that open them
-        "samples": t.sample_starts, "sample_turns": t.sample_openers(),
+        # a split episode (context segments, rollout/context.py; an agent program's rewritten history):
+        # where its samples start, the turns that open them, and what each one is
+        "samples": t.sample_starts, "sample_turns": t.sample_openers(), "context": t.context,
+        "sample_notes": {i: opener_note(t, i, k) for i, k in t.sample_openers().items()},
         "milestones": t.milestones,
         # the learner's pre-update log-probs and the advantages it trained with, when it trained on it
         "learner": [round(x, 4) for x in learner["learner_logprobs"][:n]] if learner else None,
@@ -117,6 +119,7 @@ input,select{padding:4px;margin:3px 0;box-sizing:border-box} #filter{width:100%}
 .filters{display:grid;grid-template-columns:1fr 1fr 1fr;gap:4px}
 .turn{border:1px solid #cfe0ff;border-radius:6px;margin:8px 0;padding:6px 10px}
 .obs{border-color:#ddd;background:#fafafa} .obs.err{border-color:#e3a0a0;background:#fff1f1}
+.turn.summary{border-color:#e8c060;background:#fff8e4} b.summary{color:#a60}
 .obs.err pre{color:#900} .fail{color:#b00} .ok{color:#080}
 pre{white-space:pre-wrap;margin:4px 0;font:12px ui-monospace,monospace}
 .tok{font:12px ui-monospace,monospace;white-space:pre-wrap;border-radius:2px}
@@ -240,24 +243,25 @@ function tokenView(e){
 function timeline(e){
   const W = 760, scale = x => 10 + x / Math.max(1, e.n_tokens) * (W - 20);
   let g = `<svg id="timeline" width="${W}" height="74"><line x1="10" y1="30" x2="${W-10}" y2="30" stroke="#999"/>`;
-  e.turns.forEach((t,i) => { const bad = (t.failures||[]).length, x = scale(t.gen_start), w = Math.max(2, scale(t.gen_end)-x);
-    g += `<rect class="turn-box${bad ? ' failed' : ''}" x="${x}" y="20" width="${w}" height="20" fill="${bad ? '#e88' : '#9bd'}">`
-      + `<title>turn ${i}: ${t.gen_end-t.gen_start} generated tokens${bad ? ' · ' + esc(t.failures.join(', ')) : ''}</title></rect>`
+  e.turns.forEach((t,i) => { const bad = (t.failures||[]).length, x = scale(t.gen_start), w = Math.max(2, scale(t.gen_end)-x), sum = t.kind == 'summary';
+    g += `<rect class="turn-box${bad ? ' failed' : ''}${sum ? ' summary' : ''}" x="${x}" y="20" width="${w}" height="20" fill="${bad ? '#e88' : sum ? '#fc6' : '#9bd'}">`
+      + `<title>turn ${i}${sum ? ' (summary)' : ''}: ${t.gen_end-t.gen_start} generated tokens${bad ? ' · ' + esc(t.failures.join(', ')) : ''}</title></rect>`
       + `<text x="${x + 2}" y="15" font-size="10">t${i}</text>`;
-    if ((e.sample_turns||{})[i] !== undefined) g += `<line class="sample-start" x1="${scale(e.samples[e.sample_turns[i]])}" y1="12" x2="${scale(e.samples[e.sample_turns[i]])}" y2="48" stroke="#a60" stroke-dasharray="3,2"><title>sample ${e.sample_turns[i] + 1} starts</title></line>`;
+    if ((e.sample_turns||{})[i] !== undefined) g += `<line class="sample-start" x1="${scale(e.samples[e.sample_turns[i]])}" y1="12" x2="${scale(e.samples[e.sample_turns[i]])}" y2="48" stroke="#a60" stroke-dasharray="3,2"><title>${e.context == 'window' || e.context == 'compact' ? 'context segment' : 'sample'} ${e.sample_turns[i] + 1} starts</title></line>`;
     if ((t.sandbox_events||[]).length) g += `<text x="${x + w / 2}" y="35" font-size="12" text-anchor="middle">⚠<title>${esc(t.sandbox_events.join('; '))}</title></text>`;
   });
   e.milestones.forEach(m => g += `<circle r="6" fill="#2a8" cx="${scale(m.token)}" cy="30"><title>${esc(m.name)} +${m.reward}</title></circle>`
     + `<text x="${scale(m.token)}" y="56" font-size="10" text-anchor="middle">${esc(m.name)} +${m.reward}</text>`);
   return g + `<text x="10" y="70" font-size="10" fill="#555">token 0</text><text x="${W-10}" y="70" font-size="10" fill="#555" text-anchor="end">token ${e.n_tokens}</text></svg>`
     + `<div class="legend"><span><i class="sw" style="background:#9bd"></i>turn</span><span><i class="sw" style="background:#e88"></i>turn with a failure</span>`
-    + `<span><i class="sw" style="background:#2a8;border-radius:5px"></i>milestone</span><span>⚠ sandbox limit</span></div>`;
+    + `<span><i class="sw" style="background:#2a8;border-radius:5px"></i>milestone</span><span>⚠ sandbox limit</span>`
+    + (e.turns.some(t => t.kind == 'summary') ? `<span><i class="sw" style="background:#fc6"></i>summary (compaction turn)</span>` : '')
+    + ((e.samples||[]).length ? `<span><i class="sw" style="border-left:2px dashed #a60"></i>segment start</span>` : '') + `</div>`;
 }
 function turnHtml(e, t, i, departs){
   const fails = t.failures || [], opens = (e.sample_turns||{})[i];
-  return (opens === undefined ? '' : `<div class="note sample">sample ${opens + 1} of ${e.samples.length}: the history was rewritten before this call; `
-      + `its prompt was rendered anew (${t.gen_start - e.samples[opens]} tokens) and is trained as a sequence of its own</div>`)
-    + `<div class="turn${departs ? ' departs' : ''}"><b>turn ${i}</b> · v${t.policy_version} · ${t.gen_end-t.gen_start} tokens · ${t.tool_calls} tool result(s), ${t.tool_errors} error(s) · ${esc(t.finish_reason)}`
+  return (opens === undefined ? '' : `<div class="note sample">${esc((e.sample_notes||{})[i] || '')}</div>`)
+    + `<div class="turn${departs ? ' departs' : ''}${t.kind == 'summary' ? ' summary' : ''}"><b>turn ${i}</b>${t.kind == 'summary' ? ' · <b class="summary">summary (compaction turn)</b>' : ''} · v${t.policy_version} · ${t.gen_end-t.gen_start} tokens · ${t.tool_calls} tool result(s), ${t.tool_errors} error(s) · ${esc(t.finish_reason)}`
     + (fails.length ? ` · <b class="fail">${fails.map(esc).join(', ')}</b>` : '')
     + (e.milestones.filter(m => m.turn == i).length ? ` · <b class="ok">milestones: ${e.milestones.filter(m => m.turn == i).map(m => esc(m.name)+' +'+m.reward).join(', ')}</b>` : '')
     + `<pre>${esc(t.text)}</pre></div>`
@@ -287,7 +291,7 @@ function show(id){
   document.querySelectorAll('.episode-row').forEach(r => r.classList.toggle('sel', r.dataset.id == id));
   document.getElementById('episode').innerHTML = `<h1 id="episode-title">${esc(e.id)}</h1>`
     + `<div>${esc(e.env)} · seed ${e.seed} · group ${e.group} · reward ${e.reward} · stop ${esc(e.stop)} · `
-    + `<b class="${kindClass(e.failure)}" title="${esc(D.failure_kinds[e.failure]||'')}">${esc(e.failure)}</b> · ${e.n_tokens} tokens (${e.n_generated} generated)${(e.samples||[]).length ? ` · ${e.samples.length} samples` : ''}`
+    + `<b class="${kindClass(e.failure)}" title="${esc(D.failure_kinds[e.failure]||'')}">${esc(e.failure)}</b> · ${e.n_tokens} tokens (${e.n_generated} generated)${(e.samples||[]).length ? ` · ${e.samples.length} ${e.context == 'window' || e.context == 'compact' ? 'context segments (' + esc(e.context) + ')' : 'samples'}` : ''}`
     + (e.infra_error ? ` · <span class="note">infra error: ${esc(e.infra_error)}</span>` : '') + `</div>`
     + (Object.keys(e.reward_parts || {}).length ? `<div id="reward-parts">reward parts: ${Object.entries(e.reward_parts).map(([k, v]) => esc(k) + ' ' + (+v).toFixed(3)).join(' · ')}</div>` : '')
     + `<h2>task</h2><pre>${esc(e.task)}</pre>`

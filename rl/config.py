@@ -387,8 +387,10 @@ class RunConfig:
             ("warm_start.demos", not (self.warm_start.demos and self.policy.flavour),
              "needs a Hugging Face policy (the warm start is TRL's SFTTrainer); a policy.flavour model has none yet"),
             ("rollout.temperature", self.rollout.temperature > 0, "must be > 0"),
-            ("rollout.max_model_len", self.rollout.max_model_len >= self.rollout.max_episode_tokens,
-             "must be >= rollout.max_episode_tokens"),
+            ("rollout.max_model_len", self.rollout.context.mode != "full"
+             or self.rollout.max_model_len >= self.rollout.max_episode_tokens,
+             "must be >= rollout.max_episode_tokens under rollout.context.mode full (window and compact keep each "
+             "context within it)"),
             ("algo.lr", self.algo.lr > 0, "must be > 0"),
             ("algo.clip_low", 0 < self.algo.clip_low < 1, "must be in (0, 1)"),
             ("algo.clip_high", self.algo.clip_high > 0, "must be > 0"),
@@ -429,11 +431,12 @@ class RunConfig:
             ("eval.temperature", self.eval.temperature >= 0, "must be >= 0 (0: the rollouts')"),
             ("rollout.iteration_token_budget", self.rollout.iteration_token_budget >= 0, "must be >= 0 (0: no limit)"),
             ("rollout.max_segments", self.rollout.max_segments >= 1, "must be >= 1"),
-            ("rollout.max_episode_tokens_schedule", _stages_ok(self.rollout.max_episode_tokens_schedule,
-                                                               self.rollout.max_model_len),
-             "must be [[iteration, tokens], ...] with increasing iterations >= 0 and 2 <= tokens <= "
-             "rollout.max_model_len"),
-        ] + [
+            ("rollout.max_episode_tokens_schedule", _stages_ok(
+                self.rollout.max_episode_tokens_schedule,
+                self.rollout.max_model_len if self.rollout.context.mode == "full" else 1 << 40),
+             "must be [[iteration, tokens], ...] with increasing iterations >= 0 and 2 <= tokens (<= "
+             "rollout.max_model_len under rollout.context.mode full)"),
+        ] + self.rollout.context.problems(self.rollout.max_model_len, self.rollout.max_new_tokens) + [
             (f"ray.{name}", all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
                                 and v >= 0 for k, v in getattr(self.ray, name).items()),
              "must map resource names to non-negative amounts, e.g. {rollout: 1}")

@@ -65,13 +65,12 @@ def summarise(env_id: str, trajs: list[Trajectory], k: int = 1) -> dict:
     return out
 
 
-def evaluate(engine, chat, env_id: str, episodes: int, *, k: int = 1, env_kwargs: dict | None = None,
-             max_turns: int = 4, max_new_tokens: int = 48, max_episode_tokens: int = 2048,
-             temperature: float = 1.0, top_p: float = 1.0, seed: int = 0) -> tuple[dict, list[Trajectory]]:
-    """Play the held-out episodes with `engine`; (summary, trajectories)."""
-    trajs = play(engine, chat, env_id, env_kwargs, eval_tasks(episodes, k), max_turns=max_turns,
-                 max_new_tokens=max_new_tokens, max_episode_tokens=max_episode_tokens, temperature=temperature,
-                 top_p=top_p, run_seed=seed)
+def evaluate(engine, chat, env_id: str, episodes: int, *, k: int = 1, env_kwargs: dict | None = None, seed: int = 0,
+             **loop) -> tuple[dict, list[Trajectory]]:
+    """Play the held-out episodes with `engine`; (summary, trajectories). `loop`: the agent loop's
+    limits, sampling and context management (`RolloutConfig.loop()`, or any of its keywords)."""
+    trajs = play(engine, chat, env_id, env_kwargs, eval_tasks(episodes, k), run_seed=seed,
+                 **{"max_turns": 4, "max_new_tokens": 48, "max_episode_tokens": 2048, **loop})
     return summarise(env_id, trajs, k), trajs
 
 
@@ -88,6 +87,5 @@ def evaluate_policy(policy: str, rollout, env_id: str, episodes: int, *, k: int 
     engine = make_engine(r.engine, policy, seed=seed, max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,
                          enforce_eager=r.enforce_eager, max_batch=r.max_batch, dtype=r.engine_dtype())
     chat = ChatFormat(AutoTokenizer.from_pretrained(policy))
-    return evaluate(engine, chat, env_id, episodes, k=k, env_kwargs=env_kwargs, max_turns=r.max_turns,
-                    max_new_tokens=r.max_new_tokens, max_episode_tokens=r.max_episode_tokens,
-                    temperature=r.temperature if temperature is None else temperature, top_p=r.top_p, seed=seed)
+    return evaluate(engine, chat, env_id, episodes, k=k, env_kwargs=env_kwargs, seed=seed,
+                    **r.loop(**({} if temperature is None else {"temperature": temperature})))

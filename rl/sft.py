@@ -25,17 +25,26 @@ DEMO_SEED = 1 << 30
 
 
 def demonstrations(chat, env_id: str, n: int, *, env_kwargs: dict | None = None, max_turns: int = 8,
-                   max_episode_tokens: int = 4096, first_seed: int = DEMO_SEED) -> list[Trajectory]:
-    """`n` expert episodes of `env_id` on seeds `first_seed`, `first_seed + 1`, ..."""
+                   max_episode_tokens: int = 4096, first_seed: int = DEMO_SEED, context=None,
+                   max_model_len: int = 0) -> list[Trajectory]:
+    """`n` expert episodes of `env_id` on seeds `first_seed`, `first_seed + 1`, ... Under a `context`
+    (rollout/context.py) of window or compact, with the engine's `max_model_len`, as rollouts run:
+    the expert writes its summaries at the compaction turns (`ToolEnv.expert_summary`), so the warm
+    start teaches the format of both."""
     import envs
+    from rollout.context import ContextConfig
     from rollout.expert import ExpertEngine
 
     kwargs = dict(env_kwargs or {})
     seeds = [first_seed + i for i in range(n)]
     expert = ExpertEngine(chat, seeds, env_id, **kwargs)
     tasks = [EpisodeTask(f"demo-{env_id}-{s}", i, s, -1) for i, s in enumerate(seeds)]
+    context = context or ContextConfig()
+    # an expert turn is never cut: the most a context allows (or the episode, when it is one context)
+    turn_tokens = max_episode_tokens if context.mode == "full" else max_model_len
     return run_episodes(expert, chat, lambda: envs.make(env_id, **kwargs), env_id, tasks, max_turns=max_turns,
-                        max_new_tokens=max_episode_tokens, max_episode_tokens=max_episode_tokens)
+                        max_new_tokens=turn_tokens, max_episode_tokens=max_episode_tokens, context=context,
+                        max_model_len=max_model_len)
 
 
 def warm_start(policy_path: str | Path, out_dir: str | Path, demos: list[Trajectory], *, epochs: float = 2.0,

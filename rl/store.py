@@ -21,7 +21,8 @@ from rollout.trajectory import Trajectory, Turn, failure_kind
 
 # 2: routed_experts (shards of version 1 read with it None); 3: failure, turns' failures; 4: reward_parts;
 # 5: sample_starts (an agent program's episode stored as several sequences; older shards read with [])
-SCHEMA_VERSION = 5
+# 6: context (the agent loop's context management; older shards read with ""), turns' kind
+SCHEMA_VERSION = 6
 
 SCHEMA = pa.schema(
     [
@@ -49,6 +50,7 @@ SCHEMA = pa.schema(
         ("failure", pa.string()),
         ("reward_parts", pa.string()),
         ("sample_starts", pa.list_(pa.int32())),
+        ("context", pa.string()),
     ]
 )
 
@@ -99,6 +101,7 @@ class TrajectoryStore:
             rows["routed_experts"].append(t.routed_experts)
             rows["reward_parts"].append(json.dumps(t.reward_parts))
             rows["sample_starts"].append(t.sample_starts)
+            rows["context"].append(t.context)
         return self._write_atomic(self.dir, name, pa.table(rows, schema=SCHEMA))
 
     def write_learner(self, name: str, annotations: dict, policy_version: int) -> Path:
@@ -282,4 +285,5 @@ def row_to_trajectory(row: dict) -> Trajectory:
         failure=failure,
         reward_parts=json.loads(row.get("reward_parts") or "{}"),
         sample_starts=row.get("sample_starts") or [],
+        context=row.get("context") or "",
     )

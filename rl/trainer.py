@@ -174,7 +174,8 @@ class Trainer:
         for env_id in w.envs or [c.env.id]:
             kwargs = dict(c.env.kwargs) if env_id == c.env.id else {}
             demos += demonstrations(chat, env_id, w.demos, env_kwargs=kwargs, max_turns=c.rollout.max_turns,
-                                    max_episode_tokens=c.rollout.max_episode_tokens)
+                                    max_episode_tokens=c.rollout.max_episode_tokens, context=c.rollout.context,
+                                    max_model_len=c.rollout.max_model_len)
         self.console.log(f"warm start: {len(demos)} expert demonstrations from {', '.join(w.envs or [c.env.id])}")
         # In a child process: what fine-tuning leaves in a process (~4-5 GB for the real policy:
         # allocator caches, TRL, datasets) goes back to the node before the learner and engines start.

@@ -25,6 +25,12 @@ next call continues them (with whatever weights the engine holds by then; every 
 policy version). An episode in its `max_segments`-th call runs to its end whatever the budget, so
 no episode spans more calls than that.
 
+Context management (`context`, rollout/context.py): in `window` and `compact` modes an episode
+whose context passes the threshold continues from a rebuilt one, a new segment of its token ids
+(`Trajectory.sample_starts`); each context is bounded by `max_model_len` and the whole episode by
+`max_episode_tokens`. A compaction turn (the policy's summary) runs no tool and counts against no
+turn limit; `max_turns` counts the turns that act.
+
 Not covered: per-episode asynchrony on an engine that cannot batch continuously (the native
 engine: the episodes then run in lockstep).
 """
@@ -38,14 +44,12 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Callable
 
 import envs
-from rollout.trajectory import EpisodeTask, Trajectory, Turn, failure_kind
 from rollout.chat import ChatFormat
+from rollout.context import COMPACT_INSTRUCTION, ContextConfig, summary_note, window_note
 from rollout.engines.base import Engine
+from rollout.trajectory import EpisodeTask, Trajectory, Turn, failure_kind
 
-
-def _room_to_generate(context_len: int, max_episode_tokens: int) -> bool:
-    """At least one sampled token plus a possible closing token still fit the budget."""
-    return context_len + 2 <= max_episode_tokens
+FULL = ContextConfig()
 
 
 def turn_seed(run_seed: int, episode_id: str, turn: int) -> int:
@@ -53,6 +57,9 @@ def turn_seed(run_seed: int, episode_id: str, turn: int) -> int:
 
 
 class _Episode:
+    """One running episode: its token ids (every segment so far), the current segment's start, and
+    what a rebuilt context is made of (the task, the tools, each acting turn's own tokens)."""
+
     def __init__(self, task: EpisodeTask, env, prompt: list[int]):
         self.task, self.env = task, env
         self.ids = list(prompt)
@@ -69,14 +76,42 @@ class _Episode:
         self.turn_start = 0
         self.routed: list[list[list[int]]] = [[] for _ in prompt]
         self.any_routed = False
-        self.max_tokens = 0  # the episode's token limit, fixed when it starts
+        self.max_tokens = 0  # the episode's token limit (all its segments), fixed when it starts
+        self.context_limit = 0  # the most tokens one context may hold
         self.segments = 1  # calls it has run in (partial rollouts)
+        self.tools: list | None = None
+        self.context_start = 0  # where the context the engine sees (the current context segment) begins in `ids`
+        self.sample_starts: list[int] = []  # every context segment's start, once there is more than one
+        self.own_ids: dict[int, list[int]] = {}  # acting turn -> its generated ids and its observation
+        self.summarising = False  # the next turn is a compaction turn
+        self.managed = FULL  # the context management it runs under (rollout/context.py)
+
+    @property
+    def context(self) -> list[int]:
+        return self.ids[self.context_start :]
+
+    def room(self) -> int:
+        """Tokens the next turn may take: what both the context and the episode still hold."""
+        return min(self.context_limit - len(self.ids) + self.context_start, self.max_tokens - len(self.ids))
 
     def fail(self, message: str) -> None:
         self.stop_reason, self.infra_error = "infra_error", message
 
+    def append(self, ids: list[int]) -> None:
+        """Tokens the policy did not generate (observations, a rebuilt context's prompt)."""
+        self.ids += ids
+        self.mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.routed += [[] for _ in ids]
 
-def _start(task: EpisodeTask, make_env, chat: ChatFormat, max_episode_tokens: int) -> _Episode:
+
+def _room_to_generate(ep: _Episode) -> bool:
+    """At least one sampled token plus a possible closing token still fit the context and the budget."""
+    return ep.room() >= 2
+
+
+def _start(task: EpisodeTask, make_env, chat: ChatFormat, max_episode_tokens: int, context: ContextConfig,
+           max_model_len: int) -> _Episode:
     """Make and reset one episode's environment and render its prompt."""
     t0 = time.perf_counter()
     try:
@@ -86,19 +121,25 @@ def _start(task: EpisodeTask, make_env, chat: ChatFormat, max_episode_tokens: in
             raise RuntimeError(info["infra_error"])
         prompt = chat.prompt_ids([{"role": "user", "content": obs}], info.get("tools"))
         ep = _Episode(task, env, prompt)
-        ep.task_text = obs
+        ep.task_text, ep.tools = obs, info.get("tools")
     except Exception as exc:  # the environment's failure, not the policy's: keep the worker up
         ep = _Episode(task, None, [])
         ep.fail(f"reset: {type(exc).__name__}: {exc}")
     ep.env_s += time.perf_counter() - t0
     ep.max_tokens = max_episode_tokens
-    if not ep.stop_reason and not _room_to_generate(len(ep.ids), max_episode_tokens):
+    # full: one context, the whole episode; window/compact: each context within the engine's length
+    ep.context_limit = max_episode_tokens if context.mode == "full" else max_model_len
+    ep.managed = context
+    if not ep.stop_reason and not _room_to_generate(ep):
         ep.stop_reason = "max_tokens"
     return ep
 
 
-def _step(ep: _Episode, text: str, turn: int) -> tuple:
-    """One env step, timed; an environment's failure becomes the episode's infra error."""
+def _step(ep: _Episode, text: str, turn: int) -> tuple | None:
+    """One env step, timed; an environment's failure becomes the episode's infra error. None for a
+    compaction turn (its text is the policy's summary: no tool runs)."""
+    if ep.summarising:
+        return None
     t0 = time.perf_counter()
     try:
         out = ep.env.step(text)
@@ -133,11 +174,14 @@ def run_episodes(
     temperature: float = 1.0,
     top_p: float = 1.0,
     run_seed: int = 0,
+    context: ContextConfig = FULL,
+    max_model_len: int = 0,
 ) -> list[Trajectory]:
     """Run the tasks' episodes to their ends; their trajectories in task order."""
     done, suspended = continue_episodes(engine, chat, make_env, env_id, tasks, max_turns=max_turns,
                                         max_new_tokens=max_new_tokens, max_episode_tokens=max_episode_tokens,
-                                        temperature=temperature, top_p=top_p, run_seed=run_seed)
+                                        temperature=temperature, top_p=top_p, run_seed=run_seed, context=context,
+                                        max_model_len=max_model_len)
     assert not suspended  # no token budget: every episode ran to its end
     return done
 
@@ -158,11 +202,16 @@ def continue_episodes(
     suspended: list[_Episode] | None = None,
     token_budget: int = 0,
     max_segments: int = 1,
+    context: ContextConfig = FULL,
+    max_model_len: int = 0,
 ) -> tuple[list[Trajectory], list[_Episode]]:
     """Start the tasks' episodes and continue the `suspended` ones (first), together, until each has
     ended or, with a `token_budget` > 0, until this call has generated that many tokens. Returns the
     trajectories of the episodes that ended and the episodes still running (suspended: pass them to
-    the next call). `max_episode_tokens` applies to the episodes started here."""
+    the next call). `max_episode_tokens`, `context` and `max_model_len` (the engine's, which bounds
+    each context under window and compact) apply to the episodes started here."""
+    if context.mode != "full" and max_model_len < 1:
+        raise ValueError(f"context mode {context.mode!r} needs the engine's max_model_len")
     pool = ThreadPoolExecutor(max_workers=max(1, min(32, len(tasks) + len(suspended or []))))
     episodes: list[_Episode] = []
     carried = list(suspended or [])
@@ -172,7 +221,8 @@ def continue_episodes(
                     run_seed=run_seed)
     ok = False
     try:
-        started = list(pool.map(lambda task: _start(task, make_env, chat, max_episode_tokens), tasks))
+        started = list(pool.map(lambda task: _start(task, make_env, chat, max_episode_tokens, context, max_model_len),
+                                tasks))
         episodes = carried + started
         budget = _Budget(token_budget, max_segments)
         if getattr(engine, "continuous_batching", False):
@@ -241,7 +291,7 @@ def _turn(engine, chat: ChatFormat, live: list[_Episode], pool, *, max_turns, ma
     texts = [_sampled(ep, gen, chat, dt) for ep, gen in zip(live, gens)]
     steps = list(pool.map(lambda pair: _step(pair[0], pair[1], len(pair[0].turns)), zip(live, texts)))
     for ep, gen, text, step in zip(live, gens, texts, steps):
-        _stepped(ep, engine, chat, gen, text, step, max_turns, run_seed)
+        _stepped(ep, engine, chat, gen, text, step, max_turns, max_new_tokens, run_seed)
     return sum(len(g.token_ids) for g in gens)
 
 
@@ -260,7 +310,7 @@ def _each_on_its_own(engine, chat: ChatFormat, episodes: list[_Episode], budget:
                 gen = _generate(engine, chat, [ep], max_new_tokens, temperature, top_p, run_seed)[0]
                 budget.end_turn(at_most, len(gen.token_ids))  # (an error ends the call: nothing to give back)
                 text = _sampled(ep, gen, chat, time.perf_counter() - t0)
-                _stepped(ep, engine, chat, gen, text, _step(ep, text, len(ep.turns)), max_turns, run_seed)
+                _stepped(ep, engine, chat, gen, text, _step(ep, text, len(ep.turns)), max_turns, max_new_tokens, run_seed)
         except BaseException:
             failed.set()
             raise
@@ -274,14 +324,14 @@ def _each_on_its_own(engine, chat: ChatFormat, episodes: list[_Episode], budget:
 
 
 def _turn_limit(ep: _Episode, max_new_tokens: int) -> int:
-    # Each episode may generate at most what its token budget still allows, keeping one token
-    # for the end-of-turn token appended when a turn is cut by the limit.
-    return min(max_new_tokens, ep.max_tokens - len(ep.ids) - 1)
+    # Each episode may generate at most what its context and token budget still allow, keeping one
+    # token for the end-of-turn token appended when a turn is cut by the limit.
+    return min(ep.managed.summary_tokens if ep.summarising else max_new_tokens, ep.room() - 1)
 
 
 def _generate(engine, chat: ChatFormat, live: list[_Episode], max_new_tokens, temperature, top_p, run_seed):
     return engine.generate(
-        [ep.ids for ep in live],
+        [ep.context for ep in live],
         max_tokens=[_turn_limit(ep, max_new_tokens) for ep in live],
         temperature=temperature,
         top_p=top_p,
@@ -294,7 +344,7 @@ def _sampled(ep: _Episode, gen, chat: ChatFormat, gen_s: float) -> str:
     """Append a sampled turn to the episode's context; its text."""
     ep.gen_s += gen_s
     if gen.prompt_routed_experts is not None:  # the context's routing, where not recorded yet
-        for pos, r in enumerate(gen.prompt_routed_experts):
+        for pos, r in enumerate(gen.prompt_routed_experts, start=ep.context_start):
             if r and not ep.routed[pos]:
                 ep.routed[pos] = r
                 ep.any_routed = True
@@ -314,49 +364,88 @@ def _sampled(ep: _Episode, gen, chat: ChatFormat, gen_s: float) -> str:
     return chat.decode(gen.token_ids)
 
 
-def _stepped(ep: _Episode, engine, chat: ChatFormat, gen, text: str, step: tuple, max_turns: int,
-             run_seed: int) -> None:
-    """Record a turn from its env step: reward, milestones, the observation appended or the end."""
-    obs, reward, terminated, truncated, info = step
+def _stepped(ep: _Episode, engine, chat: ChatFormat, gen, text: str, step: tuple | None, max_turns: int,
+             max_new_tokens: int, run_seed: int) -> None:
+    """Record a turn from its env step: reward, milestones, the observation appended (the context
+    rebuilt or a summary asked for, when it passes the threshold) or the end. A compaction turn
+    (`step` None) rebuilds the context from its summary."""
     gen_start, gen_end = ep.turn_start, len(ep.ids)
     turn = len(ep.turns)
+    record = dict(gen_start=gen_start, gen_end=gen_end, text=text,
+                  policy_version=engine.version if gen.version is None else gen.version,
+                  seed=turn_seed(run_seed, ep.task.episode_id, turn), finish_reason=gen.finish_reason)
+    if step is None:  # a compaction turn: the summary is written, the episode goes on from it
+        ep.summarising = False
+        ep.turns.append(Turn(obs_end=gen_end, observation="", tool_calls=0, tool_errors=0, kind="summary", **record))
+        _rebuild(ep, chat, text)
+        return
+    obs, reward, terminated, truncated, info = step
     ep.reward += float(reward)
     for m in info.get("milestones", []):
         ep.milestones.append({**m, "turn": turn, "token": gen_end - 1})
     n_errors = int(info.get("tool_errors", 0))
     n_calls = sum(1 for m in info.get("messages", []) if m.get("role") == "tool")
-
+    acted = sum(t.kind == "action" for t in ep.turns) + 1
+    rebuild = False
     if ep.stop_reason == "infra_error":
         pass
     elif terminated or truncated:
         ep.stop_reason = "terminated" if terminated else "truncated"
-    elif turn + 1 >= max_turns:
+    elif acted >= max_turns:
         ep.stop_reason = "max_turns"
     else:
         obs_ids = chat.observation_ids(info["messages"])
-        if not _room_to_generate(len(ep.ids) + len(obs_ids), ep.max_tokens):
+        m = ep.managed
+        if m.mode != "full":
+            ep.own_ids[turn] = ep.ids[gen_start:gen_end] + obs_ids  # what a rebuilt context copies of it
+        past = len(ep.context) + len(obs_ids) > m.threshold(ep.context_limit)
+        if m.mode == "compact":  # ask for the summary with this observation, while there is room for it
+            asking = chat.observation_ids(info["messages"] + [{"role": "user", "content": COMPACT_INSTRUCTION}])
+            if past or len(ep.context) + len(asking) + m.summary_tokens + 1 > ep.context_limit:
+                obs_ids, ep.summarising = asking, True
+        elif m.mode == "window":  # the observation goes to the new context only
+            rebuild = past or len(ep.context) + len(obs_ids) + max_new_tokens + 1 > ep.context_limit
+        if rebuild:
+            pass
+        elif len(ep.context) + len(obs_ids) + 2 > ep.context_limit or len(ep.ids) + len(obs_ids) + 2 > ep.max_tokens:
             ep.stop_reason = "max_tokens"
         else:
-            ep.ids += obs_ids
-            ep.mask += [0] * len(obs_ids)
-            ep.logprobs += [0.0] * len(obs_ids)
-            ep.routed += [[] for _ in obs_ids]
-    ep.turns.append(
-        Turn(
-            gen_start=gen_start,
-            gen_end=gen_end,
-            obs_end=len(ep.ids),
-            text=text,
-            observation=obs,
-            tool_calls=n_calls,
-            tool_errors=n_errors,
-            policy_version=engine.version if gen.version is None else gen.version,
-            seed=turn_seed(run_seed, ep.task.episode_id, turn),
-            finish_reason=gen.finish_reason,
-            sandbox_events=list(info.get("sandbox_events", [])),
-            failures=list(info.get("failures", [])),
-        )
-    )
+            ep.append(obs_ids)
+    ep.turns.append(Turn(obs_end=len(ep.ids), observation=obs, tool_calls=n_calls, tool_errors=n_errors,
+                         sandbox_events=list(info.get("sandbox_events", [])), failures=list(info.get("failures", [])),
+                         **record))
+    if rebuild:
+        _rebuild(ep, chat, None)
+
+
+def _rebuild(ep: _Episode, chat: ChatFormat, summary: str | None) -> None:
+    """Continue the episode from a new context segment: the task, a note (the policy's `summary`, or
+    the window's stub when None) and its last `keep_turns` acting turns, token for token; fewer of
+    them when they would take more than half the room between the task's prompt and the threshold.
+    Ends the episode (`max_tokens`) when even the task and the note do not leave room for a turn,
+    or the episode's budget has no room for them."""
+    acting = [i for i, t in enumerate(ep.turns) if t.kind == "action"]
+    keep = acting[len(acting) - ep.managed.keep_turns:] if ep.managed.keep_turns else []
+    # at most half the room between the task's prompt and the threshold: the new context must not
+    # pass the threshold again within a turn or two
+    first_prompt = ep.turns[0].gen_start
+    limit = first_prompt + (ep.managed.threshold(ep.context_limit) - first_prompt) // 2
+    while True:
+        shown = len(acting) - len(keep)  # acting turns 1..shown are no longer shown
+        note = (summary_note(summary, 1, shown) if summary is not None else window_note(1, shown, len(keep)))
+        ids = chat.prompt_ids([{"role": "user", "content": ep.task_text}, {"role": "user", "content": note}], ep.tools)
+        for i in keep:
+            ids += ep.own_ids[i]
+        if len(ids) <= limit or not keep:
+            break
+        keep = keep[1:]
+    if len(ids) + 2 > ep.context_limit or len(ep.ids) + len(ids) + 2 > ep.max_tokens:
+        ep.stop_reason = "max_tokens"
+        return
+    ep.sample_starts = ep.sample_starts or [0]
+    ep.sample_starts.append(len(ep.ids))
+    ep.context_start = len(ep.ids)
+    ep.append(ids)
 
 
 def succeeded_in(env_id: str, milestones: list[dict], reward: float) -> bool:
@@ -392,6 +481,8 @@ def _record(ep: _Episode, env_id: str) -> Trajectory:
         timings={"generate_s": ep.gen_s, "env_s": ep.env_s},
         routed_experts=ep.routed if ep.any_routed else None,
         failure=failure_kind(stop_reason, ep.turns, succeeded, ep.infra_error),
+        sample_starts=ep.sample_starts,
+        context=ep.managed.mode,
     )
 
 

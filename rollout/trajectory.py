@@ -49,6 +49,9 @@ class Turn:
     """Limits hit by the turn's sandboxed tool calls (e.g. `bwrap: memory limit reached`)."""
     failures: list[str] = field(default_factory=list)
     """What went wrong in the turn, one entry per problem (`TURN_FAILURES`; empty: nothing)."""
+    kind: str = "action"
+    """`action` (a turn the environment steps), or `summary`: a compaction turn, the policy's summary
+    of its progress, which ends its context segment (rollout/context.py; no tool runs, no observation)."""
 
 
 STOP_REASONS = {
@@ -91,6 +94,7 @@ def failure_kind(stop_reason: str, turns: list["Turn"], succeeded: bool, infra_e
         return "success"
     if stop_reason == "terminated":
         return "wrong_answer"
+    turns = [t for t in turns if t.kind == "action"]  # a summary has no failures: it does not vote
     failed = [t for t in turns if t.failures]
     if turns and 2 * len(failed) >= len(turns):
         counts: dict[str, int] = {}
@@ -153,10 +157,14 @@ class Trajectory:
     `reward` is then their weighted sum. Empty: the reward is the milestones the environment paid."""
     sample_starts: list[int] = field(default_factory=list)
     """Where each of the episode's training samples starts in `token_ids`, when it has more than one
-    (empty: the episode is one token sequence). An agent program whose history was rewritten between
-    calls (rollout/agent_program.py) is stored as its calls' sequences one after another, each its
+    (empty: the episode is one token sequence). The agent loop under `window` or `compact` context
+    management stores each context segment this way (rollout/context.py), and an agent program whose
+    history was rewritten between calls (rollout/agent_program.py) its calls' sequences, each its
     call's prompt and completion; the learner trains each as a sequence of its own, with the
     episode's advantage."""
+    context: str = ""
+    """The agent loop's context management (`full`, `window`, `compact`; rollout/context.py); empty
+    for an agent program's episode and for records older than it (both: `full`)."""
     judging: object = None
     """Transient, never stored: the judge's pending scores for the episode's judge parts, from the
     rollout worker until the trainer applies the rubric (rollout/judge.py `ask`, `ask_groups`, `settle`)."""
@@ -172,8 +180,8 @@ class Trajectory:
         return list(zip(starts, [*starts[1:], len(self.token_ids)]))
 
     def sample_openers(self) -> dict[int, int]:
-        """Turn index → sample index, for each turn that opens a sample after the first (a call
-        whose prompt was rendered anew)."""
+        """Turn index → sample index, for each turn that opens a sample after the first (the first
+        turn of a rebuilt context, or a call whose prompt was rendered anew)."""
         out = {}
         for k, (s, e) in enumerate(self.sample_spans()[1:], start=1):
             first = next((i for i, t in enumerate(self.turns) if s <= t.gen_start < e), None)

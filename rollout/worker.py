@@ -103,21 +103,9 @@ class RolloutWorker:
         with self._lock:  # on an error they are closed, not handed back
             carried, self.suspended = self.suspended, []
         done, suspended = continue_episodes(
-            self.engine,
-            self.chat,
-            self.make_env,
-            self.env_cfg.id,
-            tasks,
-            max_turns=c.max_turns,
-            max_new_tokens=c.max_new_tokens,
-            max_episode_tokens=max_episode_tokens or c.max_episode_tokens,
-            temperature=c.temperature,
-            top_p=c.top_p,
-            run_seed=self.seed,
-            suspended=carried,
-            token_budget=c.iteration_token_budget,
-            max_segments=c.max_segments,
-        )
+            self.engine, self.chat, self.make_env, self.env_cfg.id, tasks,
+            **c.loop(max_episode_tokens=max_episode_tokens or c.max_episode_tokens), run_seed=self.seed,
+            suspended=carried, token_budget=c.iteration_token_budget, max_segments=c.max_segments)
         with self._lock:
             self.suspended += suspended
         return ask(self.rubric, done, self.judge, self.env_cfg.kwargs)  # judged: the trainer settles them
@@ -153,9 +141,8 @@ class RolloutWorker:
             with self._programs, self.serve().sampling(temperature) as endpoint:  # eval.temperature, not the run's
                 done = run_agent_episodes(endpoint, env_id, env_kwargs, tasks, self.chat, "policy")
         else:
-            done = play(self.engine, self.chat, env_id, env_kwargs, tasks, max_turns=c.max_turns,
-                        max_new_tokens=c.max_new_tokens, max_episode_tokens=c.max_episode_tokens,
-                        temperature=temperature, top_p=c.top_p, run_seed=self.seed)
+            done = play(self.engine, self.chat, env_id, env_kwargs, tasks, **c.loop(temperature=temperature),
+                        run_seed=self.seed)
         ask(self.rubric, done, self.judge, env_kwargs)
         ask_groups(self.rubric, done, self.judge)
         settle(self.rubric, done, self.judge_timeout_s)
