@@ -15,6 +15,12 @@ scores with one, how it ended):
   learner/engine ratio or the advantage (from the learner records), context grey.
 Data is embedded as JSON and rendered by a small script.
 
+Everything a run wrote is data, never markup: the embedded JSON has every `<`, `>` and `&` escaped
+(so no text in it can end or comment out its script block), the record's numeric fields are made
+numbers here (a crafted shard's turn or milestone fields cannot carry markup into the page), and the
+script sets every string through `esc` (episode text, tool output, task, shard and file names,
+failure messages).
+
 Limits: at most `max_episodes` episodes (the newest, each read alone from the store) and
 `max_tokens` tokens per episode are embedded, so a page stays small for long runs; the page says
 when it cut something, and a group shows only its embedded episodes. Tokens are drawn a page of
@@ -25,12 +31,40 @@ from __future__ import annotations
 
 import html
 import json
+import math
 from collections import defaultdict
 from pathlib import Path
 
 from longhorizon.inspect import compare_group, load_metrics, mean_advantage, opener_note, run_tokenizer, summary
 from rl.store import TrajectoryStore
 from rollout.trajectory import FAILURE_KINDS
+
+
+def _num(x, kind=int):
+    """A stored value that should be a number, as one (0 when it is not: a crafted record)."""
+    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    return kind(x) if ok else kind(0)
+
+
+def _turn(turn) -> dict:
+    """A turn as the page reads it: numbers as numbers, text as text, whatever the record held."""
+    d = vars(turn)
+    out = {k: _num(d.get(k)) for k in ("gen_start", "gen_end", "obs_end", "tool_calls", "tool_errors",
+                                       "policy_version", "seed")}
+    out.update({k: str(d.get(k) or "") for k in ("text", "observation", "finish_reason", "kind")})
+    out.update({k: [str(x) for x in (d.get(k) or [])] for k in ("sandbox_events", "failures")})
+    return out
+
+
+def _milestone(m) -> dict:
+    m = m if isinstance(m, dict) else {}
+    return {"name": str(m.get("name", "")), "reward": _num(m.get("reward"), float), "turn": _num(m.get("turn")),
+            "token": _num(m.get("token"))}
+
+
+def embed(data) -> str:
+    """`data` as JSON that cannot end, or comment out, the script block it is put in."""
+    return json.dumps(data).replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
 
 
 def episode_payload(t, tok, max_tokens: int, learner: dict | None = None) -> dict:
@@ -44,12 +78,12 @@ def episode_payload(t, tok, max_tokens: int, learner: dict | None = None) -> dic
         "failure": t.failure, "versions": sorted({turn.policy_version for turn in t.turns}),
         "n_tokens": len(t.token_ids), "n_generated": t.num_generated, "cut": n < len(t.token_ids),
         "tokens": pieces, "mask": t.loss_mask[:n], "logprobs": [round(x, 4) for x in t.rollout_logprobs[:n]],
-        "turns": [vars(turn) for turn in t.turns],
+        "turns": [_turn(turn) for turn in t.turns],
         # a split episode (context segments, rollout/context.py; an agent program's rewritten history):
         # where its samples start, the turns that open them, and what each one is
         "samples": t.sample_starts, "sample_turns": t.sample_openers(), "context": t.context,
         "sample_notes": {i: opener_note(t, i, k) for i, k in t.sample_openers().items()},
-        "milestones": t.milestones,
+        "milestones": [_milestone(m) for m in t.milestones],
         # the learner's pre-update log-probs and the advantages it trained with, when it trained on it
         "learner": [round(x, 4) for x in learner["learner_logprobs"][:n]] if learner else None,
         "adv": [round(x, 4) for x in learner["advantages"][:n]] if learner else None,
@@ -100,8 +134,7 @@ def write_html(run_dir: str | Path, out: str | Path, max_episodes: int = 500, ma
         held_out.insert(0, point(-1, first))
     data = {"summary": s, "episodes": payloads, "episodes_cut": len(ids) > max_episodes, "groups": groups,
             "held_out": held_out, "failure_kinds": FAILURE_KINDS, "time_split": time_split(load_metrics(run_dir))}
-    blob = json.dumps(data).replace("</", "<\\/")  # keep "</script>" out of the JSON
-    page = _TEMPLATE.replace("__TITLE__", html.escape(str(run_dir))).replace("__DATA__", blob)
+    page = _TEMPLATE.replace("__TITLE__", html.escape(str(run_dir))).replace("__DATA__", embed(data))
     out = Path(out)
     out.write_text(page, encoding="utf-8")
     return out
@@ -143,13 +176,13 @@ pre{white-space:pre-wrap;margin:4px 0;font:12px ui-monospace,monospace}
 <script id="data" type="application/json">__DATA__</script>
 <script>
 const D = JSON.parse(document.getElementById('data').textContent);
-const esc = s => String(s).replace(/[&<>"]/g, c => ({'&':'&amp;','<':'&lt;','>':'&gt;','"':'&quot;'}[c]));
+const esc = s => String(s).replace(/[&<>"']/g, c => ({'&':'&amp;','<':'&lt;','>':'&gt;','"':'&quot;',"'":'&#39;'}[c]));
 const S = D.summary;
 const TURN_FAILS = ['no_tool_call', 'malformed_call', 'unknown_tool', 'tool_error', 'sandbox_limit'];
 const kindClass = k => k == 'success' ? 'ok' : 'fail';
-document.getElementById('runsum').innerHTML = `${S.iterations} iterations · ${S.episodes} episodes · policy versions ${S.policy_versions.join(', ')}`
+document.getElementById('runsum').innerHTML = `${S.iterations} iterations · ${S.episodes} episodes · policy versions ${S.policy_versions.map(esc).join(', ')}`
   + (D.episodes_cut ? `<div class="note">showing the newest ${D.episodes.length} episodes</div>` : '')
-  + (Object.keys(S.corrupt_shards||{}).length ? `<div class="note">corrupt shards skipped: ${Object.keys(S.corrupt_shards).join(', ')}</div>` : '');
+  + (Object.keys(S.corrupt_shards||{}).length ? `<div class="note">corrupt shards skipped: ${Object.keys(S.corrupt_shards).map(esc).join(', ')}</div>` : '');
 // A line chart with its axes: x = iteration, y from lo to hi with three labelled ticks.
 function chart(id, title, xs, series, lo, hi){
   const svg = document.getElementById(id), W = 430, H = 150, L = 42, R = 10, T = 18, B = 26;

@@ -8,6 +8,7 @@ read with `datasets.load_dataset("parquet", data_files=...)` or pyarrow directly
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
@@ -146,10 +147,12 @@ class TrajectoryStore:
         for shard in shards:
             try:
                 table = pq.read_table(shard, filters=filters, columns=columns)
-            except (pa.ArrowInvalid, OSError) as exc:
+                rows = table.to_pylist()
+                _check_rows(rows)
+            except (pa.ArrowInvalid, OSError, CorruptRecord) as exc:
                 self.corrupt[str(shard)] = str(exc)
                 continue
-            yield from table.to_pylist()
+            yield from rows
 
     def episode(self, episode_id: str) -> Trajectory:
         """One episode, reading only its row group of each shard (a 1M-token episode never brings
@@ -188,7 +191,9 @@ class TrajectoryStore:
                 pf = pq.ParquetFile(shard)  # one open: the footer tells which columns this shard has
                 present = pf.schema_arrow.names
                 table = pf.read(columns=None if columns is None else [c for c in columns if c in present])
-            except (pa.ArrowInvalid, OSError) as exc:
+                rows = table.to_pylist()
+                _check_rows(rows)
+            except (pa.ArrowInvalid, OSError, CorruptRecord) as exc:
                 if strict:
                     raise CorruptShard(shard, exc) from exc
                 if str(shard) not in self.corrupt:
@@ -196,7 +201,7 @@ class TrajectoryStore:
                 self.corrupt[str(shard)] = str(exc)
                 continue
             missing = [c for c in (columns or SCHEMA.names) if c not in present]  # an older shard's
-            for row in table.to_pylist():
+            for row in rows:
                 yield {**row, **dict.fromkeys(missing)} if missing else row
 
     def trajectories(self, shard: Path | None = None, strict: bool = True) -> Iterator[Trajectory]:
@@ -213,6 +218,71 @@ class TrajectoryStore:
             except (pa.ArrowInvalid, OSError) as exc:
                 bad.append(CorruptShard(shard, exc))
         return bad
+
+
+class CorruptRecord(ValueError):
+    """An episode whose nested records (turns, milestones, ...) are not what the store writes: a
+    crafted or damaged shard, refused whole like an unreadable one."""
+
+
+_TURN_INTS = ("gen_start", "gen_end", "obs_end", "tool_calls", "tool_errors", "policy_version", "seed")
+_TURN_TEXTS = ("text", "observation", "finish_reason", "kind")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    import math
+
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def record_problem(row: dict) -> str | None:
+    """What in a row's JSON columns is not a record the store writes (types included), or None."""
+    def parsed(key, kind):
+        try:
+            value = json.loads(row[key])
+        except (TypeError, ValueError):
+            raise CorruptRecord(f"{key} is not JSON") from None
+        if not isinstance(value, kind):
+            raise CorruptRecord(f"{key} is not a JSON {kind.__name__}")
+        return value
+
+    try:
+        if row.get("turns") is not None:
+            fields = {f.name for f in dataclasses.fields(Turn)}
+            for i, t in enumerate(parsed("turns", list)):
+                if not isinstance(t, dict) or not set(t) <= fields:
+                    raise CorruptRecord(f"turn {i} is not a turn record")
+                bad = ([k for k in _TURN_INTS if k in t and not _is_int(t[k])]
+                       + [k for k in _TURN_TEXTS if k in t and not isinstance(t[k], str)]
+                       + [k for k in ("sandbox_events", "failures") if k in t
+                          and not (isinstance(t[k], list) and all(isinstance(x, str) for x in t[k]))])
+                if bad:
+                    raise CorruptRecord(f"turn {i}: {bad[0]} has the wrong type")
+        if row.get("milestones") is not None:
+            for m in parsed("milestones", list):
+                if not (isinstance(m, dict) and isinstance(m.get("name"), str) and _is_number(m.get("reward"))
+                        and all(_is_int(m[k]) for k in ("turn", "token") if k in m)):
+                    raise CorruptRecord("a milestone is not {name: str, reward: number, turn: int, token: int}")
+        if row.get("reward_parts") is not None:
+            parts = parsed("reward_parts", dict)
+            if not all(_is_number(v) for v in parts.values()):
+                raise CorruptRecord("a reward part is not a number")
+        if row.get("timings") is not None:
+            parsed("timings", dict)
+    except CorruptRecord as exc:
+        return str(exc)
+    return None
+
+
+def _check_rows(rows: list[dict]) -> None:
+    for row in rows:
+        problem = record_problem(row)
+        if problem:
+            raise CorruptRecord(f"episode {row.get('episode_id')!r}: {problem}")
 
 
 class CorruptShard(ValueError):

@@ -1,0 +1,74 @@
+"""What a model, a run directory or a file writes is data, never code or markup: the viewer in a real
+browser, the terminal, checkpoints, configs, tool calls (issue 47)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from rl.store import TrajectoryStore
+from rollout.trajectory import Trajectory, Turn
+
+
+def cli(*argv, timeout=300, cwd=REPO):
+    import os
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # run from another directory, the project still imports
+    return subprocess.run([sys.executable, "-m", "longhorizon.cli", *argv], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env=env)
+
+
+def mark(name: str) -> str:
+    """Script that, if it ever ran, would leave a <NAME> element in the page."""
+    return f"document.body.appendChild(document.createElement('{name}'))"
+
+
+def img(name: str) -> str:
+    return f'<img src=x onerror="{mark(name)}">'
+
+
+def hostile_episode(eid: str = "i0-g0-e0") -> Trajectory:
+    """Markup and escape sequences wherever a model, an environment or a failure writes text."""
+    turn = Turn(0, 3, 5, text=f"<!--<script>{mark('pwned-comment')}</script> {img('pwned-text')}",
+                observation=f"</script><script>{mark('pwned-obs')}</script>\x1b[2J\x1b]0;title\x07",
+                tool_calls=0, tool_errors=0, policy_version=0, seed=0, finish_reason=img("pwned-finish"),
+                failures=[img("pwned-failure")], sandbox_events=[img("pwned-sandbox")])
+    return Trajectory(episode_id=eid, iteration=0, group_id=0, env_id="tools/calculator-v0", seed=1, prompt_len=0,
+                      token_ids=[1, 2, 3, 4, 5, 6], loss_mask=[0, 1, 1, 0, 0, 0], rollout_logprobs=[0.0] * 6,
+                      turns=[turn], milestones=[{"name": img("pwned-milestone"), "reward": 0.5, "turn": 0, "token": 2}],
+                      reward=0.5, stop_reason="max_turns", infra_error=img("pwned-infra"),
+                      task=f"<script>{mark('pwned-task')}</script>", failure="wrong_answer")
+
+
+def test_the_viewer_runs_no_script_a_run_wrote_and_still_draws(tmp_path):
+    from conftest import chromium_flags
+
+    run = tmp_path / "run"
+    store = TrajectoryStore(run)
+    store.write("iter-000000", [hostile_episode()])
+    bad_name = f"iter-000007<img src=x onerror={mark('pwned-shard')}>.parquet"
+    (store.dir / bad_name).write_bytes(b"not parquet")
+    # a crafted record: markup where the store keeps numbers (a turn's tool_calls, a milestone's reward)
+    crafted = hostile_episode("i1-g0-e0")
+    crafted.iteration = 1
+    vars(crafted.turns[0])["tool_calls"] = img("pwned-count")
+    crafted.milestones[0]["reward"] = img("pwned-reward")
+    store.write("iter-000001", [crafted])
+    page = tmp_path / "viewer.html"
+    made = cli("inspect", str(run), "--html", str(page))
+    assert made.returncode == 0, made.stderr
+    flags = chromium_flags()
+    dom = subprocess.run(flags + ["--dump-dom", page.as_uri() + "?episode=i0-g0-e0"], capture_output=True, text=True,
+                         timeout=120).stdout
+    assert '<h1 id="episode-title">i0-g0-e0</h1>' in dom  # the page drew the episode
+    assert "corrupt shards skipped" in dom and "turn 0" in dom
+    assert "iter-000001.parquet" in dom.split("corrupt shards skipped")[1][:2000]  # the crafted one is refused
+    for name in ("comment", "text", "obs", "finish", "failure", "sandbox", "count", "milestone", "reward", "infra",
+                 "task", "shard"):
+        assert f"<pwned-{name}>" not in dom, f"script from the run ran ({name})"
+    assert "&lt;script&gt;" in dom  # shown as text
+
+
