@@ -108,7 +108,6 @@ def balance_terms(captured: list[tuple[torch.Tensor, torch.Tensor]], valid_N: to
     return aux / max(len(captured), 1), loads
 
 
-@torch.no_grad()
 class RouterStats:
     """One optimiser step's router statistics of the project's policy, added a micro-batch at a time
     and the scores then let go: per MoE layer the expert loads under the bias every forward of the
@@ -116,6 +115,7 @@ class RouterStats:
     (`sign`), or every score (`quantile`: exact quantiles need them all; a long trajectory's N×E
     scores per layer are what `quantile_hist` exists to avoid keeping)."""
 
+    @torch.no_grad()
     def __init__(self, lm):
         from policy.balance import QuantileHistogram
 
@@ -127,6 +127,7 @@ class RouterStats:
         self.scores: list[list[torch.Tensor]] = [[] for _ in self.routers]
         self.seen = False
 
+    @torch.no_grad()
     def add(self, scores_per_layer: list[torch.Tensor]) -> None:
         """One forward's router scores (tokens × experts per MoE layer, padding left out)."""
         self.seen = True
