@@ -25,9 +25,10 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 
-from rich.console import Console
+from longhorizon.terminal import SafeConsole, visible
 
 from longhorizon.errors import message
 
@@ -58,14 +59,14 @@ def _train(args) -> int:
     try:
         cfg = load_config(config, overrides)
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {message(exc)}", file=sys.stderr)
         return 2
     # paths and sandboxes of this machine (--from-store makes no environment); a cluster's nodes check their own
     problem = cfg.local_problem(with_envs=not args.from_store)
     if problem:
         print(f"error: {config}: {problem}", file=sys.stderr)
         return 2
-    console = Console(stderr=True)
+    console = SafeConsole(stderr=True)
 
     from rl.guards import CannotLearn
     from rl.trainer import LearnerDied, Trainer, WorkerLost
@@ -73,16 +74,16 @@ def _train(args) -> int:
     try:
         trainer = Trainer(cfg, run_dir, console, from_store=args.from_store)
     except FileNotFoundError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {message(exc)}", file=sys.stderr)
         return 2
     try:
         trainer.start(resume=bool(args.resume))
         trainer.run()
     except (FileExistsError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {message(exc)}", file=sys.stderr)
         return 2
     except (LearnerDied, WorkerLost, CannotLearn) as exc:  # what was written is kept; the message says how to go on
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {message(exc)}", file=sys.stderr)
         return 1
     finally:
         trainer.close()
@@ -98,7 +99,7 @@ def _inspect(args) -> int:
     from longhorizon import inspect as insp
 
     # piped, rich would cut tables at 80 columns ("miles…"); a wide console keeps every cell whole
-    console = Console() if sys.stdout.isatty() else Console(width=400)
+    console = SafeConsole() if sys.stdout.isatty() else SafeConsole(width=400)
     try:
         if args.group is not None:
             view = insp.group_view(args.run_dir, args.group)
@@ -130,7 +131,7 @@ def _inspect(args) -> int:
         elif args.json:
             print(json.dumps(insp.summary(args.run_dir), indent=2))
         elif args.episode:
-            insp.print_episode(args.run_dir, args.episode, Console())
+            insp.print_episode(args.run_dir, args.episode, SafeConsole())
         else:
             insp.print_summary(args.run_dir, console)
     except (OSError, KeyError, ValueError) as exc:
@@ -178,9 +179,9 @@ def _replay(args) -> int:
                           "results": [r.to_dict() for r in results]}, indent=2))
     else:
         for r in bad:
-            print(f"{r.episode_id}: DIVERGED at {r.divergence}")
+            print(visible(f"{r.episode_id}: DIVERGED at {r.divergence}"))
         for r in skipped:
-            print(f"{r.episode_id}: not replayed: {r.not_replayed}")
+            print(visible(f"{r.episode_id}: not replayed: {r.not_replayed}"))
         print(f"replayed {len(results) - len(skipped)} episode(s): {len(results) - len(bad) - len(skipped)} identical, "
               f"{len(bad)} diverged" + (f"; {len(skipped)} never ran (infra errors), not replayed" if skipped else ""))
     return 1 if bad else 0
@@ -188,8 +189,8 @@ def _replay(args) -> int:
 
 def _report_skipped(store) -> None:
     if store.corrupt:  # --skip-corrupt: say what was left out
-        print(f"warning: skipped {len(store.corrupt)} corrupt trajectory shard(s): "
-              f"{', '.join(Path(s).name for s in store.corrupt)}", file=sys.stderr)
+        print(visible(f"warning: skipped {len(store.corrupt)} corrupt trajectory shard(s): "
+                      f"{', '.join(Path(s).name for s in store.corrupt)}"), file=sys.stderr)
 
 
 def _export(args) -> int:
@@ -202,7 +203,7 @@ def _export(args) -> int:
     strict = not args.skip_corrupt
     bad = store.unreadable() if strict else []
     if bad:  # before anything is written
-        print(f"error: {bad[0]} ({len(bad)} in all; --skip-corrupt leaves them out)", file=sys.stderr)
+        print(visible(f"error: {bad[0]} ({len(bad)} in all; --skip-corrupt leaves them out)"), file=sys.stderr)
         return 2
     import warnings
 
@@ -245,7 +246,7 @@ def _export(args) -> int:
             tmp.replace(out)
     except CorruptShard as exc:  # a shard whose ids read but whose other columns do not
         tmp.unlink(missing_ok=True)
-        print(f"error: {exc} (--skip-corrupt leaves it out)", file=sys.stderr)
+        print(f"error: {message(exc)} (--skip-corrupt leaves it out)", file=sys.stderr)
         return 2
     except OSError as exc:
         tmp.unlink(missing_ok=True)
@@ -264,7 +265,7 @@ def _submit(args) -> int:
         job_id, run_dir = jobs.submit(args.config, args.address, overrides=args.overrides, run_dir=args.run_dir,
                                       python=args.python)
     except (ConfigError, ConnectionError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {message(exc)}", file=sys.stderr)
         return 2
     print(f"submitted {job_id}; run directory on the head: {run_dir}")
     if not args.wait:
@@ -286,7 +287,7 @@ def _jobs(args) -> int:
         else:
             print("stopped" if jobs.stop(args.address, args.job_id) else "not running")
     except (ConnectionError, RuntimeError) as exc:  # RuntimeError: the jobs API's answer for an unknown id
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {message(exc)}", file=sys.stderr)
         return 2
     return 0
 
@@ -349,11 +350,11 @@ def _demo(args) -> int:
     from rl.config import ConfigError
     from longhorizon.demo import DEMO_CONFIGS, run_demo
 
-    console = Console(stderr=True)
+    console = SafeConsole(stderr=True)
     try:
         res = run_demo(args.out, args.config or DEMO_CONFIGS, args.overrides, console)
     except (ConfigError, ValueError, FileExistsError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {message(exc)}", file=sys.stderr)
         return 2
     for env_id, r in res.items():
         w, f = r["warm_start"], r["final"]
@@ -385,7 +386,7 @@ def _policy_info(args) -> int:
     try:
         info = policy_info(load_model_args(args.config))
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {message(exc)}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(info, indent=2))
@@ -404,7 +405,7 @@ def _policy_info(args) -> int:
     ]
     for k, v in rows:
         table.add_row(k, v)
-    Console().print(table)
+    SafeConsole().print(table)
     return 0
 
 
@@ -419,7 +420,7 @@ def _policy_upcycle(args) -> int:
         src = dense(args.src) if args.src in PRETRAINED else Path(args.src)
         result = upcycle(src, out, args.experts, args.top_k, seed=args.seed)
     except (PretrainedError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {message(exc)}", file=sys.stderr)
         return 2
     summary = {"path": str(result.path), "source": str(src), "experts": args.experts, "top_k": args.top_k,
                "total_params": result.total_params, "active_params": result.active_params}
@@ -438,7 +439,7 @@ def _policy_pretrained(args) -> int:
     try:
         path = policy(args.name, args.experts, args.top_k)  # experts 0: the dense model alone
     except (PretrainedError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {message(exc)}", file=sys.stderr)
         return 2
     print(path)
     return 0
@@ -451,6 +452,11 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         print(f"{self.prog}: error: {message} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(2)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one line, its control characters visible (it may name a crafted file)."""
+    print(visible(f"warning: {message}"), file=file or sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -587,6 +593,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
     if extra:
         args.overrides = list(args.overrides) + extra
+    warnings.showwarning = _show_warning
     try:
         code = args.fn(args)
         sys.stdout.flush()  # here, where a reader that left can be caught, not at interpreter exit

@@ -169,9 +169,9 @@ def as_turn(line: str, tools: set[str] | None = None) -> str:
 
 
 def _play(args) -> int:
-    from rich.console import Console
+    from longhorizon.terminal import SafeConsole
 
-    console = Console()
+    console = SafeConsole()
     env = _make(args.env_id, args.kwargs)
     obs, info = env.reset(seed=args.seed)
     console.print(f"[bold]{args.env_id}[/] seed {args.seed}. Type a turn: `tool key=value ...`, `tool {{json}}`, "

@@ -72,3 +72,26 @@ def test_the_viewer_runs_no_script_a_run_wrote_and_still_draws(tmp_path):
     assert "&lt;script&gt;" in dom  # shown as text
 
 
+def test_the_terminal_shows_escape_sequences_a_run_wrote_and_never_obeys_them(tmp_path):
+    """`inspect` (the run, an episode), `replay` and error lines print what a model wrote with its
+    control characters made visible: no escape sequence, carriage return or bidi override reaches
+    the terminal."""
+    run = tmp_path / "run"
+    store = TrajectoryStore(run)
+    t = hostile_episode()
+    t.turns[0].text = "clear\x1b[2J up\x1b[1A\x1b[2K over\r written \u202eesrever\x1b]8;;http://x\x07link"
+    store.write("iter-000000", [t])
+    (store.dir / "iter-000001\x1b[31mred.parquet").write_bytes(b"garbage")
+    (run / "config.yaml").write_text("env:\n  id: tools/calculator-v0\n")
+    for argv in (["inspect", str(run)], ["inspect", str(run), "--episode", "i0-g0-e0"],
+                 ["replay", str(run), "--all", "--skip-corrupt"]):
+        out = cli(*argv)
+        shown = out.stdout + out.stderr
+        assert not any(c in shown for c in "\x1b\r\x07\u202e"), (argv, shown[:400])
+        if "--episode" in argv:
+            assert "\\x1b[2J" in shown and "\\u202e" in shown and out.returncode == 0
+    replayed = cli("replay", str(run), "--all", "--skip-corrupt")
+    assert "not replayed: it never ran" in replayed.stdout  # its infra error, quoted
+    assert "\\x1b[31mred" in replayed.stderr  # the corrupt shard's name, shown, not obeyed
+
+
