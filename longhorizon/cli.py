@@ -44,6 +44,10 @@ def _train(args) -> int:
         overrides.append(f"iterations={args.iterations}")
     if args.address:
         overrides.append(f"ray.address={args.address}")
+    if args.checkpoint and not args.resume:
+        print("error: --checkpoint names the checkpoint a --resume starts from; give --resume RUN_DIR too",
+              file=sys.stderr)
+        return 2
     if args.resume:
         run_dir = Path(args.resume)
         config = args.config or run_dir / "config.yaml"  # the config as run, unless another is given
@@ -68,6 +72,7 @@ def _train(args) -> int:
         return 2
     console = SafeConsole(stderr=True)
 
+    from rl.checkpoints import CheckpointError
     from rl.guards import CannotLearn
     from rl.trainer import LearnerDied, Trainer, WorkerLost
 
@@ -77,9 +82,9 @@ def _train(args) -> int:
         print(f"error: {message(exc)}", file=sys.stderr)
         return 2
     try:
-        trainer.start(resume=bool(args.resume))
+        trainer.start(resume=bool(args.resume), checkpoint=args.checkpoint)
         trainer.run()
-    except (FileExistsError, FileNotFoundError) as exc:
+    except (FileExistsError, FileNotFoundError, CheckpointError) as exc:
         print(f"error: {message(exc)}", file=sys.stderr)
         return 2
     except (LearnerDied, WorkerLost, CannotLearn) as exc:  # what was written is kept; the message says how to go on
@@ -467,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config", nargs="?", help="YAML run config, e.g. configs/quickstart.yaml")
     p.add_argument("--run-dir", help="where the run writes everything (default runs/NAME-TIME)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
+    p.add_argument("--checkpoint", metavar="NAME", help="with --resume: continue from this checkpoint (e.g. "
+                                                       "version-000008) instead of the latest")
     p.add_argument("--iterations", type=int, help="override the config's iterations")
     p.add_argument("--address", help="join this running Ray cluster (GCS address HOST:PORT) instead of starting "
                                      "a local one; same as ray.address=...")

@@ -12,7 +12,10 @@
   as the model's weights, and the adapters' names are not the model's.
 
 Written to `.NAME.tmp` and renamed, so a kill mid-save leaves the previous checkpoints as they were
-and never a partial one under the final name. A single learner's checkpoint does not resume on a
+and never a partial one under the final name. Read without unpickling code: `trainer_state.pt` is
+loaded with `weights_only=True` (tensors, numbers, strings and containers only: a crafted file that
+would run code is refused), and `checkpoint_problem` finds a missing, truncated or overwritten file
+before a resume starts anything. A single learner's checkpoint does not resume on a
 group or the reverse (the optimizer state's layout differs): the error says to start a new run from
 its weights instead.
 """
@@ -93,11 +96,109 @@ def save_learner(learner, path: str, extra: dict | None = None) -> str:
             dist.barrier()
     return str(out)
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from; the message names the file and what is wrong."""
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Whether a safetensors file is whole: its header parses and its size is what the header says."""
+    import json
+    import struct
+
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            return "truncated (no header)"
+        (n,) = struct.unpack("<Q", head)
+        if n > min(size - 8, 100 << 20):
+            return "not a safetensors file (its header length is beyond the file)"
+        try:
+            header = json.loads(fh.read(n))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError):
+            return "not a safetensors file (its header is not a tensor index)"
+    if size < 8 + n + end:
+        return f"truncated ({size:,} bytes of {8 + n + end:,})"
+    return None
+
+
+def checkpoint_problem(path: str | Path) -> str | None:
+    """What makes the checkpoint at `path` unusable, naming the file, or None. Reads headers and the
+    trainer state's structure (memory-mapped, its tensors not read), never the weights themselves."""
+    import json
+
+    path = Path(path)
+    config = path / "config.json"
+    if not config.is_file():
+        return f"{config}: missing"
+    try:
+        json.loads(config.read_text())
+    except (ValueError, UnicodeDecodeError):
+        return f"{config}: not JSON"
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights:
+        return f"{path / 'model.safetensors'}: missing (no weights in the checkpoint)"
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return f"{index}: not a safetensors index"
+        missing = sorted(n for n in names if not (path / n).is_file())
+        if missing:
+            return f"{path / missing[0]}: missing (named in {index.name})"
+    for w in weights + ([path / ADAPTERS] if (path / ADAPTERS).exists() else []):
+        why = _safetensors_problem(w)
+        if why:
+            return f"{w}: {why}"
+    state = path / "trainer_state.pt"
+    if not state.is_file():
+        return f"{state}: missing"
+    try:
+        loaded = torch.load(state, weights_only=True, map_location="cpu", mmap=True)
+    except Exception as exc:  # a crafted pickle is refused here, as a truncated or garbled zip is
+        return f"{state}: cannot be loaded safely ({type(exc).__name__}: {' '.join(str(exc).split())[:160]})"
+    if not (isinstance(loaded, dict) and isinstance(loaded.get("version"), int) and "iteration" in loaded):
+        return f"{state}: not a trainer state (no version and iteration)"
+    return None
+
+
+def checkpoints(run_dir: str | Path) -> list[Path]:
+    """The run's checkpoint directories, oldest first (`checkpoints/version-*`, whole or not)."""
+    return sorted(p for p in (Path(run_dir) / "checkpoints").glob("version-*") if p.is_dir())
+
+
+def resume_point(run_dir: str | Path, name: str | None = None) -> Path:
+    """The checkpoint a resume starts from: `name` (e.g. version-000008), else the newest. A
+    checkpoint with a problem raises `CheckpointError` naming the file, what is wrong, and the
+    newest intact one with the command that resumes from it. Nothing is moved or deleted."""
+    run_dir = Path(run_dir)
+    found = checkpoints(run_dir)
+    if not found:
+        raise CheckpointError(f"nothing to resume in {run_dir}: no checkpoints/version-*")
+    if name is not None:
+        chosen = run_dir / "checkpoints" / name
+        if chosen not in found:
+            raise CheckpointError(f"--checkpoint {name}: no such checkpoint in {run_dir / 'checkpoints'} "
+                                  f"(there: {', '.join(p.name for p in found)})")
+    else:
+        chosen = found[-1]
+    problem = checkpoint_problem(chosen)
+    if problem is None:
+        return chosen
+    intact = next((p for p in reversed(found) if p != chosen and checkpoint_problem(p) is None), None)
+    then = (f"the newest intact checkpoint is {intact.name}: resume from it with `longhorizon train --resume "
+            f"{run_dir} --checkpoint {intact.name}`" if intact is not None else
+            "no other checkpoint is intact: start a new run")
+    raise CheckpointError(f"cannot resume from {chosen.name}: {problem}; {then} (nothing was changed)")
+
+
 def load_learner(learner, path: str) -> dict:
     """Restore weights, optimiser state, version and RNG; a group reads `sharded/` whatever number
     of ranks wrote it. Returns the rest of `trainer_state.pt` (version, the driver's extra)."""
     # to the CPU first: optimizer.load_state_dict moves each state to its parameter's device
-    state = torch.load(Path(path) / "trainer_state.pt", weights_only=False, map_location="cpu")
+    state = torch.load(Path(path) / "trainer_state.pt", weights_only=True, map_location="cpu")
     saved_by = state.get("sharded_world_size")
     if learner.world > 1:
         if not saved_by:

@@ -57,6 +57,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rl import allocator
+from rl.checkpoints import resume_point
 from rl.config import RunConfig, dump_config
 from rl.learner_group import LearnerGroup, result
 from rl.ray_utils import init_ray
@@ -196,11 +197,11 @@ class Trainer:
         ckpts = sorted((self.run_dir / "checkpoints").glob("version-*/trainer_state.pt"))
         return ckpts[-1].parent if ckpts else None
 
-    def start(self, resume: bool = False) -> None:
+    def start(self, resume: bool = False, checkpoint: str | None = None) -> None:
+        """Start the actors (and, `resume`, continue from the newest checkpoint, or the one named
+        `checkpoint`; a damaged one stops the run here, before anything starts: rl/checkpoints.py)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        ckpt = self.latest_checkpoint() if resume else None
-        if resume and ckpt is None:
-            raise FileNotFoundError(f"nothing to resume in {self.run_dir}: no checkpoints/version-*/trainer_state.pt")
+        ckpt = resume_point(self.run_dir, checkpoint) if resume else None
         if not resume and self.store.shards():
             raise FileExistsError(
                 f"run directory {self.run_dir} already holds trajectories; pick a new --run-dir or --resume it"

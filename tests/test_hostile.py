@@ -95,3 +95,76 @@ def test_the_terminal_shows_escape_sequences_a_run_wrote_and_never_obeys_them(tm
     assert "\\x1b[31mred" in replayed.stderr  # the corrupt shard's name, shown, not obeyed
 
 
+@pytest.fixture(scope="module")
+def saved_run(tiny_policy, tmp_path_factory):
+    """A run directory with two real learner checkpoints (versions 1 and 2) and its config."""
+    from rl.config import AlgoConfig, dump_config, load_config
+    from rl.learner import Learner
+
+    run = tmp_path_factory.mktemp("saved-run")
+    learner = Learner(tiny_policy, AlgoConfig(threads=1), seed=0)
+    for v in (1, 2):
+        learner.version = v
+        learner.save_checkpoint(str(run / "checkpoints" / f"version-{v:06d}"), {"iteration": v - 1})
+    dump_config(load_config(None, [f"policy.path={tiny_policy}"]), run / "config.yaml")
+    return run
+
+
+def damaged(saved_run, tmp_path, how):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(saved_run, run)
+    how(run / "checkpoints" / "version-000002")
+    return run
+
+
+class Boom:
+    def __reduce__(self):
+        import os
+
+        return os.system, ("touch PWNED",)
+
+
+@pytest.mark.parametrize("case", ["weights missing", "weights truncated", "state garbage", "state runs code"])
+def test_resume_from_a_damaged_checkpoint_names_the_file_and_the_intact_one(saved_run, tmp_path, case):
+    import pickle
+    import time
+
+    def harm(ckpt):
+        weights = next(ckpt.glob("*.safetensors"))
+        if case == "weights missing":
+            weights.unlink()
+        elif case == "weights truncated":
+            weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+        elif case == "state garbage":
+            (ckpt / "trainer_state.pt").write_bytes(b"\x00garbage" * 1000)
+        else:  # a crafted trainer state: unpickling it would run a shell command
+            (ckpt / "trainer_state.pt").write_bytes(pickle.dumps({"version": 2, "iteration": 1, "x": Boom()}))
+
+    run = damaged(saved_run, tmp_path, harm)
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    t0 = time.monotonic()
+    out = cli("train", "--resume", str(run), cwd=tmp_path)
+    assert out.returncode == 2 and time.monotonic() - t0 < 60
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: cannot resume from version-000002"), out.stderr
+    assert "version-000002/" in lines[0] and "Traceback" not in out.stderr
+    assert f"--resume {run} --checkpoint version-000001" in lines[0]
+    assert not (tmp_path / "PWNED").exists() and not (REPO / "PWNED").exists()
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before  # nothing moved, nothing deleted
+    assert not (run / "metrics.jsonl").exists() and not any(run.glob("*.log"))
+
+
+def test_the_intact_checkpoint_named_by_the_error_is_the_one_resumed(saved_run, tmp_path):
+    from rl.checkpoints import CheckpointError, checkpoint_problem, resume_point
+
+    run = damaged(saved_run, tmp_path, lambda c: (c / "config.json").unlink())
+    with pytest.raises(CheckpointError, match="config.json: missing"):
+        resume_point(run)
+    assert resume_point(run, "version-000001") == run / "checkpoints" / "version-000001"
+    assert checkpoint_problem(run / "checkpoints" / "version-000001") is None
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        resume_point(run, "version-000009")
+
+
