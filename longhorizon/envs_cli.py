@@ -17,6 +17,7 @@ import yaml
 from rich.text import Text
 
 from longhorizon.errors import message
+from typed_yaml import load_yaml, short
 
 
 def _kwargs(pairs: list[str]) -> dict:
@@ -24,8 +25,11 @@ def _kwargs(pairs: list[str]) -> dict:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise ValueError(f"environment argument {pair!r} must look like key=value")
-        out[key] = yaml.safe_load(value)
+            raise ValueError(f"environment argument {short(pair)} must look like key=value")
+        try:
+            out[key] = load_yaml(value)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"environment argument {short(pair)}: the value is not YAML ({' '.join(str(exc).split())})") from None
     return out
 
 

@@ -202,8 +202,10 @@ def rubric_of(spec: str, run_dir: str | Path | None = None):
     if path.suffix in (".yaml", ".yml", ".json") or path.is_file():
         import yaml
 
+        from typed_yaml import load_yaml
+
         try:
-            raw = yaml.safe_load(path.read_text())
+            raw = load_yaml(path.read_text())
         except yaml.YAMLError as exc:
             raise ValueError(f"{path}: not YAML: {' '.join(str(exc).split())}") from None
         parts = raw.get("parts") if isinstance(raw, dict) else raw

@@ -20,7 +20,7 @@ from rl.tiny import TinyMoEDims
 from rl.pretrained import PRETRAINED
 from rl.pretrained import missing as pretrained_missing
 from rollout.config import RolloutConfig
-from typed_yaml import ConfigError, apply_override, build_dataclass, field_docs, load_dataclass, require
+from typed_yaml import ConfigError, apply_override, build_dataclass, field_docs, load_dataclass, require, short
 
 
 @dataclass
@@ -533,7 +533,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     built = []
     for ov in overrides:  # one at a time, so a wrong key or type names the override that caused it
         apply_override(raw, ov)
-        built.append((ov, build_dataclass(RunConfig, raw, "", f"command-line override {ov!r}")))
+        built.append((ov, build_dataclass(RunConfig, raw, "", f"command-line override {short(ov)}")))
     if not built:
         return cfg
     try:  # checked with every override in (env.id=X may need the env.kwargs=... after it)
@@ -548,7 +548,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
                     culprit = ov
                     continue
             break
-        raise ConfigError(f"command-line override {culprit!r}: {problem}") from None
+        raise ConfigError(f"command-line override {short(culprit)}: {problem}") from None
 
 
 def to_dict(cfg) -> dict:

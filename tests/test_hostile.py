@@ -168,3 +168,24 @@ def test_the_intact_checkpoint_named_by_the_error_is_the_one_resumed(saved_run, 
         resume_point(run, "version-000009")
 
 
+def test_yaml_aliases_and_repeated_keys_are_refused_in_one_short_line(tmp_path):
+    import time
+
+    levels = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    levels += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text("\n".join(levels) + "\nseed: *a9\n")  # ~1 KB, 9^10 strings if expanded
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("seed: 1\niterations: 2\nseed: 3\n")
+    t0 = time.monotonic()
+    for path, why in ((bomb, "YAML aliases (*a0) are not accepted"), (twice, "line 3: key 'seed' is given twice")):
+        out = cli("train", str(path))
+        assert out.returncode == 2 and why in out.stderr and len(out.stderr.splitlines()) == 1, out.stderr
+    assert time.monotonic() - t0 < 60
+    huge = "x" * 100_000  # an argument, below the kernel's limit on one
+    out = cli("train", "configs/quickstart.yaml", f"seed={huge}")
+    assert out.returncode == 2 and "seed must be int" in out.stderr and len(out.stderr) < 400
+    out = cli("train", "configs/quickstart.yaml", "seed=[*a]")
+    assert out.returncode == 2 and len(out.stderr.splitlines()) == 1
+
+

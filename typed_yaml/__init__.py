@@ -9,6 +9,11 @@ override, a checkpoint's config.json). Range checks stay with each dataclass (`r
 
 This module imports nothing of the project's: rewards/, policy/, envs/, rollout/ and rl/ all use it.
 
+YAML is read by `load_yaml` (also what other readers of user YAML use): plain `yaml.safe_load`
+rules, but an alias (`*name`) is refused (a few lines of nested aliases expand to gigabytes: a
+"billion laughs") and so is a key given twice in one mapping (YAML keeps the last silently); an
+error quotes at most `QUOTE` characters of a bad value.
+
 Why not pydantic or OmegaConf: the configs stay plain stdlib dataclasses (picklable into Ray
 actors, `dataclasses.replace`-able, free of a base class), the coercion is this one page, and every
 error is already the one line the command line prints (pydantic's `ValidationError` is a
@@ -31,6 +36,42 @@ import yaml
 
 class ConfigError(ValueError):
     pass
+
+
+QUOTE = 80
+"""The most characters of a bad value an error line quotes."""
+
+
+def short(value) -> str:
+    """`repr(value)`, cut to `QUOTE` characters."""
+    text = repr(value)
+    return text if len(text) <= QUOTE else text[: QUOTE - 1] + "…"
+
+
+class _Loader(yaml.SafeLoader):
+    """safe_load's rules, without aliases and without a key given twice."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise ConfigError(f"line {event.start_mark.line + 1}: YAML aliases (*{event.anchor}) are not accepted "
+                              "in a config: write the value out")
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, (str, int, float, bool)) and key in seen:
+                raise ConfigError(f"line {key_node.start_mark.line + 1}: key {short(key)} is given twice")
+            seen.add(key) if isinstance(key, (str, int, float, bool)) else None
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str):
+    """Parse YAML text as `yaml.safe_load` does, refusing aliases and repeated keys (`ConfigError`);
+    a syntax error is `yaml.YAMLError`."""
+    return yaml.load(text, Loader=_Loader)
 
 
 def require(checks: list[tuple[str, bool, str]], source: str) -> None:
@@ -66,7 +107,7 @@ def _coerce(value: Any, tp, key: str, source: str):
     if origin is Literal:
         if value not in typing.get_args(tp):
             allowed = ", ".join(repr(a) for a in typing.get_args(tp))
-            raise ConfigError(f"{source}: {key} must be one of {allowed}, got {value!r}")
+            raise ConfigError(f"{source}: {key} must be one of {allowed}, got {short(value)}")
         return value
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
@@ -82,7 +123,7 @@ def _coerce(value: Any, tp, key: str, source: str):
         return list(value)
     if base in (int, float, str, bool) and type(value) is base:
         return value
-    raise ConfigError(f"{source}: {key} must be {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    raise ConfigError(f"{source}: {key} must be {_type_name(tp)}, got {type(value).__name__} {short(value)}")
 
 
 def build_dataclass(cls, raw: dict, prefix: str, source: str):
@@ -94,7 +135,7 @@ def build_dataclass(cls, raw: dict, prefix: str, source: str):
         if key not in names:
             near = difflib.get_close_matches(str(key), names, n=1)
             hint = f"; did you mean {near[0]!r}?" if near else f"; known keys: {', '.join(names)}"
-            raise ConfigError(f"{source}: unknown key {full!r}{hint}")
+            raise ConfigError(f"{source}: unknown key {short(full)}{hint}")
         kwargs[key] = _coerce(value, hints[key], full, source)
     return cls(**kwargs)
 
@@ -107,17 +148,19 @@ def _one_line(exc: Exception) -> str:
 def apply_override(raw: dict, override: str) -> None:
     key, eq, text = override.partition("=")
     if not eq or not key:
-        raise ConfigError(f"command-line override {override!r} must look like section.key=value")
+        raise ConfigError(f"command-line override {short(override)} must look like section.key=value")
     node = raw
     parts = key.split(".")
     for part in parts[:-1]:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"command-line override {override!r}: {part!r} is not a section")
+            raise ConfigError(f"command-line override {short(override)}: {short(part)} is not a section")
     try:
-        node[parts[-1]] = yaml.safe_load(text) if text.strip() else ""
+        node[parts[-1]] = load_yaml(text) if text.strip() else ""
+    except ConfigError as exc:
+        raise ConfigError(f"command-line override {short(override)}: {exc}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"command-line override {override!r}: the value is not valid YAML "
+        raise ConfigError(f"command-line override {short(override)}: the value is not valid YAML "
                           f"({_one_line(exc)})") from None
 
 
@@ -125,7 +168,7 @@ def load_dataclass(cls, path: str | Path):
     """Build any config dataclass from a YAML mapping, with the same checks and messages."""
     source = str(path)
     try:
-        raw = yaml.safe_load(Path(path).read_text()) or {}
+        raw = load_yaml(Path(path).read_text()) or {}
     except FileNotFoundError:
         raise ConfigError(f"config file {source} does not exist") from None
     except IsADirectoryError:
@@ -136,6 +179,8 @@ def load_dataclass(cls, path: str | Path):
         raise ConfigError(f"config file {source} is not text (not UTF-8): is it the right file?") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: not valid YAML ({_one_line(exc)})") from None
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: top level must be a mapping")
     return build_dataclass(cls, raw, "", source)
