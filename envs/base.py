@@ -26,7 +26,7 @@ import gymnasium as gym
 
 from envs.sandbox import Limits, SandboxError, backend_status, open_sandbox, options_problem
 from rewards.milestones import Milestone, MilestoneLedger, solved, step_reward
-from envs.tool_calls import ToolCall, ToolCallError, parse_tool_calls
+from envs.tool_calls import ToolCall, ToolCallError, argument_problem, parse_tool_calls
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,8 @@ class ToolEnv(gym.Env):
     """Base class: subclasses set `tools` and `milestones`, and define `_reset_task()` (the task
     text of a new episode, drawn from `self.np_random`), `tool_functions()` and `expert_turns()`.
 
-    A tool function receives the parsed arguments as keywords and returns the text result. It may
+    A tool function receives the parsed arguments as keywords, once they match its `ToolSpec`'s
+    JSON schema (`check_arguments`), and returns the text result. It may
     raise `ToolFailure` for a clear error observation; any other exception is also turned into an
     error observation (and counted, and recorded as the turn's `tool_error`), never raised out of
     `step`. It pays a milestone with `self.reach(name, reward)` and ends the episode with
@@ -72,6 +73,10 @@ class ToolEnv(gym.Env):
 
     metadata = {"render_modes": []}
     tools: list[ToolSpec] = []
+    check_arguments: bool = True
+    """Check each call's arguments against its tool's JSON schema before the tool runs (a missing,
+    unknown or mistyped argument is answered with the tool's signature, a `tool_error`). Replay turns
+    it off for records written before the check existed, whose observations came without it."""
     milestones: tuple[Milestone, ...] = ()
     """The milestones `reach` may pay, declared for `envs show` and checked by `envs check`."""
     max_turns: int = 8
@@ -170,11 +175,17 @@ class ToolEnv(gym.Env):
             messages.append({"role": "tool", "content": f"error: malformed tool call: {err.message}"})
             self._failures.append("malformed_call")
         functions = self.tool_functions()
+        specs = {t.name: t for t in self.tools}
         for call in calls:
             fn = functions.get(call.name)
+            spec = specs.get(call.name)
+            wrong = argument_problem(call.name, spec.parameters, call.arguments) if spec and self.check_arguments else None
             if fn is None:
                 self._failures.append("unknown_tool")
                 result = f"error: unknown tool {call.name!r}; available: {', '.join(functions)}"
+            elif wrong:  # the tool never sees arguments its schema does not admit
+                self._failures.append("tool_error")
+                result = f"error: {call.name}: {wrong}"
             else:
                 try:
                     result = fn(**call.arguments)

@@ -67,7 +67,7 @@ def replay_episode(traj: Trajectory, env_kwargs: dict | None = None, make_env: C
             raise ValueError(f"replaying {traj.episode_id} (context {traj.context}, {len(traj.sample_starts)} segments) "
                              "needs the run's tokenizer and rollout settings")
         make = make_env or (lambda: envs.make(traj.env_id, **(env_kwargs or {})))
-        return replay_segments(traj, make, tokenizer, rollout)
+        return replay_segments(traj, lambda: as_recorded(make(), traj), tokenizer, rollout)
     env = make_env() if make_env is not None else envs.make(traj.env_id, **(env_kwargs or {}))
     try:
         return _replay(env, traj)
@@ -75,9 +75,22 @@ def replay_episode(traj: Trajectory, env_kwargs: dict | None = None, make_env: C
         env.close()  # a sandboxed environment's workspace goes with it
 
 
+ARGUMENTS_CHECKED = 6
+"""The store schema from which tool calls' arguments were checked against their schemas before the
+tool ran (envs/base.py `check_arguments`): an older record is replayed without the check, as it ran."""
+
+
+def as_recorded(env, traj: Trajectory):
+    """`env` behaving as environments did when `traj` was written."""
+    if 0 < traj.stored_schema < ARGUMENTS_CHECKED and hasattr(env, "check_arguments"):
+        env.check_arguments = False
+    return env
+
+
 def _replay(env, traj: Trajectory) -> ReplayResult:
     fail = lambda turn, what, rec, got: ReplayResult(  # noqa: E731
         traj.episode_id, False, turn, f"turn {turn}: {what} differs: recorded {_short(rec)}, replayed {_short(got)}")
+    env = as_recorded(env, traj)
     obs, _ = env.reset(seed=traj.seed)
     if traj.task and obs != traj.task:
         return fail(0, "task", traj.task, obs)

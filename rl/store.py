@@ -22,7 +22,8 @@ from rollout.trajectory import Trajectory, Turn, failure_kind
 
 # 2: routed_experts (shards of version 1 read with it None); 3: failure, turns' failures; 4: reward_parts;
 # 5: sample_starts (an agent program's episode stored as several sequences; older shards read with [])
-# 6: context (the agent loop's context management; older shards read with ""), turns' kind
+# 6: context (the agent loop's context management; older shards read with ""), turns' kind; tool calls'
+#    arguments checked against their tools' schemas (envs/base.py: replay of older records turns it off)
 SCHEMA_VERSION = 6
 
 SCHEMA = pa.schema(
@@ -356,4 +357,5 @@ def row_to_trajectory(row: dict) -> Trajectory:
         reward_parts=json.loads(row.get("reward_parts") or "{}"),
         sample_starts=row.get("sample_starts") or [],
         context=row.get("context") or "",
+        stored_schema=row.get("schema_version") or 0,
     )

@@ -165,6 +165,9 @@ class Trajectory:
     context: str = ""
     """The agent loop's context management (`full`, `window`, `compact`; rollout/context.py); empty
     for an agent program's episode and for records older than it (both: `full`)."""
+    stored_schema: int = field(default=0, compare=False)
+    """Transient: the store schema version the record was read from (0: made in this process), so
+    replay can reproduce what environments did when it was written (rl/store.py SCHEMA_VERSION)."""
     judging: object = None
     """Transient, never stored: the judge's pending scores for the episode's judge parts, from the
     rollout worker until the trainer applies the rubric (rollout/judge.py `ask`, `ask_groups`, `settle`)."""

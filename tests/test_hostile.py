@@ -189,3 +189,48 @@ def test_yaml_aliases_and_repeated_keys_are_refused_in_one_short_line(tmp_path):
     assert out.returncode == 2 and len(out.stderr.splitlines()) == 1
 
 
+def test_a_call_that_does_not_fit_its_tool_is_answered_with_the_tool_s_signature(tmp_path):
+    """Through `envs play` (a real sandboxed shell) and the agent loop: a missing, unknown or mistyped
+    argument is a tool_error answered with what the tool takes, never a Python exception's text;
+    numbers written as strings still pass. Replay of a record written before the check existed
+    (schema 5) replays it as it ran; the same record claimed as schema 6 departs."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import envs
+    from longhorizon.replay import replay_episode
+
+    played = subprocess.run([sys.executable, "-m", "longhorizon.cli", "envs", "play", "tools/shell-v0"],
+                            input='bash {}\nbash {"command": 7}\nbash {"cmd": "ls"}\n', capture_output=True,
+                            text=True, timeout=120, cwd=REPO)
+    out = played.stdout
+    assert "bash: missing command. Call it as bash(command: string)" in out
+    assert "bash: command must be string" in out and 'unknown argument "cmd"' in out
+    assert "TypeError" not in out and "_bash()" not in out
+    env = envs.make("tools/calculator-v0")
+    env.reset(seed=3)
+    _, _, done, _, info = env.step('<tool_call>{"name": "submit", "arguments": {"answer": "57"}}</tool_call>')
+    assert done and info["failures"] == []  # "57" is a number as a model writes it
+    env.reset(seed=3)
+    _, _, done, _, info = env.step('<tool_call>{"name": "submit", "arguments": {"answer": "many"}}</tool_call>')
+    assert not done and info["failures"] == ["tool_error"]
+    assert info["messages"][0]["content"] == "error: submit: answer must be number. Call it as submit(answer: number)"
+
+    old_text = "error: calculator failed: TypeError: CalculatorEnv._calculator() got an unexpected keyword argument 'x'"
+    task, _ = env.reset(seed=3)
+    turn = Turn(0, 2, 3, text='<tool_call>{"name": "calculator", "arguments": {"x": "1"}}</tool_call>',
+                observation=old_text, tool_calls=1, tool_errors=1, policy_version=0, seed=0, finish_reason="stop",
+                failures=["tool_error"])
+    t = Trajectory(episode_id="old", iteration=0, group_id=0, env_id="tools/calculator-v0", seed=3, prompt_len=0,
+                   token_ids=[1, 2, 3], loss_mask=[0, 1, 0], rollout_logprobs=[0.0] * 3, turns=[turn], task=task,
+                   stop_reason="max_turns", failure="tool_error")
+    store = TrajectoryStore(tmp_path)
+    path = store.write("iter-000000", [t])
+    table = pq.read_table(path)
+    pq.write_table(table.set_column(0, "schema_version", pa.array([5], pa.int32())), tmp_path / "old.parquet")
+    path.unlink()
+    (tmp_path / "old.parquet").rename(path)
+    (old,) = store.trajectories()
+    assert old.stored_schema == 5 and replay_episode(old).ok
+    old.stored_schema = 6
+    assert not replay_episode(old).ok
