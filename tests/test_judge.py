@@ -160,7 +160,7 @@ def test_the_incident_environment():
     assert env.service in env.judge_reference() and env.since in env.judge_reference()
     assert envs.judge_reference("tools/calculator-v0", 5) == ""
     # bad arguments are the policy's tool errors, not crashes; a report of the wrong length is refused
-    for text, error in [(call("read_log", start=0), "start must be from 1"), (call("read_log", start="x"), "integers"),
+    for text, error in [(call("read_log", start=0), "start must be from 1"), (call("read_log", start="x"), "start must be integer"),
                         (call("grep", text=""), "non-empty"), (call("submit", report="too short"), "it must have 3 to 60"),
                         (call("submit", report=" ".join(["w"] * 61)), "61 words")]:
         obs, reward, done, _, info = env.step(text)
