@@ -74,7 +74,7 @@ test: install system-deps
 test-fast: install
 	$(PY) -m pytest -q -m "not slow"
 
-# Every benchmark side by side with its peer or physical limit (~105 min here): bench/results.md, bench/plots/.
+# Every benchmark side by side with its peer or physical limit (~3 hours here): bench/results.md, bench/plots/.
 bench: install system-deps
 	$(PY) bench/run_all.py
 

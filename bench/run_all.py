@@ -82,6 +82,10 @@ BENCHES = [
            "bench/plots/row12-curves.png"],
           # three training seeds (~27 min each here): one seed's crossing step is too noisy to quote alone
           ["--max-steps", "1", "--eval-every", "1", "--episodes", "16", "--seeds", "0"], 10800),  # its own plot: the curves
+    Bench(13, "Learner seconds and tokens per episode as the horizon grows (long/oncall-v0, the real policy): compacted "
+              "context segments vs step-wise samples (every turn re-prompted) vs one full context where it fits",
+          ["bench/long_horizon_learner.py"], ["--horizons", "8", "--episodes", "2"], 3600,
+          dict(kind="line", x=["horizon"], y=["compact s", "step-wise s"], ylabel="learner seconds per episode")),
 ]
 
 GPU_HEADING = "## GPU checks (run by hand on a lent GPU machine)"

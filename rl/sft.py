@@ -26,11 +26,13 @@ DEMO_SEED = 1 << 30
 
 def demonstrations(chat, env_id: str, n: int, *, env_kwargs: dict | None = None, max_turns: int = 8,
                    max_episode_tokens: int = 4096, first_seed: int = DEMO_SEED, context=None,
-                   max_model_len: int = 0) -> list[Trajectory]:
+                   max_model_len: int = 0, max_new_tokens: int | None = None) -> list[Trajectory]:
     """`n` expert episodes of `env_id` on seeds `first_seed`, `first_seed + 1`, ... Under a `context`
-    (rollout/context.py) of window or compact, with the engine's `max_model_len`, as rollouts run:
-    the expert writes its summaries at the compaction turns (`ToolEnv.expert_summary`), so the warm
-    start teaches the format of both."""
+    (rollout/context.py) of window or compact, with the engine's `max_model_len` and the rollouts'
+    `max_new_tokens` (when a context is rebuilt depends on it), as rollouts run: the expert writes
+    its summaries at the compaction turns (`ToolEnv.expert_summary`), so the warm start teaches the
+    format of both. `max_new_tokens` None: a turn may take the whole context (an expert turn is then
+    never cut)."""
     import envs
     from rollout.context import ContextConfig
     from rollout.expert import ExpertEngine
@@ -40,10 +42,10 @@ def demonstrations(chat, env_id: str, n: int, *, env_kwargs: dict | None = None,
     expert = ExpertEngine(chat, seeds, env_id, **kwargs)
     tasks = [EpisodeTask(f"demo-{env_id}-{s}", i, s, -1) for i, s in enumerate(seeds)]
     context = context or ContextConfig()
-    # an expert turn is never cut: the most a context allows (or the episode, when it is one context)
-    turn_tokens = max_episode_tokens if context.mode == "full" else max_model_len
+    if max_new_tokens is None:  # the most a context allows (or the episode, when it is one context)
+        max_new_tokens = max_episode_tokens if context.mode == "full" else max_model_len
     return run_episodes(expert, chat, lambda: envs.make(env_id, **kwargs), env_id, tasks, max_turns=max_turns,
-                        max_new_tokens=turn_tokens, max_episode_tokens=max_episode_tokens, context=context,
+                        max_new_tokens=max_new_tokens, max_episode_tokens=max_episode_tokens, context=context,
                         max_model_len=max_model_len)
 
 
