@@ -1,18 +1,20 @@
 """`long/oncall-v0`: an on-call investigation over a fleet's logs, as long as its `horizon` asks.
 
-The workspace (a sandbox, default backend `bwrap`) holds `logs/<service>.log` for each of `horizon`
-services: timestamped INFO and WARN lines, and for a few failing services ERROR lines from the time
-they started failing. The task names the services in the order to check them. Tools:
-`check(service)` runs `grep` over that service's log in the sandbox and reports its ERROR lines (how
-many, and the first); `report(failing)` submits the comma-separated failing services and ends the
-episode. A solution takes `horizon` checks and the report: `horizon + 1` tool calls.
+The workspace (a sandbox, default backend `bwrap`) holds a chain of `horizon` services that a request
+passes through: `logs/<service>.log` (timestamped INFO and WARN lines, and for a few failing services
+ERROR lines from the time they started failing) and `routes/<service>` (the next service downstream).
+The task names the first service. Tools: `check(service)` runs `grep` over that service's log and
+reads its route in the sandbox, and reports its ERROR lines (how many, which error) and the next
+service downstream; `report(failing)` submits the comma-separated failing services and
+ends the episode. A solution takes `horizon` checks and the report: `horizon + 1` tool calls.
 
 Built so that what the agent found early is needed at the end: the failing services are spread
-over the whole order (one in every quarter of it at least, at `horizon` >= 4) and the report must
-name all of them. An agent that keeps only its last turns (`rollout.context.mode: window`) has lost
-the early ones by then; one whose context only grows (`full`) runs out of it at long horizons; one
-that carries its findings in its own summaries (`compact`) can finish. The scripted expert writes
-those summaries (`expert_summary`): how far it got, the failing services so far, the next check.
+over the whole chain (one in every quarter of it at least, at `horizon` >= 4) and the report must
+name all of them, while where to go next is always in the last observation. An agent that keeps
+only its last turns (`rollout.context.mode: window`) still finds its way but has lost the early
+failures by the end; one whose context only grows (`full`) runs out of it at long horizons; one that
+carries its findings in its own summaries (`compact`) can finish. The scripted expert writes those
+summaries (`expert_summary`): the failing services so far and the next check.
 
 Milestones (sparse):
 - `found:<service>` (0.25 / failing services, each): a check showed a failing service's errors;
@@ -50,7 +52,7 @@ def _clock(seconds: int) -> str:
 
 class OncallEnv(SandboxedEnv):
     tools = [
-        ToolSpec("check", "Show how many ERROR lines a service logged, and the first of them (grep over its log).",
+        ToolSpec("check", "Show a service's ERROR lines (grep over its log) and the next service downstream.",
                  {"type": "object", "properties": {"service": {"type": "string"}}, "required": ["service"]}),
         ToolSpec("report", "Report the failing services, comma-separated; ends the episode.",
                  {"type": "object", "properties": {"failing": {"type": "string"}}, "required": ["failing"]}),
@@ -83,7 +85,7 @@ class OncallEnv(SandboxedEnv):
         rng = self.np_random
         self.horizon = self.horizons[int(rng.integers(len(self.horizons)))]
         self.services = [SERVICES[i] for i in rng.choice(len(SERVICES), size=self.horizon, replace=False)]
-        # failing: one in each quarter of the order at least, so the report needs early findings too
+        # failing: one in each quarter of the chain at least, so the report needs early findings too
         quarters = [range(q * self.horizon // 4, (q + 1) * self.horizon // 4) for q in range(4)]
         picks = {int(rng.choice(list(q))) for q in quarters if len(q)}
         extra = int(rng.integers(0, max(1, self.horizon // 8) + 1))
@@ -91,11 +93,12 @@ class OncallEnv(SandboxedEnv):
         picks = picks if len(picks) < self.horizon else set(sorted(picks)[:-1])  # one healthy service at least
         self.failing = [self.services[i] for i in sorted(picks)]
         self.new_sandbox()
-        for name in self.services:
+        for i, name in enumerate(self.services):
             self.sandbox.workspace.write_text(f"logs/{name}.log", self._log(rng, name in self.failing))
-        listed = ", ".join(self.services)
-        return (f"Incident: some of these {self.horizon} services are failing: {listed}. Check each service, in this "
-                f"order, then report every failing service.")
+            self.sandbox.workspace.write_text(f"routes/{name}", (self.services[i + 1] if i + 1 < self.horizon else "") + "\n")
+        return (f"Incident: requests fail somewhere along a chain of {self.horizon} services that starts at "
+                f"{self.services[0]}. Check every service, following the chain downstream, then report every "
+                f"failing service.")
 
     def _log(self, rng, failing: bool) -> str:
         """A service's log: INFO and WARN lines, and for a failing service one error repeated from
@@ -122,20 +125,23 @@ class OncallEnv(SandboxedEnv):
     def _check(self, service) -> str:
         name = str(service).strip()
         if name not in self.services:
-            raise ToolFailure(f"no service {name!r} in this incident; the task lists them")
+            raise ToolFailure(f"no service {name!r} in this chain")
         # the service name is an argument of the script, never part of it
-        result = self.sandbox.run(["/bin/sh", "-c", 'grep -c " ERROR " "$1"; grep -m1 " ERROR " "$1"; exit 0', "sh",
-                                   f"logs/{name}.log"])
+        script = 'grep -c " ERROR " "logs/$1.log"; grep -m1 " ERROR " "logs/$1.log"; echo "next: $(cat "routes/$1")"; exit 0'
+        result = self.sandbox.run(["/bin/sh", "-c", script, "sh", name])
         self.record_sandbox(result)
         if result.exit_code != 0 or result.resource:
             raise ToolFailure(result.observation(400))
         lines = result.stdout.strip().splitlines()
         count = int(lines[0]) if lines and lines[0].isdigit() else 0
+        nxt = lines[-1].removeprefix("next:").strip() if lines and lines[-1].startswith("next:") else ""
+        downstream = f" Next: {nxt}." if nxt else " End of the chain."
         if not count:
-            return f"{name}: no ERROR lines"
+            return f"{name}: no ERROR lines.{downstream}"
         if name in self.failing:
             self.reach(f"found:{name}", 0.25 / len(self.failing))
-        return f"{name}: {count} ERROR lines, the first: {lines[1] if len(lines) > 1 else '?'}"
+        error = lines[1].split(" ERROR ", 1)[-1] if len(lines) > 2 else "?"
+        return f"{name}: {count} ERROR lines ({error}).{downstream}"
 
     def _report(self, failing) -> str:
         self.finish()
@@ -158,7 +164,7 @@ class OncallEnv(SandboxedEnv):
         done = min(done, self.horizon)
         found = [s for s in self.services[:done] if s in self.failing]
         nxt = f"Next: check {self.services[done]}." if done < self.horizon else "Next: report."
-        return (f"Checked {done} of {self.horizon} services. Failing so far: {', '.join(found) or 'none'}. {nxt}")
+        return f"Failing so far: {', '.join(found) or 'none'}. {nxt}"
 
     def judge_reference(self) -> str:
         return "Failing services: " + ", ".join(self.failing)
