@@ -7,8 +7,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.longhorizon-installed
 RUN    ?= runs/quickstart
 DEMO   ?= runs/demo
+DEMO_LONG ?= runs/demo-long
 
-.PHONY: install malloc-dep system-deps demo quickstart test test-fast bench clean
+.PHONY: install malloc-dep system-deps demo demo-long quickstart test test-fast bench clean
 
 install: $(STAMP) malloc-dep
 	$(VENV)/bin/longhorizon policy pretrained smollm2-135m-instruct >/dev/null
@@ -58,6 +59,15 @@ demo: install
 	$(VENV)/bin/longhorizon demo --out $(DEMO)
 	for run in $(DEMO)/*/; do $(VENV)/bin/longhorizon inspect $$run --html $$run/viewer.html; $(VENV)/bin/longhorizon plot $$run; done
 	@echo "results: $(DEMO)/eval.json, $(DEMO)/results.md, $(DEMO)/curve.png; per environment $(DEMO)/<name>/ (metrics.jsonl, trajectories/, checkpoints/, viewer.html, plots/)"
+
+# The long-horizon demo (issue 46): the real policy trained past its 1024-token context window on
+# long/oncall-v0 (configs/demo/oncall.yaml: compact context management, horizons 8-32, tested up to 48),
+# the same protocol; runs/demo-long/eval.json, results.md, horizon.png, curve.png, the run and its viewer page.
+demo-long: install
+	rm -rf $(DEMO_LONG)
+	$(VENV)/bin/longhorizon demo --out $(DEMO_LONG) --config configs/demo/oncall.yaml
+	for run in $(DEMO_LONG)/*/; do $(VENV)/bin/longhorizon inspect $$run --html $$run/viewer.html; $(VENV)/bin/longhorizon plot $$run; done
+	@echo "results: $(DEMO_LONG)/eval.json, $(DEMO_LONG)/results.md, $(DEMO_LONG)/horizon.png; the run: $(DEMO_LONG)/oncall/ (viewer.html, plots/)"
 
 # The 3-iteration walking skeleton (minutes): the loop end to end on a random policy, no learning.
 quickstart: install

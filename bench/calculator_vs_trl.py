@@ -69,13 +69,18 @@ def base_config(overrides: list[str] = ()):
 
 
 def make_warm_start(out: Path) -> str:
-    """The demo's warm-started checkpoint (made once in `out`, reused by both sides)."""
+    """The demo's warm-started checkpoint (its warm start run on the learner, made once in `out`,
+    reused by both sides): the demo config's warm start, RL not started."""
     from rich.console import Console
 
     from rl.trainer import Trainer
 
-    trainer = Trainer(base_config(), out, console=Console(stderr=True))
-    return trainer.policy_path()
+    trainer = Trainer(base_config(["iterations=1"]), out, console=Console(stderr=True))
+    try:
+        trainer.start()
+    finally:
+        trainer.close()
+    return str(out / "warm-start")
 
 
 # --- held-out evaluation (the same for both sides) ---

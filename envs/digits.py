@@ -5,6 +5,10 @@ characters that are digits (0 to 1), paid as the milestone `digits` when it ends
 policy starts near 0 and GRPO raises it within minutes on a CPU, which is what it is for: smoke
 tests of the whole loop, and the side-by-side benchmark against TRL's GRPOTrainer (whose reward
 function is `digit_share`, the same code). It does not test tool use or long horizons.
+
+`expert_slips` makes the scripted expert an imperfect demonstrator: on that share of the tasks
+(drawn from the seed) its reply ends with a word, so a policy that imitates it succeeds on the rest
+only, and RL, which sees the reward, can go beyond it (the demo protocol's test uses this).
 """
 
 from __future__ import annotations
@@ -29,13 +33,26 @@ class DigitsEnv(ToolEnv):
                                             "are digits (0 to 1)"),)
     max_turns = 1
 
+    def __init__(self, expert_slips: float = 0.0):
+        super().__init__()
+        self.expert_slips = expert_slips
+
+    @classmethod
+    def kwargs_problem(cls, kwargs: dict) -> str | None:
+        slips = kwargs.get("expert_slips", 0.0)
+        if not (isinstance(slips, (int, float)) and not isinstance(slips, bool) and 0 <= slips <= 1):
+            return f"expert_slips must be a share from 0 to 1, not {slips!r}"
+        return None
+
     @classmethod
     def succeeded(cls, milestones, reward) -> bool:  # a reply of digits only
         return reward >= 1.0 - 1e-9
 
     def _reset_task(self) -> str:
         rng = self.np_random
-        return PROMPTS[int(rng.integers(len(PROMPTS)))].format(n=int(rng.integers(4, 40)))
+        task = PROMPTS[int(rng.integers(len(PROMPTS)))].format(n=int(rng.integers(4, 40)))
+        self.slips = bool(rng.random() < self.expert_slips)
+        return task
 
     def tool_functions(self):
         return {}
@@ -51,4 +68,4 @@ class DigitsEnv(ToolEnv):
         return "", score, True, False, {"messages": [], "milestones": events, "tool_errors": len(calls) + len(errors)}
 
     def expert_turns(self) -> list[str]:
-        return ["1234567890"]
+        return ["1234567890 ok" if self.slips else "1234567890"]

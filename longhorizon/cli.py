@@ -70,6 +70,10 @@ def _train(args) -> int:
     if problem:
         print(f"error: {config}: {problem}", file=sys.stderr)
         return 2
+    problem = unwritable(run_dir)
+    if problem:
+        print(f"error: run directory {problem}", file=sys.stderr)
+        return 2
     console = SafeConsole(stderr=True)
 
     from rl.checkpoints import CheckpointError
@@ -98,6 +102,20 @@ def _train(args) -> int:
     console.print(f"  checkpoints  {run_dir / 'checkpoints'}")
     console.print(f"  look at it:  longhorizon inspect {run_dir}")
     return 0
+
+
+def unwritable(directory: Path) -> str | None:
+    """Why `directory` (made if missing) cannot hold a run's files, or None: found before anything
+    starts, not as a PermissionError traceback from the first file a run writes."""
+    import tempfile
+
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        return f"{directory} cannot be written ({exc.strerror or type(exc).__name__})"
+    return None
 
 
 def _inspect(args) -> int:
@@ -335,7 +353,7 @@ def _eval(args) -> int:
     from rl.evaluate import evaluate_policy
 
     summary, _ = evaluate_policy(str(policy), rollout, args.env, args.episodes, k=args.k, env_kwargs=env_kwargs,
-                                 temperature=args.temperature, seed=args.seed)
+                                 temperature=args.temperature, seed=args.seed, split=args.split)
     summary["policy"] = str(policy)
     if args.json:
         print(json.dumps(summary))
@@ -354,19 +372,24 @@ def _eval(args) -> int:
 def _demo(args) -> int:
     from rl.config import ConfigError
     from longhorizon.demo import DEMO_CONFIGS, run_demo
+    from rl.guards import CannotLearn
+    from rl.trainer import LearnerDied, WorkerLost
 
     console = SafeConsole(stderr=True)
+    problem = unwritable(Path(args.out))
+    if problem:
+        print(f"error: --out {problem}", file=sys.stderr)
+        return 2
     try:
-        res = run_demo(args.out, args.config or DEMO_CONFIGS, args.overrides, console)
+        rows = run_demo(args.out, args.config or DEMO_CONFIGS, args.overrides, console)
     except (ConfigError, ValueError, FileExistsError) as exc:
         print(f"error: {message(exc)}", file=sys.stderr)
         return 2
-    for env_id, r in res.items():
-        w, f = r["warm_start"], r["final"]
-        console.print(f"{env_id}: held-out success {w['success']:.3f} [{w['ci95'][0]:.3f}, {w['ci95'][1]:.3f}] after "
-                      f"the warm start -> {f['success']:.3f} [{f['ci95'][0]:.3f}, {f['ci95'][1]:.3f}] after RL "
-                      f"({f['episodes']} episodes)")
-    console.print(f"wrote {Path(args.out) / 'eval.json'} and {Path(args.out) / 'curve.png'}")
+    except (LearnerDied, WorkerLost, CannotLearn) as exc:  # what was written is kept; the message says how to go on
+        print(f"error: {message(exc)}", file=sys.stderr)
+        return 1
+    console.print((Path(args.out) / "results.md").read_text(), markup=False, highlight=False)
+    console.print(f"wrote {Path(args.out) / 'eval.json'} ({len(rows)} test rows), results.md and curve.png")
     return 0
 
 
@@ -556,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k", type=int, default=1, help="episodes per held-out seed; reports pass@k when > 1")
     p.add_argument("--temperature", type=float, help="sampling temperature (default: the run's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--split", choices=["validation", "test"], default="validation",
+                   help="held-out seeds to play: validation (what is tuned or watched) or test (what is reported)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=_eval)
 

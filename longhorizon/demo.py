@@ -1,17 +1,34 @@
-"""`make demo`: a quickstart that learns, on two built-in environments.
+"""`longhorizon demo`: the loop learning on the real policy, reported so that it cannot flatter RL.
 
-For each demo config (`configs/demo/*.yaml`): a supervised warm start on the environment's scripted
-expert (TRL's SFTTrainer, rl/sft.py), then GRPO with milestone credit through the full loop (Ray,
-vLLM rollout workers, the learner, weight sync), with held-out evaluation before RL and every few
-iterations (rl/evaluate.py). Each run lives in `OUT/<config name>/`; then
+For each demo config (`make demo`: configs/demo/calculator.yaml and shell.yaml; `make demo-long`:
+configs/demo/oncall.yaml), in one run (one Ray start, one set of engines):
 
-    OUT/eval.json    per environment id: {"warm_start": {success, ci95, episodes}, "final": {...}}
-    OUT/curve.png    train reward and held-out success (95% band) against wall time, per environment
-    OUT/results.md   the same as a table, with each run's RL iterations and wall times
-                     (`results_table`; the README's demo table is docs/demo.md's, made by it from
-                     recorded runs, checked by a test)
+1. warm start on the run's learner until held-out success on *validation* seeds stops improving
+   (rl/warm_start.py; `warm_start.patience`, capped by `warm_start.rounds`); RL starts from the best
+   round, not from one stopped early so that RL has room. That policy is evaluated on *test* seeds
+   (stage `warm_start`);
+2. RL from it (GRPO through the full loop), watched on validation seeds (`eval.every`); the final
+   policy on test seeds (stage `rl`);
+3. the best warm start continued on fresh demonstrations for the wall time of the RL phase
+   (iterations without their validation evaluations), on test seeds (stage `warm_start_more`): what
+   RL adds over more supervised training for the same time.
 
-`overrides` apply to every config (the slow test runs a shortened demo this way).
+What is tested is the config's `eval.test` cells (each a set of environment kwargs, a context mode,
+episodes and the stages it is played at); the default is one cell, the run's environment, every
+stage. Nothing is tuned on test seeds: the warm start's length is chosen on validation seeds, the
+configs' learning rates and thresholds were (their comments say so), and test seeds are played once
+per stage here.
+
+Writes, under OUT:
+    eval.json      a list of rows {env, horizon, context, stage, split, success, ci95, episodes,
+                   mean_total_tokens, max_model_len}, split always `test`
+    results.md     the rows as a table, with each run's warm start, RL and wall times
+    curve.png      train reward and validation success against RL wall time, per environment
+    horizon.png    test success against horizon per stage and context (runs whose cells vary it)
+    NAME/          each run (metrics.jsonl, trajectories/, checkpoints/, warm-start/, ...); its test
+                   episodes in NAME/test/STAGE (a store: `longhorizon inspect NAME/test/rl`)
+
+`overrides` apply to every config (the slow tests run shortened demos this way).
 """
 
 from __future__ import annotations
@@ -21,69 +38,133 @@ import time
 from pathlib import Path
 
 DEMO_CONFIGS = ["configs/demo/calculator.yaml", "configs/demo/shell.yaml"]
+LONG_CONFIGS = ["configs/demo/oncall.yaml"]
+STAGES = ("warm_start", "rl", "warm_start_more")
 
 
-def _held_out(ev: dict) -> dict:
-    return {"success": ev["eval/success"], "ci95": [ev["eval/ci95_low"], ev["eval/ci95_high"]],
-            "episodes": ev["eval/episodes"]}
+def cells(cfg) -> list[dict]:
+    """The config's test cells, each with every key filled in."""
+    out = []
+    for cell in cfg.eval.test or [{}]:
+        out.append({"kwargs": dict(cell.get("kwargs") or {}), "context": dict(cell.get("context") or {}),
+                    "episodes": cell.get("episodes") or cfg.eval.test_episodes,
+                    "stages": list(cell.get("stages") or STAGES), "max_turns": cell.get("max_turns")})
+    return out
+
+
+def test_rows(trainer, stage: str, log) -> list[dict]:
+    """Play the test cells of `stage` with the weights the workers hold; one eval.json row each."""
+    cfg = trainer.cfg
+    rows = []
+    for i, cell in enumerate(cells(cfg)):
+        if stage not in cell["stages"]:
+            continue
+        loop = {"context": cell["context"]} if cell["context"] else {}
+        if cell["max_turns"]:
+            loop["max_turns"] = cell["max_turns"]
+        t0 = time.perf_counter()
+        # kept in RUN_DIR/test/STAGE, a shard per cell: what each test episode did can be looked at
+        s, trajs = trainer.play_held_out("test", cell["episodes"], cell["kwargs"], loop, keep=f"test/{stage}/cell-{i:02d}")
+        kwargs = {**cfg.env.kwargs, **cell["kwargs"]}
+        context = {"mode": cfg.rollout.context.mode, **cell["context"]}["mode"]
+        ran = [t for t in trajs if not t.infra_error]
+        row = {"env": s["env_id"], "horizon": kwargs.get("horizon"), "context": context, "stage": stage,
+               "split": "test", "success": s["success"], "ci95": list(s["ci95"]), "episodes": s["episodes"],
+               "mean_total_tokens": sum(len(t.token_ids) for t in ran) / max(1, len(ran)),
+               "max_model_len": cfg.rollout.max_model_len, "infra_errors": s["infra_errors"],
+               "seconds": time.perf_counter() - t0}
+        log(f"test: {row['env']} {'horizon ' + str(row['horizon']) + ' ' if row['horizon'] else ''}{context} "
+            f"{stage}: {row['success']:.3f} [{row['ci95'][0]:.3f}, {row['ci95'][1]:.3f}] over {row['episodes']} "
+            f"episodes, {row['mean_total_tokens']:.0f} tokens each ({row['seconds']:.0f} s)")
+        rows.append(row)
+    return rows
 
 
 def run_demo(out_dir: str | Path, configs: list[str] | None = None, overrides: list[str] | None = None,
-             console=None) -> dict:
+             console=None) -> list[dict]:
+    from rich.console import Console
+
     from rl.config import load_config
     from rl.trainer import Trainer
 
+    console = console or Console(stderr=True)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    results, curves, runs, t_all = {}, {}, [], time.perf_counter()
+    rows, curves, runs, t_all = [], {}, [], time.perf_counter()
     for path in configs or DEMO_CONFIGS:
         cfg = load_config(path, list(overrides or []))
         if not cfg.eval.every:
-            raise ValueError(f"{path}: a demo config must set eval.every (the held-out curve is the point)")
+            raise ValueError(f"{path}: a demo config must set eval.every (the validation curve is the point)")
         run_dir = out / Path(path).stem
         trainer, t0 = Trainer(cfg, run_dir, console), time.perf_counter()
         try:
             trainer.start()
-            rows = trainer.run()
+            warm_s = time.perf_counter() - t0
+            rows += test_rows(trainer, "warm_start", console.log)
+            rl_rows = trainer.run()
+            rows += test_rows(trainer, "rl", console.log)
+            # the RL phase's wall time, without the validation evaluations it made along the way
+            rl_s = sum(r["iteration_s"] - r.get("eval/s", 0.0) for r in rl_rows)
+            more = {}
+            if trainer.warm is not None and any("warm_start_more" in c["stages"] for c in cells(cfg)):
+                more = trainer.warm.more(rl_s)
+                rows += test_rows(trainer, "warm_start_more", console.log)
         finally:
             trainer.close()
-        initial = json.loads((run_dir / "eval-initial.json").read_text())
-        final = next(r for r in reversed(rows) if "eval/success" in r)
         env_id = cfg.eval.env_id or cfg.env.id
-        results[env_id] = {"warm_start": _held_out(initial), "final": _held_out(final)}
-        curves[env_id] = (initial, rows)
-        runs.append({"env_id": env_id, "config": path, "iterations": len(rows),
-                     "rl_min": sum(r["iteration_s"] for r in rows) / 60, "run_min": (time.perf_counter() - t0) / 60})
-    (out / "eval.json").write_text(json.dumps(results, indent=2) + "\n")
+        initial = json.loads((run_dir / "eval-initial.json").read_text())
+        curves[env_id] = (initial, rl_rows)
+        runs.append({"env_id": env_id, "config": path, "iterations": len(rl_rows), "rl_min": rl_s / 60,
+                     "warm_start": trainer.warm_start_summary, "warm_start_min": warm_s / 60,
+                     "more_min": more.get("seconds", 0.0) / 60, "run_min": (time.perf_counter() - t0) / 60})
+        (out / "eval.json").write_text(json.dumps(rows, indent=2) + "\n")  # after each run: nothing is lost
     plot_curves(curves, out / "curve.png")
-    (out / "results.md").write_text(results_table(results, runs, (time.perf_counter() - t_all) / 60))
-    return results
+    if any(r["horizon"] is not None for r in rows):
+        plot_horizons(rows, out / "horizon.png")
+    (out / "results.md").write_text(results_table(rows, runs, (time.perf_counter() - t_all) / 60))
+    return rows
 
 
-def _fmt(entry: dict) -> str:
-    lo, hi = entry["ci95"]
-    return f"{entry['success']:.3f} [{lo:.3f}, {hi:.3f}]"
+def _fmt(row: dict) -> str:
+    lo, hi = row["ci95"]
+    return f"{row['success']:.3f} [{lo:.3f}, {hi:.3f}]"
 
 
-def results_table(results: dict, runs: list[dict], total_min: float) -> str:
-    """Markdown: per environment, held-out success (95% interval) after the warm start and after RL,
-    bold where the final interval lies above the start's; RL iterations and minutes; the total."""
-    lines = ["| environment | held-out success after the warm start | after RL | episodes each | RL | whole run |",
-             "| --- | --- | --- | ---: | --- | ---: |"]
+def results_table(rows: list[dict], runs: list[dict], total_min: float) -> str:
+    """Markdown: per environment, horizon and context, test success (95% interval) of the best warm
+    start, after RL and after more warm start for the same time; bold where RL's interval lies above
+    the warm start's. Then each run's phases and wall times."""
+    table = {}
+    for r in rows:
+        table.setdefault((r["env"], r["horizon"], r["context"]), {})[r["stage"]] = r
+    lines = ["| environment | horizon | context | best warm start | after RL | more warm start, same time | "
+             "episodes each | tokens per episode (RL) | max_model_len |",
+             "| --- | ---: | --- | --- | --- | --- | ---: | ---: | ---: |"]
+    for (env, horizon, context), by in table.items():
+        ws, rl, more = by.get("warm_start"), by.get("rl"), by.get("warm_start_more")
+        rl_text = _fmt(rl) if rl else "–"
+        if rl and ws and rl["ci95"][0] > ws["ci95"][1]:
+            rl_text = f"**{rl_text}**"
+        any_row = rl or ws or more
+        lines.append(f"| `{env}` | {horizon if horizon is not None else '–'} | {context} | {_fmt(ws) if ws else '–'} | "
+                     f"{rl_text} | {_fmt(more) if more else '–'} | {any_row['episodes']} | "
+                     f"{(rl or any_row)['mean_total_tokens']:.0f} | {any_row['max_model_len']} |")
+    lines.append("\n| environment | warm start | RL | more warm start | whole run |\n| --- | --- | --- | --- | ---: |")
     for run in runs:
-        r = results[run["env_id"]]
-        final = _fmt(r["final"])
-        if r["final"]["ci95"][0] > r["warm_start"]["ci95"][1]:
-            final = f"**{final}**"
-        lines.append(f"| `{run['env_id']}` | {_fmt(r['warm_start'])} | {final} | {r['final']['episodes']} | "
-                     f"{run['iterations']} iterations, {run['rl_min']:.1f} min | {run['run_min']:.1f} min |")
-    lines.append(f"\nAll runs together: {total_min:.1f} min.\n")
+        w = run["warm_start"] or {}
+        v = w.get("validation")
+        ws = (f"{w.get('rounds', 0)} round(s), best {int(w['best_round']) + 1}"
+              + (f" (validation {v['success']:.3f})" if v else "") + f", {run['warm_start_min']:.1f} min") if w else "none"
+        lines.append(f"| `{run['env_id']}` | {ws} | {run['iterations']} iterations, {run['rl_min']:.1f} min | "
+                     f"{run['more_min']:.1f} min | {run['run_min']:.1f} min |")
+    lines.append(f"\nAll runs together: {total_min:.1f} min. Test seeds only; the warm start's length was chosen "
+                 "on validation seeds.\n")
     return "\n".join(lines) + "\n"
 
 
 def plot_curves(curves: dict, path: Path) -> Path:
-    """Train reward and held-out success against wall time (iteration seconds summed), one line per
-    environment; the warm-started policy's evaluation is at 0 s."""
+    """Train reward and validation success against wall time (iteration seconds summed), one line per
+    environment; the warm start's evaluation is at 0 s."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -102,11 +183,49 @@ def plot_curves(curves: dict, path: Path) -> Path:
         ax_s.fill_between(xs, [e["eval/ci95_low"] for _, e in evals], [e["eval/ci95_high"] for _, e in evals],
                           color=line.get_color(), alpha=0.2)
     ax_r.set(xlabel="wall time of RL (min)", ylabel="mean train reward", title="train reward")
-    ax_s.set(xlabel="wall time of RL (min)", ylabel="held-out success", title="held-out success (95% interval)",
+    ax_s.set(xlabel="wall time of RL (min)", ylabel="validation success", title="validation success (95% interval)",
              ylim=(-0.02, 1.02))
     for ax in (ax_r, ax_s):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_horizons(rows: list[dict], path: Path) -> Path:
+    """Test success (95% intervals) against horizon: a line per stage for the run's context mode,
+    a marker per other context mode where it was tested."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r["horizon"] is not None]
+    main = max({r["context"] for r in rows}, key=lambda c: sum(r["context"] == c for r in rows))
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    colours = {"warm_start": "#888", "warm_start_more": "#c80", "rl": "#26c"}
+    names = {"warm_start": "best warm start", "rl": "after RL", "warm_start_more": "more warm start, same time"}
+    for stage in STAGES:
+        pts = sorted((r["horizon"], r) for r in rows if r["stage"] == stage and r["context"] == main)
+        if not pts:
+            continue
+        xs = [h for h, _ in pts]
+        ax.errorbar(xs, [r["success"] for _, r in pts], capsize=3, marker="o", color=colours[stage],
+                    yerr=[[r["success"] - r["ci95"][0] for _, r in pts], [r["ci95"][1] - r["success"] for _, r in pts]],
+                    label=f"{names[stage]} ({main})")
+    markers = {"window": "s", "full": "x", "compact": "^"}
+    for r in rows:
+        if r["context"] != main:
+            ax.errorbar([r["horizon"]], [r["success"]], yerr=[[r["success"] - r["ci95"][0]], [r["ci95"][1] - r["success"]]],
+                        marker=markers.get(r["context"], "d"), color=colours[r["stage"]], linestyle="none", capsize=3,
+                        label=f"{names[r['stage']]} ({r['context']})")
+    tokens = {r["horizon"]: r["max_model_len"] for r in rows}
+    ax.set(xlabel="horizon (tool calls a solution needs)", ylabel="test success", ylim=(-0.02, 1.02),
+           title=f"test success against horizon ({rows[0]['env']}, window {max(tokens.values())} tokens)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -31,8 +31,9 @@ import torch
 ADAPTERS = "adapters/adapters.safetensors"
 LEGACY_ADAPTERS = "adapters.safetensors"  # checkpoints written before (no engine could load those)
 
-def save_learner(learner, path: str, extra: dict | None = None) -> str:
-    """Save `learner` (a `rl.learner.Learner`) to `path`; collective in a group (every rank calls)."""
+def save_learner(learner, path: str, extra: dict | None = None, optimizer: bool = True) -> str:
+    """Save `learner` (a `rl.learner.Learner`) to `path`; collective in a group (every rank calls).
+    `optimizer` False: a single learner's optimiser state is left out (loading it then starts a fresh one)."""
     out = Path(path)
     tmp = out.with_name(f".{out.name}.tmp")
     state = None
@@ -76,7 +77,7 @@ def save_learner(learner, path: str, extra: dict | None = None) -> str:
                          **(extra or {})}
         if learner.world > 1:
             trainer_state["sharded_world_size"] = learner.world
-        else:
+        elif optimizer:
             trainer_state["optimizer"] = learner.opt.state_dict()
         torch.save(trainer_state, tmp / "trainer_state.pt")
         if learner.lora is not None:
@@ -223,7 +224,8 @@ def load_learner(learner, path: str) -> dict:
             load_adapter_state(learner.model, load_file(saved if saved.exists() else Path(path) / LEGACY_ADAPTERS))
         else:
             learner._load(path)
-        learner.opt.load_state_dict(state["optimizer"])
+        if "optimizer" in state:  # else the fresh optimiser `_load` made
+            learner.opt.load_state_dict(state["optimizer"])
     if learner.value_head is not None and state.get("value_head"):
         learner.value_head.load_state_dict(state["value_head"])
     torch.set_rng_state(state["torch_rng"])

@@ -206,15 +206,19 @@ class SyncConfig:
 @dataclass
 class WarmStartConfig:
     demos: int = 0
-    """Scripted-expert demonstrations per environment for a supervised warm start (TRL SFTTrainer) before RL; 0: none (rl/sft.py)."""
+    """Scripted-expert demonstrations per environment and round for a supervised warm start on the run's learner before RL (rl/warm_start.py); 0: none."""
     envs: list = field(default_factory=list)
     """Environment ids to take them from (empty: the training environment); the training environment's kwargs apply to it."""
     epochs: float = 2.0
-    """Passes over the demonstrations."""
+    """Passes over a round's demonstrations."""
     lr: float = 2e-3
-    """Learning rate (cosine decay)."""
+    """Learning rate of the supervised steps (constant)."""
     batch_size: int = 8
     """Demonstrations per optimiser step."""
+    rounds: int = 1
+    """The most rounds, each on fresh demonstrations; with `patience`, the cap."""
+    patience: int = 0
+    """With > 0: after each round, held-out success on validation seeds (`eval.episodes` of them); the warm start stops after this many rounds in a row without a new best, and RL starts from the best round's weights (not from one stopped early). 0: no validation, every round runs."""
 
 
 @dataclass
@@ -261,6 +265,10 @@ class EvalConfig:
     """Its arguments (with `env_id`)."""
     temperature: float = 0.0
     """Sampling temperature of the evaluation episodes (0: the rollouts')."""
+    test_episodes: int = 200
+    """Episodes per test cell of `longhorizon demo` (on test seeds, rl/evaluate.py; `episodes` are the validation evaluations')."""
+    test: list = field(default_factory=list)
+    """`longhorizon demo`'s test cells, each {kwargs: environment kwargs, context: rollout.context fields, max_turns, episodes, stages: [warm_start, rl, warm_start_more]}, every key optional (longhorizon/demo.py); empty: one cell, the run's environment at every stage."""
 
 
 @dataclass
@@ -384,8 +392,6 @@ class RunConfig:
             ("rollout.engine", not (self.rollout.engine == "native" and not self.policy.flavour
                                     and (self.policy.pretrained or not self.policy.path)),
              "native serves the policy/ model: set policy.flavour, or policy.path to a policy/ checkpoint"),
-            ("warm_start.demos", not (self.warm_start.demos and self.policy.flavour),
-             "needs a Hugging Face policy (the warm start is TRL's SFTTrainer); a policy.flavour model has none yet"),
             ("rollout.temperature", self.rollout.temperature > 0, "must be > 0"),
             ("rollout.max_model_len", self.rollout.context.mode != "full"
              or self.rollout.max_model_len >= self.rollout.max_episode_tokens,
@@ -426,7 +432,13 @@ class RunConfig:
             ("warm_start.epochs", self.warm_start.epochs > 0, "must be > 0"),
             ("warm_start.lr", self.warm_start.lr > 0, "must be > 0"),
             ("warm_start.batch_size", self.warm_start.batch_size >= 1, "must be >= 1"),
+            ("warm_start.rounds", self.warm_start.rounds >= 1, "must be >= 1"),
+            ("warm_start.patience", self.warm_start.patience >= 0, "must be >= 0 (0: no validation)"),
+            ("warm_start.demos", not (self.warm_start.demos and self.learner.world_size > 1),
+             "needs learner.world_size 1 (the warm start's supervised steps run on a single learner)"),
             ("eval.episodes", self.eval.episodes >= 1, "must be >= 1"),
+            ("eval.test_episodes", self.eval.test_episodes >= 1, "must be >= 1"),
+            ("eval.test", self._test_cells_problem() is None, f"is wrong: {self._test_cells_problem()}"),
             ("eval.k", 1 <= self.eval.k <= self.eval.episodes, "must be between 1 and eval.episodes"),
             ("eval.temperature", self.eval.temperature >= 0, "must be >= 0 (0: the rollouts')"),
             ("rollout.iteration_token_budget", self.rollout.iteration_token_budget >= 0, "must be >= 0 (0: no limit)"),
@@ -445,6 +457,34 @@ class RunConfig:
         require(checks, source)
         require(self._env_checks(), source)
         return self
+
+    def _test_cells_problem(self) -> str | None:
+        """What is wrong with `eval.test`, or None."""
+        import envs
+        from rollout.context import ContextConfig
+
+        keys, stages = {"kwargs", "context", "max_turns", "episodes", "stages"}, {"warm_start", "rl", "warm_start_more"}
+        fields = {f.name for f in dataclasses.fields(ContextConfig)}
+        for i, cell in enumerate(self.eval.test):
+            if not isinstance(cell, dict) or not set(cell) <= keys:
+                return f"cell {i} must be a mapping of {', '.join(sorted(keys))}"
+            if not isinstance(cell.get("kwargs", {}), dict) or not isinstance(cell.get("context", {}), dict):
+                return f"cell {i}: kwargs and context must be mappings"
+            if not set(cell.get("context", {})) <= fields:
+                return f"cell {i}: context takes {', '.join(sorted(fields))}"
+            if cell.get("context", {}).get("mode", "full") not in ("full", "window", "compact"):
+                return f"cell {i}: context.mode must be full, window or compact"
+            if not set(cell.get("stages", [])) <= stages:
+                return f"cell {i}: stages are {', '.join(sorted(stages))}"
+            for key in ("max_turns", "episodes"):
+                if key in cell and not (type(cell[key]) is int and cell[key] >= 1):
+                    return f"cell {i}: {key} must be an integer >= 1"
+            env_id = self.eval.env_id or self.env.id
+            base = self.eval.env_kwargs if self.eval.env_id else self.env.kwargs
+            problem = envs.config_problem(env_id, {**base, **cell.get("kwargs", {})})
+            if problem:
+                return f"cell {i}: {problem[1]}"
+        return None
 
     def sync_backend(self) -> str:
         """The collective transport's process-group backend (`sync.backend`, auto resolved)."""

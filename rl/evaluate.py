@@ -1,7 +1,9 @@
 """Evaluation on held-out seeds: success rate with a 95% interval, mean milestones, pass@k.
 
 Held-out means never trained on: training draws environment seeds below 2^31
-(`rl.trainer.iteration_tasks` masks them to 31 bits), evaluation uses 2^31 + i. Each of
+(`rl.trainer.iteration_tasks` masks them to 31 bits); evaluation has two splits of its own,
+`validation` (2^31 + i: what anything is tuned or watched on, the warm start's stopping rule and the
+evaluations during RL) and `test` (2^31 + 2^30 + i: what is reported, looked at once at the end). Each of
 `episodes / k` seeds is played `k` times (different sampling seeds); success is the environment's
 own `succeeded(milestones, reward)` (by default: the milestone `solved` was reached). Episodes that
 ended in an infrastructure error count neither way; they are reported.
@@ -25,6 +27,8 @@ from rollout.agent_loop import play
 from rollout.trajectory import EpisodeTask, Trajectory
 
 HELD_OUT = 1 << 31
+SPLITS = {"validation": HELD_OUT, "test": HELD_OUT + (1 << 30)}
+"""The first seed of each held-out split."""
 
 
 def wilson(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -37,10 +41,13 @@ def wilson(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def eval_tasks(episodes: int, k: int = 1) -> list[EpisodeTask]:
-    """`ceil(episodes / k)` held-out seeds, `k` episodes each (group id = the seed's index)."""
-    seeds = -(-episodes // k)
-    return [EpisodeTask(f"eval-s{i}-k{j}", i, HELD_OUT + i, -1) for i in range(seeds) for j in range(k)]
+def eval_tasks(episodes: int, k: int = 1, split: str = "validation") -> list[EpisodeTask]:
+    """`ceil(episodes / k)` held-out seeds of `split`, `k` episodes each (group id = the seed's index)."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, not {split!r}")
+    seeds, first = -(-episodes // k), SPLITS[split]
+    name = "eval" if split == "validation" else split
+    return [EpisodeTask(f"{name}-s{i}-k{j}", i, first + i, -1) for i in range(seeds) for j in range(k)]
 
 
 def summarise(env_id: str, trajs: list[Trajectory], k: int = 1) -> dict:
@@ -66,16 +73,16 @@ def summarise(env_id: str, trajs: list[Trajectory], k: int = 1) -> dict:
 
 
 def evaluate(engine, chat, env_id: str, episodes: int, *, k: int = 1, env_kwargs: dict | None = None, seed: int = 0,
-             **loop) -> tuple[dict, list[Trajectory]]:
-    """Play the held-out episodes with `engine`; (summary, trajectories). `loop`: the agent loop's
-    limits, sampling and context management (`RolloutConfig.loop()`, or any of its keywords)."""
-    trajs = play(engine, chat, env_id, env_kwargs, eval_tasks(episodes, k), run_seed=seed,
+             split: str = "validation", **loop) -> tuple[dict, list[Trajectory]]:
+    """Play the held-out episodes of `split` with `engine`; (summary, trajectories). `loop`: the agent
+    loop's limits, sampling and context management (`RolloutConfig.loop()`, or any of its keywords)."""
+    trajs = play(engine, chat, env_id, env_kwargs, eval_tasks(episodes, k, split), run_seed=seed,
                  **{"max_turns": 4, "max_new_tokens": 48, "max_episode_tokens": 2048, **loop})
     return summarise(env_id, trajs, k), trajs
 
 
 def evaluate_policy(policy: str, rollout, env_id: str, episodes: int, *, k: int = 1, env_kwargs: dict | None = None,
-                    temperature: float | None = None, seed: int = 0) -> tuple[dict, list[Trajectory]]:
+                    temperature: float | None = None, seed: int = 0, split: str = "validation") -> tuple[dict, list[Trajectory]]:
     """`evaluate` on a fresh engine of checkpoint `policy`, built and played with the `rollout`
     settings (a `RolloutConfig`); `temperature` None: the rollout's."""
     from transformers import AutoTokenizer
@@ -87,5 +94,5 @@ def evaluate_policy(policy: str, rollout, env_id: str, episodes: int, *, k: int 
     engine = make_engine(r.engine, policy, seed=seed, max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,
                          enforce_eager=r.enforce_eager, max_batch=r.max_batch, dtype=r.engine_dtype())
     chat = ChatFormat(AutoTokenizer.from_pretrained(policy))
-    return evaluate(engine, chat, env_id, episodes, k=k, env_kwargs=env_kwargs, seed=seed,
+    return evaluate(engine, chat, env_id, episodes, k=k, env_kwargs=env_kwargs, seed=seed, split=split,
                     **r.loop(**({} if temperature is None else {"temperature": temperature})))

@@ -1,7 +1,9 @@
 """When a run cannot learn: iterations in a row whose episodes failed for reasons outside the
 policy (`stop_after_failed`, `max_infra_error_share`), or gave the learner no signal at all
 (`stop_after_flat`). The trainer asks after each iteration's metrics row is written, and the run
-stops with `CannotLearn` instead of finishing green; what it wrote stays.
+stops with `CannotLearn` instead of finishing green; what it wrote stays. A run that ends on a failed
+iteration (however few it had: a one-iteration run whose every episode failed) also stops with
+`CannotLearn` (`finish`), not "done".
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class LearningGuard:
         self.cfg, self.run_dir = cfg, run_dir
         self._failed_in_a_row = 0  # iterations whose episodes failed for reasons outside the policy
         self._flat_in_a_row = 0  # iterations without a learning signal (every advantage zero)
+        self._why = ""  # what went wrong in the last failed iteration
 
     def check(self, it: int, trajs: list[Trajectory], stats: dict) -> None:
         """Count failed iterations in a row (config: max_infra_error_share, stop_after_failed); raise
@@ -30,11 +33,12 @@ class LearningGuard:
         errors = [t for t in trajs if t.infra_error]
         failed = bool(stats.get("skipped_update")) or len(errors) > self.cfg.max_infra_error_share * len(trajs)
         self._failed_in_a_row = self._failed_in_a_row + 1 if failed else 0
+        if failed:
+            self._why = (f"{len(errors)} of {len(trajs)} episodes of iteration {it} ended in infrastructure errors, "
+                         f"the first: {errors[0].infra_error}" if errors else
+                         f"the learner had no usable episode in iteration {it} ({len(trajs)} episodes)")
         if self.cfg.stop_after_failed and self._failed_in_a_row >= self.cfg.stop_after_failed:
-            why = (f"{len(errors)} of {len(trajs)} episodes of iteration {it} ended in infrastructure errors, "
-                   f"the first: {errors[0].infra_error}" if errors else
-                   f"the learner had no usable episode in iteration {it} ({len(trajs)} episodes)")
-            raise CannotLearn(f"the run cannot learn: {self._failed_in_a_row} failed iterations in a row; {why}. "
+            raise CannotLearn(f"the run cannot learn: {self._failed_in_a_row} failed iterations in a row; {self._why}. "
                               f"What was written is kept in {self.run_dir}")
         if failed:
             return
@@ -51,3 +55,10 @@ class LearningGuard:
                 f"a policy that never reaches a milestone needs a warm start (warm_start.demos) or an easier task, one that "
                 f"always does a harder one "
                 f"(stop_after_flat=0 lets such a run go on). What was written is kept in {self.run_dir}")
+
+    def finish(self) -> None:
+        """At the end of a run: `CannotLearn` if its last iteration failed (quoted), so a short run that
+        could not learn never ends green."""
+        if self._failed_in_a_row:
+            raise CannotLearn(f"the run cannot learn: its last {self._failed_in_a_row} iteration(s) failed; {self._why}. "
+                              f"What was written is kept in {self.run_dir}")

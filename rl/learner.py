@@ -62,6 +62,7 @@ from rl.shares import (
     all_gather_objects,
     all_reduce_sum,
     minibatch_shares,
+    pack,
     padded_slots,
 )
 from rl.batch import (Row, _pad, annotations, episode_values, recorded_routing, token_versions, training_rows,
@@ -184,11 +185,13 @@ class Learner(WeightSource):
         return None if out is None else out.to(self.device)
 
     def _logprobs(self, lm, ids, attn, with_entropy: bool = False, routing_out=None,
-                  routing=None, replayed: list | None = None, hf_routers: list | None = None, only=None):
+                  routing=None, replayed: list | None = None, hf_routers: list | None = None, only=None,
+                  temperature: float | None = None):
         """(log-probs, entropies or None, values or None), all aligned to next-token targets.
         `routing_out` (a RouterStats) takes the policy's router scores, `hf_routers` a Hugging Face MoE's router
         logits and choices (both for balancing), `replayed` the routing-replay counts; `only`: the
-        loss mask, to run the head on the generated tokens alone (0 elsewhere)."""
+        loss mask, to run the head on the generated tokens alone (0 elsewhere); `temperature`: the
+        sampling temperature's by default."""
         with devices.autocast(self.device, self.precision):  # bf16: forward (and its backward) in bf16
             h, router_info = lm.hidden_and_routing(ids, attn, routing, capture=hf_routers is not None)
         if replayed is not None and router_info is not None:
@@ -199,7 +202,7 @@ class Learner(WeightSource):
         if hf_routers is not None and router_info is not None and router_info["hf_routers"]:
             hf_routers.append((router_info["hf_routers"], valid))
         with devices.autocast(self.device, self.precision):  # the head's matmul in bf16; log-softmax in fp32
-            logp, ent = chunked_logprobs(h, lm.head, ids, temperature=self.temperature,
+            logp, ent = chunked_logprobs(h, lm.head, ids, temperature=temperature or self.temperature,
                                          chunk_tokens=self.cfg.logprob_chunk_tokens, with_entropy=with_entropy,
                                          banned_ids=lm.banned_ids, only_BT=only)
             # the value of the state before token p comes from the hidden state at p-1, like its logits
@@ -431,6 +434,48 @@ class Learner(WeightSource):
         )
         return out
 
+    def imitate(self, batch: list[Trajectory], lr: float) -> dict:
+        """One supervised step on demonstrations (the warm start, rl/warm_start.py): minimise the mean
+        negative log-likelihood of their generated tokens (the loss mask; temperature 1, as a
+        demonstration is the target itself), one optimiser step over the whole batch at learning rate
+        `lr`, gradients accumulated over micro-batches of `microbatch_tokens`. Uses the same forward
+        as RL (precision, chunked head on the generated tokens only, shared prefixes); a split
+        episode's samples each count. A single learner only (a group's ranks would need its shares)."""
+        if self.world > 1:
+            raise NotImplementedError("the warm start runs on a single learner (learner.world_size 1)")
+        t0 = time.perf_counter()
+        seqs = [row.seq for row in training_rows(batch)]
+        micro_batches = pack(list(range(len(seqs))), [len(t.token_ids) for t in seqs], self.cfg.microbatch_tokens)
+        n_tokens = sum(t.num_generated for t in seqs)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for micro in casts_cached_over(micro_batches):
+            ids, attn, mask, _ = self._tensors([seqs[i] for i in micro])
+            logp, _, _ = self._logprobs(self.lm, ids, attn, only=mask, temperature=1.0)
+            loss = -(logp * mask).sum() / max(n_tokens, 1)
+            loss.backward()
+            total += loss.item()
+        grad_norm = self._clip_and_step()
+        for group in self.opt.param_groups:
+            group["lr"] = self.cfg.lr
+        return {"sft_loss": total, "grad_norm": grad_norm, "tokens": n_tokens, "seconds": time.perf_counter() - t0}
+
+    def next_version(self, after: int = -1) -> int:
+        """A new policy version for weights changed outside `train_step` (the warm start's rounds),
+        newer than `after` too; returns it."""
+        self.version = max(self.version, after) + 1
+        return self.version
+
+    def policy_version(self) -> int:
+        return self.version
+
+    def reset_optimizer(self) -> None:
+        """A fresh optimiser (its moments zero): RL after the warm start does not inherit the
+        supervised steps' moments."""
+        self._make_optimizer()
+
     def _is_weights(self, old_BT, rollout_BT, mask_BT) -> torch.Tensor | None:
         c = self.cfg
         return rollout_is_weights(old_BT, rollout_BT, mask_BT, mode=c.rollout_is, low=c.is_low,
@@ -495,12 +540,13 @@ class Learner(WeightSource):
 
         return in_use()
 
-    def save_checkpoint(self, path: str, extra: dict | None = None) -> str:
+    def save_checkpoint(self, path: str, extra: dict | None = None, optimizer: bool = True) -> str:
         """A checkpoint directory (rl/checkpoints.py: weights, tokenizer, `trainer_state.pt`, and a
-        group's `sharded/`), written under a temporary name and renamed."""
+        group's `sharded/`), written under a temporary name and renamed; `optimizer` False leaves the
+        optimiser state out (a warm start's, which RL does not continue)."""
         from rl.checkpoints import save_learner
 
-        return save_learner(self, path, extra)
+        return save_learner(self, path, extra, optimizer=optimizer)
 
     def load_checkpoint(self, path: str) -> dict:
         """Restore weights, optimiser state, version and RNG from `save_checkpoint`'s directory."""

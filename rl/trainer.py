@@ -125,16 +125,18 @@ class Trainer:
         self._syncs: list[tuple[int, PendingSync]] = []  # (last iteration submitted before it, sync)
         self._last_row_t = 0.0
         self.guard = LearningGuard(cfg, self.run_dir)  # stops a run that cannot learn
+        self.warm = None  # the warm start phase, once run (rl/warm_start.py)
+        self.warm_start_summary: dict = {}
 
     # --- set-up ---
     def policy_path(self) -> str:
+        """The policy the run starts from (before any warm start: that runs on the learner, `start`)."""
         if self.cfg.policy.pretrained:  # converted and upcycled once, in the local cache (rl/pretrained.py)
             from rl.pretrained import for_config
 
-            path = str(for_config(self.cfg.policy))
-            return self.warm_started(path) if self.source is None else path
+            return str(for_config(self.cfg.policy))
         if self.cfg.policy.path:
-            return self.warm_started(self.cfg.policy.path) if self.source is None else self.cfg.policy.path
+            return self.cfg.policy.path
         if self.source is not None:  # the stored token ids are that run's tokenizer's: train its policy
             init = self.source.dir.parent / "policy-init"
             if not (init / "config.json").exists():
@@ -151,40 +153,26 @@ class Trainer:
                 from rl.tiny import make_tiny_qwen3_moe
 
                 make_tiny_qwen3_moe(init, self.cfg.policy.tiny, seed=self.cfg.seed)
-        return self.warm_started(str(init))
+        return str(init)
 
-    def warm_started(self, init: str) -> str:
-        """With `warm_start.demos`, the policy after a supervised warm start on expert demonstrations
-        (made once, in RUN_DIR/warm-start, with its loss curve in warm_start.json); else `init`."""
-        w = self.cfg.warm_start
-        if not w.demos:
-            return init
-        out = self.run_dir / "warm-start"
-        if (out / "config.json").exists():
-            return str(out)
+    def warm_start_phase(self, path: str):
+        """The warm start on the running learner (rl/warm_start.py), its rounds validated on the
+        rollout workers when `warm_start.patience` asks; the phase object (for `more`)."""
         from transformers import AutoTokenizer
 
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        from rl.sft import demonstrations, warm_start
+        from rl.warm_start import Source, WarmStart
         from rollout.chat import ChatFormat
 
-        chat, c = ChatFormat(AutoTokenizer.from_pretrained(init)), self.cfg
-        demos = []
-        for env_id in w.envs or [c.env.id]:
-            kwargs = dict(c.env.kwargs) if env_id == c.env.id else {}
-            demos += demonstrations(chat, env_id, w.demos, env_kwargs=kwargs, max_turns=c.rollout.max_turns,
-                                    max_episode_tokens=c.rollout.max_episode_tokens, context=c.rollout.context,
-                                    max_model_len=c.rollout.max_model_len)
-        self.console.log(f"warm start: {len(demos)} expert demonstrations from {', '.join(w.envs or [c.env.id])}")
-        # In a child process: what fine-tuning leaves in a process (~4-5 GB for the real policy:
-        # allocator caches, TRL, datasets) goes back to the node before the learner and engines start.
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
-            info = child.submit(warm_start, init, out, demos, epochs=w.epochs, lr=w.lr, batch_size=w.batch_size,
-                                seed=c.seed, threads=c.algo.threads, log=None).result()
-        (out / "warm_start.json").write_text(json.dumps(info))
-        return str(out)
+        c = self.cfg
+        r = c.rollout
+        # where a rebuilt context starts depends on a turn's room; in a full context an expert turn is
+        # never cut (as before contexts were managed)
+        loop = dict(max_turns=r.max_turns, max_episode_tokens=r.max_episode_tokens, context=r.context,
+                    max_model_len=r.max_model_len, max_new_tokens=None if r.context.mode == "full" else r.max_new_tokens)
+        sources = [Source(e, dict(c.env.kwargs) if e == c.env.id else {}, loop) for e in c.warm_start.envs or [c.env.id]]
+        return WarmStart(c.warm_start, sources, ChatFormat(AutoTokenizer.from_pretrained(path)), self.learner,
+                         publish=self.sync_now, validate=self.validate if self.workers else None,
+                         out=self.run_dir / "warm-start", log=self.console.log)
 
     def staleness_bound(self) -> int:
         """How many versions older than the weights it trains at a token may be: the async schedule's
@@ -262,6 +250,10 @@ class Trainer:
         self.console.log(f"learner malloc: {self.learner.call('allocator')} (learner.allocator: {c.learner.allocator})")
         if ckpt is not None:
             self._resume_from(ckpt)
+        elif c.warm_start.demos and self.source is None:
+            self.warm = self.warm_start_phase(path)
+            self.warm_start_summary = self.warm.run()
+            self.version = self.learner.call("policy_version")
 
     def _wait_started(self, timeout_s: float) -> None:
         """Every rollout worker up (its engine loaded). Ray never fails an actor it cannot place,
@@ -424,31 +416,67 @@ class Trainer:
         with self._learner_alive("forming the weight-sync group"):
             form_group(self.learner, self.workers, self.cfg.sync_backend(), self.cfg.sync.timeout_s)
 
-    def evaluate(self) -> dict:
-        """Held-out evaluation on the rollout workers (split evenly), as `eval/*` metrics. In async
-        mode it runs beside the rollouts in flight, with the weights loaded by then (the oldest
-        version it sampled with is `eval/policy_version`)."""
+    def play_held_out(self, split: str = "validation", episodes: int | None = None, env_kwargs: dict | None = None,
+                      loop: dict | None = None, keep: str | None = None) -> tuple[dict, list[Trajectory]]:
+        """Held-out episodes of `split` (rl/evaluate.py: validation seeds for anything tuned or
+        watched, test seeds for what is reported) on the rollout workers, split evenly: (summary,
+        trajectories). `env_kwargs` and `loop` (the agent loop's keywords, e.g. a `context` mode or
+        `max_turns`) replace the run's for this evaluation. A worker that dies is restored and its
+        share played again; a second loss stops the run (WorkerLost): an evaluation is never skipped.
+        In async mode it runs beside the rollouts in flight, with the weights loaded by then. `keep`
+        ("DIR/NAME"): the episodes are also stored, as shard NAME of a store at RUN_DIR/DIR
+        (`longhorizon inspect RUN_DIR/DIR`), for a look at what held-out episodes did."""
         from rl.evaluate import eval_tasks, summarise
 
-        e, t0 = self.cfg.eval, time.perf_counter()
+        e = self.cfg.eval
         env_id, kwargs = (e.env_id, dict(e.env_kwargs)) if e.env_id else (self.cfg.env.id, dict(self.cfg.env.kwargs))
-        tasks = eval_tasks(e.episodes, e.k)
+        kwargs = kwargs if env_kwargs is None else {**kwargs, **env_kwargs}
+        tasks = eval_tasks(episodes or e.episodes, e.k, split)
         temperature = e.temperature or self.cfg.rollout.temperature
-        shares = [tasks[i :: len(self.workers)] for i in range(len(self.workers))]
-        try:
-            parts = ray.get([w.evaluate.remote(env_id, kwargs, s, temperature) for w, s in zip(self.workers, shares) if s])
-        except WORKER_LOST as exc:  # the next rollout restores the worker; this evaluation is skipped
-            self.console.log(f"[yellow]held-out evaluation skipped: a rollout worker died ({type(exc).__name__})[/]")
-            return {}
-        trajs = [t for part in parts for t in part]
-        s = summarise(env_id, trajs, e.k)
+        shares = {i: tasks[i :: len(self.workers)] for i in range(len(self.workers))}
+        trajs: list[Trajectory] = []
+        for attempt in range(2):
+            refs = {i: self.workers[i].evaluate.remote(env_id, kwargs, share, temperature, loop)
+                    for i, share in shares.items() if share}
+            lost = []
+            for i, ref in refs.items():
+                try:
+                    trajs += ray.get(ref)
+                except WORKER_LOST as exc:
+                    lost.append((i, exc))
+            if not lost:
+                if keep:
+                    where, name = keep.rsplit("/", 1)
+                    TrajectoryStore(self.run_dir / where).write(name, trajs)
+                return summarise(env_id, trajs, e.k), trajs
+            names = ", ".join(f"{i} ({type(exc).__name__})" for i, exc in lost)
+            if attempt:
+                raise WorkerLost(f"the held-out evaluation lost rollout worker(s) {names} twice; the run stops "
+                                 "rather than report an evaluation it did not finish")
+            self.console.log(f"[yellow]held-out evaluation: rollout worker(s) {names} died; restoring and playing "
+                             "their share again[/]")
+            for i, _ in lost:
+                self.restore_worker(i, self.version)
+            shares = {i: shares[i] for i, _ in lost}
+        raise AssertionError("unreachable")
+
+    def evaluate(self) -> dict:
+        """Held-out evaluation on validation seeds, as `eval/*` metrics (`play_held_out`)."""
+        t0, k = time.perf_counter(), self.cfg.eval.k
+        s, trajs = self.play_held_out("validation")
         out = {"eval/success": s["success"], "eval/ci95_low": s["ci95"][0], "eval/ci95_high": s["ci95"][1],
                "eval/milestones_mean": s["milestones_mean"], "eval/reward_mean": s["reward_mean"],
                "eval/episodes": s["episodes"], "eval/s": time.perf_counter() - t0,
+               # the oldest version it sampled with (async: the weights loaded by then)
                "eval/policy_version": min((turn.policy_version for t in trajs for turn in t.turns), default=-1)}
-        if e.k > 1:
-            out[f"eval/pass@{e.k}"] = s[f"pass@{e.k}"]
+        if k > 1:
+            out[f"eval/pass@{k}"] = s[f"pass@{k}"]
         return out
+
+    def validate(self, keep: str | None = None) -> dict:
+        """Held-out success on validation seeds (the warm start's rounds), as `summarise` reports it;
+        `keep`: where its episodes are stored (`play_held_out`)."""
+        return self.play_held_out("validation", keep=keep)[0]
 
     def _learner_get(self, refs, during: str):
         with self._learner_alive(during):
@@ -558,8 +586,13 @@ class Trainer:
             bar = progress.add_task("train", total=self.cfg.iterations, completed=self.start_iteration,
                                     status="rolling out")
             if self.cfg.eval.every and self.workers and self.start_iteration == 0:
-                # the starting point (after any warm start), for comparison with the evaluations to come
-                initial = self.evaluate()
+                # the starting point (after any warm start: its best round was evaluated on the same
+                # validation seeds with these weights), for comparison with the evaluations to come
+                v = self.warm_start_summary.get("validation")
+                initial = self.evaluate() if not v else {
+                    "eval/success": v["success"], "eval/ci95_low": v["ci95"][0], "eval/ci95_high": v["ci95"][1],
+                    "eval/milestones_mean": v["milestones_mean"], "eval/reward_mean": v["reward_mean"],
+                    "eval/episodes": v["episodes"], "eval/policy_version": self.version, "eval/from_warm_start": 1}
                 (self.run_dir / "eval-initial.json").write_text(json.dumps(initial))
                 if initial:
                     progress.console.log(f"held-out success before RL: {initial['eval/success']:.3f} "
@@ -584,6 +617,7 @@ class Trainer:
         if self.wandb is not None:  # W&B writes its run file out when the run finishes
             self.wandb.close()
             self.wandb = None
+        self.guard.finish()  # a run whose last iteration could not learn does not end green
         return rows
 
     def close(self) -> None:

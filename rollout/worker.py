@@ -17,6 +17,7 @@ sampling an evaluation sets for its time, so their calls run one at a time.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import os
 import threading
@@ -131,17 +132,22 @@ class RolloutWorker:
             self._loads += 1
             self._loaded.notify_all()
 
-    def evaluate(self, env_id: str, env_kwargs: dict, tasks: list[EpisodeTask], temperature: float) -> list[Trajectory]:
+    def evaluate(self, env_id: str, env_kwargs: dict, tasks: list[EpisodeTask], temperature: float,
+                 loop: dict | None = None) -> list[Trajectory]:
         """Held-out episodes (rl/evaluate.py) with the current weights, in this process's environments;
-        nothing suspended, nothing kept."""
+        nothing suspended, nothing kept. `loop`: agent-loop keywords that replace the run's for these
+        episodes (`context` as a mapping of rollout.context fields that replace the run's)."""
         from rollout.agent_loop import play
 
         c = self.cfg
+        loop = dict(loop or {})
+        if isinstance(loop.get("context"), dict):
+            loop["context"] = dataclasses.replace(c.context, **loop["context"])
         if envs.is_agent_program(envs.env_class(env_id)):
             with self._programs, self.serve().sampling(temperature) as endpoint:  # eval.temperature, not the run's
                 done = run_agent_episodes(endpoint, env_id, env_kwargs, tasks, self.chat, "policy")
         else:
-            done = play(self.engine, self.chat, env_id, env_kwargs, tasks, **c.loop(temperature=temperature),
+            done = play(self.engine, self.chat, env_id, env_kwargs, tasks, **c.loop(temperature=temperature, **loop),
                         run_seed=self.seed)
         ask(self.rubric, done, self.judge, env_kwargs)
         ask_groups(self.rubric, done, self.judge)

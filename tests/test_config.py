@@ -68,9 +68,17 @@ def test_literal_and_range_checks(tmp_path):
     with pytest.raises(ConfigError, match="rollout.engine native serves the policy/ model"):
         load_config(QUICKSTART, ["rollout.engine=native"])
     both = tmp_path / "policy.yaml"
+    # the warm start runs on the learner (rl/warm_start.py): a policy/ model is warm-started like any other
     both.write_text("policy: {flavour: configs/policy/debug.yaml}\nrollout: {engine: native}\nwarm_start: {demos: 4}\n")
-    with pytest.raises(ConfigError, match="policy.yaml: warm_start.demos needs a Hugging Face policy"):
-        load_config(both)
+    assert load_config(both).warm_start.demos == 4
+    with pytest.raises(ConfigError, match="warm_start.demos needs learner.world_size 1"):
+        load_config(QUICKSTART, ["warm_start.demos=4", "learner.world_size=2"])
+    with pytest.raises(ConfigError, match="warm_start.rounds must be >= 1"):
+        load_config(QUICKSTART, ["warm_start.rounds=0"])
+    with pytest.raises(ConfigError, match="warm_start.patience must be >= 0"):
+        load_config(QUICKSTART, ["warm_start.patience=-1"])
+    with pytest.raises(ConfigError, match="eval.test is wrong: cell 0: stages are rl, warm_start, warm_start_more"):
+        load_config(QUICKSTART, ["eval.test=[{stages: [final]}]"])
     both.write_text("policy: {flavour: configs/policy/debug.yaml, path: /tmp/x}\nrollout: {engine: native}\n")
     with pytest.raises(ConfigError, match="policy.flavour and policy.path exclude each other"):
         load_config(both)

@@ -41,6 +41,20 @@ def test_failed_iterations_in_a_row_stop_the_run_quoting_the_first_failure(tmp_p
         guard.check(3, _trajs(8, 8), {})
 
 
+def test_a_run_that_ends_on_a_failed_iteration_does_not_end_green(tmp_path):
+    """However few iterations it had: one iteration whose 8 episodes were all infra errors is below
+    stop_after_failed (2), and still the run's end raises, quoting the failure."""
+    from rl.guards import CannotLearn
+
+    guard = _guard(tmp_path)
+    guard.check(0, _trajs(8, 8), {})
+    with pytest.raises(CannotLearn, match=r"its last 1 iteration\(s\) failed; 8 of 8 episodes of iteration 0 ended in "
+                                          r"infrastructure errors, the first: reset: RuntimeError: sandbox 0 died"):
+        guard.finish()
+    guard.check(1, _trajs(8, 0), {})
+    guard.finish()  # a run whose last iteration learned ends as usual
+
+
 def test_an_iteration_the_learner_skipped_counts_as_failed(tmp_path):
     from rl.guards import CannotLearn
 

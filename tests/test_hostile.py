@@ -234,3 +234,59 @@ def test_a_call_that_does_not_fit_its_tool_is_answered_with_the_tool_s_signature
     assert old.stored_schema == 5 and replay_episode(old).ok
     old.stored_schema = 6
     assert not replay_episode(old).ok
+
+
+@pytest.mark.slow
+def test_a_worker_killed_during_the_initial_evaluation_is_restored_and_the_evaluation_finished(
+        ray_cluster, tiny_policy, tmp_path):
+    """The held-out evaluation before RL is never skipped: the rollout worker killed while it plays
+    its share is restored (Ray restarts it, the driver syncs it) and the share is played again, so
+    eval-initial.json holds every episode; the run then trains as usual."""
+    import json
+    import threading
+    import time
+
+    import ray
+
+    from conftest import started_trainer
+
+    overrides = [f"policy.path={tiny_policy}", "iterations=1", "rollout.num_workers=1", "rollout.cpus_per_worker=0.25",
+                 "rollout.groups_per_iteration=1", "rollout.group_size=2", "eval.every=1", "eval.episodes=8",
+                 "env.kwargs={max_turns: 4, step_latency_s: 0.4}"]  # slow tools: the evaluation lasts seconds
+    with started_trainer("quickstart.yaml", overrides, tmp_path / "run") as trainer:
+        worker = trainer.workers[0]
+        killed = threading.Event()
+
+        def kill_mid_evaluation():
+            time.sleep(2.0)
+            ray.kill(worker, no_restart=False)  # Ray restarts it (ray.max_restarts); its engine starts again
+            killed.set()
+
+        threading.Thread(target=kill_mid_evaluation, daemon=True).start()
+        rows = trainer.run()
+        assert killed.is_set()
+    initial = json.loads((tmp_path / "run" / "eval-initial.json").read_text())
+    assert initial["eval/episodes"] == 8 and trainer.worker_restarts >= 1
+    assert len(rows) == 1 and rows[0]["eval/episodes"] == 8
+
+
+def test_a_run_directory_that_cannot_be_written_is_one_line_before_anything_starts(tmp_path):
+    """As a user who may not write there (root writes anywhere, so the command runs as `nobody`):
+    `train` and `demo` stop with one line and exit 2, nothing started, no traceback."""
+    import os
+    import shutil
+
+    if shutil.which("setpriv") is None:
+        pytest.fail("setpriv (util-linux) is needed to run the command as another user")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    os.chmod(tmp_path, 0o755)
+    os.chmod(locked, 0o755)  # owned by root: nobody may not write in it
+    for argv in (["train", "configs/quickstart.yaml", "--run-dir", str(locked / "run")],
+                 ["demo", "--out", str(locked / "demo"), "--config", "configs/demo/digits.yaml"]):
+        out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-m",
+                              "longhorizon.cli", *argv], capture_output=True, text=True, timeout=300, cwd=REPO,
+                             env={**os.environ, "HOME": str(tmp_path)})
+        assert out.returncode == 2 and "cannot be written (Permission denied)" in out.stderr, out.stderr[-2000:]
+        assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+    assert list(locked.iterdir()) == []
