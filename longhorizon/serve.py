@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 from longhorizon.errors import message
@@ -63,9 +64,13 @@ def serve(args) -> int:
     key = args.api_key or os.environ.get("LONGHORIZON_API_KEY", "")
     try:
         policy, rollout, _ = policy_of(args.target)
+        if key and not key.strip():
+            raise ValueError("the API key is blank (only whitespace): give a real token, or none on loopback")
         if args.host not in LOOPBACK and not key:
             raise ValueError(f"--host {args.host} is not loopback: give --api-key (or LONGHORIZON_API_KEY), the bearer "
                              "token every request must then carry")
+        if args.max_request_tokens < 1 or not args.request_timeout > 0:
+            raise ValueError("--max-request-tokens must be >= 1 and --request-timeout > 0")
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port must be from 0 to 65535, got {args.port}")
     except (ConfigError, FileNotFoundError, ValueError) as exc:
@@ -74,15 +79,19 @@ def serve(args) -> int:
     from transformers import AutoTokenizer
 
     from rollout.engines import make_engine
+    from rollout.engines.shared import SharedEngine
     from rollout.openai_api import OpenAIServer
 
-    engine = make_engine(rollout.engine, str(policy), seed=args.seed, max_model_len=rollout.max_model_len,
-                         kv_cache_gib=rollout.kv_cache_gib, enforce_eager=rollout.enforce_eager,
-                         max_batch=rollout.max_batch, dtype=rollout.engine_dtype())
+    # made on, and driven by, a thread of its own (rollout/engines/shared.py): requests join its running
+    # batch, and a client that leaves has its prompts aborted
+    engine = SharedEngine(lambda: make_engine(rollout.engine, str(policy), seed=args.seed,
+                                              max_model_len=rollout.max_model_len, kv_cache_gib=rollout.kv_cache_gib,
+                                              enforce_eager=rollout.enforce_eager, max_batch=rollout.max_batch,
+                                              dtype=rollout.engine_dtype()))
     name = args.model or policy.name
-    # the engine is driven from this thread, the one that made it (rollout/openai_api.py Batcher)
     server = OpenAIServer(engine, AutoTokenizer.from_pretrained(str(policy)), name, max_model_len=rollout.max_model_len,
-                          default_max_tokens=rollout.max_new_tokens, api_key=key, own_thread=False)
+                          default_max_tokens=rollout.max_new_tokens, api_key=key, own_thread=False,
+                          max_request_tokens=args.max_request_tokens, request_timeout_s=args.request_timeout)
     try:
         url = server.start(args.host, args.port)
     except (OSError, RuntimeError) as exc:
@@ -91,11 +100,13 @@ def serve(args) -> int:
     print(f"serving {policy} as {name!r} at {url}/v1 (one session per agent: {url}/sessions/ID/v1); Ctrl-C stops",
           file=sys.stderr, flush=True)
     try:
-        server.batcher.drive(lambda: False)
+        while True:
+            time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:
         server.stop()
+        engine.close()
     return 0
 
 
@@ -107,4 +118,8 @@ def add_parser(sub) -> None:
     p.add_argument("--api-key", default="", help="bearer token every request must carry (default: LONGHORIZON_API_KEY)")
     p.add_argument("--model", default="", help="the model name the API reports (default: the checkpoint's folder name)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-request-tokens", type=int, default=1 << 15,
+                   help="the most tokens one request may ask for (n × max_tokens); more is a 400")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may generate before it is cancelled (a 504)")
     p.set_defaults(fn=serve)

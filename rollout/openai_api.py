@@ -31,16 +31,26 @@ answered is prompted with the ids the session actually had — the earlier call'
 ids — followed by the tokens of what was added, never a re-tokenisation of the whole rendering. A
 history the agent rewrote is rendered whole, and its prompt visibly does not extend the sampled ids.
 
-One thread owns the engine (`Batcher`): calls that arrive together from concurrent sessions are
-generated in one engine call. A malformed request gets a 400 with an OpenAI error body; no request
-takes the server down. Bound to an address other than loopback, the server requires `api_key`
-(a bearer token) and refuses to start without one.
+Engines: a `SharedEngine` (rollout/engines/shared.py: what rollout workers and `longhorizon serve`
+run) batches continuously, and each request's prompts join its running batch; any other engine is
+owned by one thread (`Batcher`), and calls that arrive together from concurrent sessions are
+generated in one engine call.
+
+Hostile or broken clients: a request body over `max_body_bytes` is refused (413) before it is read
+whole; a body that is not JSON, JSON with NaN or Infinity, nesting deeper than Python parses, wrong
+types or out-of-range values get a 400 with an OpenAI error body (never a 500, never a traceback in
+the log); a `model` other than the one served is a 404; `n × max_tokens` may not exceed
+`max_request_tokens`; a client that disconnects, or a request that runs past `request_timeout_s`
+(504), has its generation cancelled (its prompts leave a shared engine's batch at the next step;
+with a `Batcher` only a call not started yet is). No request takes the server down. Bound to an
+address other than loopback, the server requires `api_key` (a bearer token, not blank) and refuses
+to start without one.
 
 Agent programs get these sessions from the rollout worker (envs/agent_program.py), and a session's
 calls become the episode's trajectory in rollout/agent_program.py.
 
-Not covered: token-by-token streaming (see above); continuous batching (a batch of calls is one
-engine call, so a call that arrives while one runs waits for it to finish).
+Not covered: token-by-token streaming (see above); continuous batching for engines that cannot be
+stepped (there a batch of calls is one engine call, and a call that arrives while one runs waits).
 """
 
 from __future__ import annotations
@@ -50,6 +60,7 @@ import concurrent.futures
 import contextlib
 import inspect
 import json
+import math
 import queue
 import secrets
 import threading
@@ -158,7 +169,8 @@ class Batcher:
             items.append(item)
         groups: dict = {}
         for item in items:
-            groups.setdefault(item[0], []).append(item)
+            if item[4].set_running_or_notify_cancel():  # a call cancelled while it waited never starts
+                groups.setdefault(item[0], []).append(item)
         for (temperature, top_p, stop_ids, stop), group in groups.items():
             self.batch_sizes.append(len(group))
             try:
@@ -192,8 +204,15 @@ def _text(content, where: str) -> str:
 
 def render_messages(messages: list) -> list[dict]:
     """The request's messages as the chat template reads them (text content; tool calls kept)."""
+    if not isinstance(messages, list):
+        raise RequestError("messages must be a list of {role, content} objects", "messages")
     out = []
     for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            try:
+                m = dict(m)
+            except (TypeError, ValueError):
+                raise RequestError(f"messages[{i}] must be a {{role, content}} object", "messages") from None
         m = dict(m)
         role = m.get("role")
         if role not in ("system", "developer", "user", "assistant", "tool"):
@@ -224,8 +243,14 @@ class OpenAIServer:
     """The API over `engine` (see the module doc); `start()` serves it from a background thread."""
 
     def __init__(self, engine, tokenizer, model: str, *, max_model_len: int, default_max_tokens: int = 512,
-                 api_key: str = "", training: dict | None = None, own_thread: bool = True):
+                 api_key: str = "", training: dict | None = None, own_thread: bool = True,
+                 max_body_bytes: int = 4 << 20, max_request_tokens: int = 1 << 15, request_timeout_s: float = 600.0):
+        if api_key and not api_key.strip():
+            raise ValueError("api_key is blank (only whitespace): give a real token, or none on loopback")
         self.engine, self.model, self.max_model_len = engine, model, max_model_len
+        # limits per request (see the module doc)
+        self.max_body_bytes, self.max_request_tokens = max_body_bytes, max_request_tokens
+        self.request_timeout_s = request_timeout_s
         # in a training run: {temperature, top_p, max_tokens} the learner assumes; a request's own values
         # are replaced (the learner's log-probs use the run's temperature), and counted
         self.training, self.overridden = training, 0
@@ -276,8 +301,8 @@ class OpenAIServer:
             raise RequestError("n must be from 1 to 64", "n")
         temperature = 1.0 if req.temperature is None else float(req.temperature)
         top_p = 1.0 if req.top_p is None else float(req.top_p)
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise RequestError("temperature must be >= 0 and top_p in (0, 1]", "temperature")
+        if not (math.isfinite(temperature) and temperature >= 0) or not (math.isfinite(top_p) and 0 < top_p <= 1):
+            raise RequestError("temperature must be a finite number >= 0 and top_p in (0, 1]", "temperature")
         if self.training is not None:
             t = self.training
             if (req.temperature not in (None, t["temperature"])) or (req.top_p not in (None, t["top_p"])):
@@ -290,16 +315,26 @@ class OpenAIServer:
         return dict(max_tokens=max_tokens, n=n, temperature=temperature, top_p=top_p, stop=stop,
                     stop_token_ids=list(req.stop_token_ids or []) + [self.chat.eot_id])
 
-    async def complete(self, session: str, body: dict) -> dict:
+    async def complete(self, session: str, body: dict, gone=None) -> dict:
+        """The answer to one chat request. `gone`: an async callable telling whether the client has
+        left (its generation is then cancelled, as past `request_timeout_s`)."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        if body.get("model") not in (None, self.model):
+            raise RequestError(f"model {str(body['model'])[:80]!r} is not served here; this server serves "
+                               f"{self.model!r}", "model", status=404)
         from pydantic import ValidationError
 
+        if not isinstance(body.get("messages"), list):  # vLLM's own validators iterate it before pydantic checks it
+            raise RequestError("messages must be a list of {role, content} objects", "messages")
         try:
             req = ChatCompletionRequest(**body)
         except ValidationError as exc:
             first = exc.errors()[0]
             raise RequestError(f"{'.'.join(map(str, first['loc']))}: {first['msg']}",
                                str(first["loc"][0]) if first["loc"] else None) from None
+        except (TypeError, ValueError, AttributeError) as exc:  # a validator of vLLM's that met a wrong type
+            raise RequestError(f"the request does not fit the chat completion schema: {' '.join(str(exc).split())[:200]}"
+                               ) from None
         s = self._sampling(req)
         messages = render_messages(req.messages)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
@@ -312,11 +347,13 @@ class OpenAIServer:
             raise RequestError(f"the prompt is {len(prompt)} tokens; the model's context is {self.max_model_len}",
                                "messages")
         max_tokens = min(s["max_tokens"], room)
+        if s["n"] * max_tokens > self.max_request_tokens:
+            raise RequestError(f"n × max_tokens = {s['n']} × {max_tokens} = {s['n'] * max_tokens} tokens is more than "
+                               f"this server generates for one request ({self.max_request_tokens}); ask for fewer",
+                               "max_tokens")
         seed0 = req.seed if req.seed is not None else secrets.randbelow(1 << 31)
         seeds = [(seed0 + i) & 0x7FFFFFFF for i in range(s["n"])]
-        futures = [self.batcher.submit(prompt, max_tokens=max_tokens, temperature=s["temperature"], top_p=s["top_p"],
-                                       seed=seed, stop_token_ids=s["stop_token_ids"], stop=s["stop"]) for seed in seeds]
-        results = [await asyncio.wrap_future(f) for f in futures]
+        results = await self._generate(prompt, seeds, max_tokens, s, gone)
         choices, completion_tokens = [], 0
         for i, (gen, version) in enumerate(results):
             finish = "length" if gen.finish_reason == "length" else "stop"
@@ -333,6 +370,46 @@ class OpenAIServer:
         usage = UsageInfo(prompt_tokens=len(prompt), completion_tokens=completion_tokens,
                           total_tokens=len(prompt) + completion_tokens)
         return ChatCompletionResponse(model=self.model, choices=choices, usage=usage).model_dump(exclude_none=True)
+
+    async def _generate(self, prompt: list[int], seeds: list[int], max_tokens: int, s: dict, gone) -> list:
+        """[(Generation, policy version)] per seed. A shared engine gets the n prompts as one request
+        that joins its running batch; any other engine, one Batcher call per prompt. Cancelled when
+        `gone()` says the client left (a 499) or past `request_timeout_s` (a 504)."""
+        from rollout.engines.shared import Cancelled
+
+        sampling = dict(temperature=s["temperature"], top_p=s["top_p"], stop_token_ids=s["stop_token_ids"])
+        cancel = threading.Event()
+        if getattr(self.engine, "continuous_batching", None) is not None:  # a SharedEngine: its own thread
+            def run():
+                gens = self.engine.generate([prompt] * len(seeds), max_tokens=max_tokens, seeds=seeds, cancel=cancel,
+                                            **sampling, **({"stop": s["stop"]} if s["stop"] else {}))
+                return [(g, g.version if g.version is not None else self.engine.version) for g in gens]
+
+            waiting, shared = [asyncio.ensure_future(asyncio.to_thread(run))], True
+        else:
+            futures = [self.batcher.submit(prompt, max_tokens=max_tokens, seed=seed, stop=s["stop"], **sampling)
+                       for seed in seeds]
+            waiting, shared = [asyncio.wrap_future(f) for f in futures], False
+        deadline = time.monotonic() + self.request_timeout_s
+        why = None
+        while not all(w.done() for w in waiting):
+            await asyncio.wait(waiting, timeout=0.25, return_when=asyncio.ALL_COMPLETED)
+            if all(w.done() for w in waiting):
+                break
+            if time.monotonic() > deadline:
+                why = (f"the request ran past this server's limit of {self.request_timeout_s:g} s and was cancelled", 504)
+            elif gone is not None and await gone():
+                why = ("the client disconnected; its generation was cancelled", 499)
+            if why:
+                cancel.set()
+                for w in waiting:
+                    w.cancel()  # a Batcher call not started yet never starts (its future is cancelled)
+                raise RequestError(why[0], None, status=why[1])
+        try:
+            out = [w.result() for w in waiting]
+        except Cancelled as exc:
+            raise RequestError(str(exc), None, status=499) from None
+        return out[0] if shared else out
 
     def _choice(self, index: int, gen: Generation, finish: str, stop: list[str], logprobs: bool):
         from vllm.entrypoints.openai.chat_completion.protocol import (
@@ -379,14 +456,19 @@ class OpenAIServer:
                              ).model_dump(exclude_none=True)
 
         async def chat(request: Request, session: str = ""):
+            raw = await self._body(request)
+            if isinstance(raw, RequestError):
+                return error(str(raw), raw.status, raw.param)
             try:
-                body = json.loads(await request.body())
+                body = json.loads(raw, parse_constant=_no_constant)
+            except RecursionError:
+                return error("the request body nests too deeply")
             except ValueError as exc:
-                return error(f"the request body is not JSON: {exc}")
+                return error(f"the request body is not JSON: {' '.join(str(exc).split())[:200]}")
             if not isinstance(body, dict):
                 return error("the request body must be a JSON object")
             try:
-                answer = await self.complete(session, body)
+                answer = await self.complete(session, body, request.is_disconnected)
                 if body.get("stream"):
                     from fastapi.responses import StreamingResponse
 
@@ -395,14 +477,33 @@ class OpenAIServer:
                 return answer
             except RequestError as exc:
                 return error(str(exc), exc.status, exc.param)
+            except (TypeError, ValueError, RecursionError) as exc:  # a request no check above foresaw: the client's
+                return error(f"the request cannot be answered: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}")
             except Exception as exc:  # noqa: BLE001  (the engine's failure: a 500 with its reason, the server lives)
-                return error(f"{type(exc).__name__}: {exc}", 500, kind="server_error")
+                return error(f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}", 500, kind="server_error")
 
         app.get("/v1/models")(models)
         app.get("/sessions/{session}/v1/models")(models)
         app.post("/v1/chat/completions")(chat)
         app.post("/sessions/{session}/v1/chat/completions")(chat)
         return app
+
+    async def _body(self, request) -> bytes | RequestError:
+        """The request body, read no further than `max_body_bytes` (a 413 error beyond)."""
+        limit = self.max_body_bytes
+        too_big = RequestError(f"the request body is larger than this server takes ({limit:,} bytes)", None, status=413)
+        try:
+            if int(request.headers.get("content-length") or 0) > limit:
+                return too_big
+        except ValueError:
+            return RequestError("the Content-Length header is not a number")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                return too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Serve from a background thread; returns the base URL (`http://HOST:PORT`)."""
@@ -432,6 +533,10 @@ class OpenAIServer:
             self._thread.join(timeout=10)
             self._server = None
         self.batcher.close()
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def stream_chunks(answer: dict, include_usage: bool = False) -> list[str]:

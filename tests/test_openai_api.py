@@ -308,3 +308,139 @@ def test_longhorizon_serve_answers_the_openai_client(tiny_policy):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0
     assert proc.stdout.read() == ""  # the command's stdout carries nothing but results
+
+
+def test_hostile_requests_are_4xx_with_error_bodies_and_the_server_lives(tokenizer, capfd):
+    """Before any generation: a body over the size limit (413, without reading it whole), NaN and
+    Infinity, JSON nested 200,000 deep, wrong types, a model not served (404), n × max_tokens over
+    the budget; each an OpenAI error body, nothing in the log, and the next request is answered."""
+    import time
+
+    server = OpenAIServer(None, tokenizer, "tiny", max_model_len=256, max_body_bytes=1 << 20, max_request_tokens=1000)
+    url = server.start()
+    post = lambda body, **kw: httpx.post(f"{url}/v1/chat/completions", content=body,  # noqa: E731
+                                         headers={"content-type": "application/json"}, timeout=30, **kw)
+    ok = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    try:
+        t0 = time.monotonic()
+        big = post(json.dumps({**ok, "messages": [{"role": "user", "content": "x" * (5 << 20)}]}).encode())
+        assert big.status_code == 413 and "larger than this server takes" in big.json()["error"]["message"]
+        assert time.monotonic() - t0 < 5
+        cases = [(b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "NaN"),
+                 (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_p": Infinity}', 400,
+                  "Infinity"),
+                 (json.dumps({**ok, "temperature": 1e400}).replace("Infinity", "1e400").encode(), 400, "finite"),
+                 (b"[" * 200_000 + b"]" * 200_000, 400, "nests too deeply"),
+                 (json.dumps({**ok, "messages": 5}).encode(), 400, "messages"),
+                 (json.dumps({**ok, "n": "many"}).encode(), 400, "n"),
+                 (json.dumps({**ok, "model": "gpt-5"}).encode(), 404, "'gpt-5' is not served here"),
+                 (json.dumps({**ok, "n": 64, "max_tokens": 1_000_000_000}).encode(), 400, "n × max_tokens")]
+        for body, status, words in cases:
+            r = post(body)
+            err = r.json()["error"]
+            assert r.status_code == status and words in err["message"] and err["code"] == status, (body[:80], r.text[:300])
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny"  # still answering
+    finally:
+        server.stop()
+    logged = capfd.readouterr()
+    assert "Traceback" not in logged.err + logged.out
+    with pytest.raises(ValueError, match="api_key is blank"):
+        OpenAIServer(None, tokenizer, "tiny", max_model_len=256, api_key="   ")
+
+
+@pytest.mark.slow
+def test_a_client_that_leaves_or_overstays_has_its_generation_cancelled(shared, tokenizer):
+    """Over the real engine (continuous batching): a client that disconnects mid-generation has its
+    prompts aborted (the engine goes idle at once, where the request asked for 4,000 tokens), a
+    request past the deadline gets a 504, and a small request beside a long one is answered as
+    soon as its own tokens are."""
+    import time
+
+    server = OpenAIServer(shared, tokenizer, "tiny", max_model_len=4096, max_request_tokens=1 << 16,
+                          request_timeout_s=2.0)
+    url = server.start()
+    # 8 prompts of up to 4,000 tokens: a random model ends one with its end-of-turn token about every
+    # 1,000 tokens, so some are still running when the client leaves
+    long_body = {"model": "tiny", "messages": [{"role": "user", "content": "Write."}], "max_tokens": 4000,
+                 "n": 8, "temperature": 1.0}
+    try:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up after 1 s and closes the connection
+            httpx.post(f"{url}/v1/chat/completions", json=long_body, timeout=1.0)
+        time.sleep(1.0)
+        assert shared.aborted >= 1  # the prompts still running were taken out of the batch
+        before = shared.busy_s
+        time.sleep(1.0)
+        assert shared.busy_s - before < 0.2  # nothing generates any more
+        t0 = time.monotonic()
+        r = httpx.post(f"{url}/v1/chat/completions", json=long_body, timeout=30)
+        assert r.status_code == 504 and "ran past this server's limit of 2 s" in r.json()["error"]["message"]
+        assert time.monotonic() - t0 < 5
+        server.request_timeout_s = 120.0
+        done = {}
+        slow = threading.Thread(target=lambda: done.setdefault(
+            "long", httpx.post(f"{url}/v1/chat/completions", json={**long_body, "max_tokens": 1500}, timeout=120)))
+        slow.start()
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        small = httpx.post(f"{url}/v1/chat/completions", json={"model": "tiny", "max_tokens": 4,
+                                                                  "messages": [{"role": "user", "content": "Hi"}]},
+                           timeout=60)
+        took = time.monotonic() - t0
+        slow.join()
+        assert small.status_code == 200 and done["long"].status_code == 200
+        assert took < 0.5 * done["long"].elapsed.total_seconds()  # it joined the batch, it did not wait
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_longhorizon_serve_under_abuse_keeps_answering_and_gives_its_memory_back(tiny_policy):
+    """`longhorizon serve` in a subprocess: a blank key is refused with one line; five 5 MB bodies
+    are refused (413) without the server keeping their memory; sixteen small requests sent beside a
+    long one are all answered, each within a bound, while it runs."""
+    import concurrent.futures
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO
+
+    blank = subprocess.run([sys.executable, "-m", "longhorizon.cli", "serve", tiny_policy, "--api-key", "   "],
+                           capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert blank.returncode == 2 and blank.stderr.strip() == (
+        "error: the API key is blank (only whitespace): give a real token, or none on loopback")
+    proc = subprocess.Popen([sys.executable, "-m", "longhorizon.cli", "serve", tiny_policy, "--port", "0", "--model", "tiny"],
+                            stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+
+    def rss_mib() -> float:
+        return int(re.search(r"VmRSS:\s+(\d+)", open(f"/proc/{proc.pid}/status").read()).group(1)) / 1024
+
+    try:
+        for line in proc.stderr:
+            found = re.search(r"at (http://127\.0\.0\.1:\d+)/v1 ", line)
+            if found:
+                break
+        else:
+            raise AssertionError(f"serve exited with {proc.wait()} before serving")
+        url = f"{found.group(1)}/v1/chat/completions"
+        small = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        assert httpx.post(url, json=small, timeout=60).status_code == 200
+        before = rss_mib()
+        for _ in range(5):
+            t0 = time.monotonic()
+            r = httpx.post(url, content=b'{"model": "tiny", "messages": [{"role": "user", "content": "' + b"x" * (5 << 20)
+                           + b'"}]}', headers={"content-type": "application/json"}, timeout=60)
+            assert r.status_code == 413 and time.monotonic() - t0 < 5
+        assert rss_mib() < before + 100  # the refused bodies were not kept
+        with concurrent.futures.ThreadPoolExecutor(17) as pool:
+            long = pool.submit(httpx.post, url, json={**small, "n": 8, "max_tokens": 2000}, timeout=300)
+            time.sleep(1.0)
+            quick = [pool.submit(httpx.post, url, json=small, timeout=300) for _ in range(16)]
+            answers = [f.result() for f in quick]
+            assert all(a.status_code == 200 for a in answers) and long.result().status_code == 200
+        assert max(a.elapsed.total_seconds() for a in answers) < 30
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0

@@ -23,6 +23,12 @@ what broke), so the engine is made, and every call into it runs, on one thread: 
 - Each `Generation` carries the policy version it was sampled with (`Generation.version`): a
   load queued by another caller may land between two of a caller's requests.
 
+A request can be cancelled (`generate(..., cancel=event)`): once the event is set, its prompts
+leave the batch at the next step (their engine requests aborted, the rest of the batch goes on) and
+the call raises `Cancelled`; one not started yet never starts. The OpenAI-compatible endpoint cancels
+the requests of a client that went away or ran past its deadline (rollout/openai_api.py). Merged
+calls (engines that cannot be stepped) can be cancelled only before they start.
+
 Not covered: preempting running requests (a load waits for those in flight to end).
 """
 
@@ -38,6 +44,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 
+class Cancelled(RuntimeError):
+    """A generate request whose `cancel` event was set before it ended."""
+
+
 @dataclass
 class _Generate:
     key: tuple
@@ -46,6 +56,10 @@ class _Generate:
     seeds: list | None
     done: Future = field(default_factory=Future)
     results: list = field(default_factory=list)  # continuous batching: per prompt, None until it ends
+    cancel: threading.Event | None = None
+
+    def cancelled(self) -> bool:
+        return self.cancel is not None and self.cancel.is_set()
 
     def sampling(self) -> dict:
         """The engine's sampling options of the request (all but the per-prompt ones)."""
@@ -70,6 +84,7 @@ class SharedEngine:
         self._closed = False
         self.batch_sizes: list[int] = []  # prompts per engine generate call, or that joined the batch together
         self.requests_merged = 0  # generate requests that shared the engine's batch with another
+        self.aborted = 0  # prompts taken out of the running batch by a cancelled request
         self._busy_s = 0.0  # seconds spent in finished engine calls
         self._call_started: float | None = None  # when the call in progress began
         self._timing = threading.Lock()  # the two above change together
@@ -99,14 +114,15 @@ class SharedEngine:
         return self._engine.version
 
     def _generate_request(self, prompts, *, max_tokens, temperature: float = 1.0, top_p: float = 1.0,
-                          stop_token_ids=None, seeds=None, **sampling):
+                          stop_token_ids=None, seeds=None, cancel: threading.Event | None = None, **sampling):
         if not prompts:
             return []
         max_tokens = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
         options = tuple(sorted((k, _hashable(v)) for k, v in sampling.items()))
         # seeded and unseeded requests never share a call: the engine takes seeds for all or none
         key = (temperature, top_p, tuple(stop_token_ids or ()), options, seeds is not None)
-        return self._submit(_Generate(key, list(prompts), max_tokens, None if seeds is None else list(seeds)))
+        return self._submit(_Generate(key, list(prompts), max_tokens, None if seeds is None else list(seeds),
+                                      cancel=cancel))
 
     def load_weights(self, named_tensors, version: int) -> dict:
         return self.call(lambda engine: engine.load_weights(named_tensors, version))
@@ -202,6 +218,9 @@ class SharedEngine:
 
     def _step(self, engine, joining: list[_Generate], running: dict, ids) -> None:
         for r in joining:
+            if r.cancelled():  # cancelled while it waited: never started
+                r.done.set_exception(Cancelled("the request was cancelled before it started"))
+                continue
             r.results, added = [None] * len(r.prompts), []
             try:
                 for i, prompt in enumerate(r.prompts):
@@ -231,8 +250,21 @@ class SharedEngine:
             r.results[i] = gen
             if all(g is not None for g in r.results):
                 r.done.set_result(r.results)
+        gone = [rid for rid, (r, _) in running.items() if r.cancelled()]
+        if gone:  # their prompts leave the batch; the others go on
+            _quietly(lambda: engine.abort(gone))
+            self.aborted += len(gone)
+            for rid in gone:
+                r, _ = running.pop(rid)
+                if not r.done.done():
+                    r.done.set_exception(Cancelled("the request was cancelled"))
 
     def _generate(self, engine, batch: list[_Generate]) -> None:
+        for r in [r for r in batch if r.cancelled()]:  # cancelled while it waited: never started
+            r.done.set_exception(Cancelled("the request was cancelled before it started"))
+            batch.remove(r)
+        if not batch:
+            return
         prompts = [p for r in batch for p in r.prompts]
         self.batch_sizes.append(len(prompts))
         self.requests_merged += len(batch) if len(batch) > 1 else 0
