@@ -290,3 +290,19 @@ def test_a_run_directory_that_cannot_be_written_is_one_line_before_anything_star
         assert out.returncode == 2 and "cannot be written (Permission denied)" in out.stderr, out.stderr[-2000:]
         assert len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
     assert list(locked.iterdir()) == []
+
+
+def test_a_file_size_kill_is_named_even_when_the_shell_line_ends_well():
+    """`longhorizon sandbox run`: a writer killed at the file-size limit inside a shell line whose last
+    command succeeds (exit 0) is reported as the file_size limit, not as nothing; a later call that
+    writes a small file beside the big one is not."""
+    import json as _json
+
+    out = cli("sandbox", "run", "--", "sh", "-c", "head -c 40000000 /dev/zero > big 2>/dev/null; echo written")
+    result = _json.loads(out.stdout)
+    assert out.returncode == 0 and result["exit_code"] == 0 and result["resource"] == "file_size", result
+    from envs.sandbox import Limits, open_sandbox
+
+    with open_sandbox("bwrap", limits=Limits(file_mb=1)) as sb:
+        assert sb.run("head -c 5000000 /dev/zero > big 2>/dev/null; true").resource == "file_size"
+        assert sb.run("echo small > small").resource is None

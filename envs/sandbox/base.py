@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import itertools
 import os
+import stat
 import shutil
 import signal
 import sys
 import tempfile
+import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -104,6 +106,7 @@ _SIGNAL_RESOURCE = {signal.SIGXCPU: "cpu_time", signal.SIGXFSZ: "file_size"}
 # What programs print when a memory or process limit refuses them (there is no signal for those).
 _MEMORY_WORDS = ("MemoryError", "Cannot allocate memory", "bad_alloc", "out of memory")
 _PROCESS_WORDS = ("Resource temporarily unavailable", "BlockingIOError", "can't fork", "Cannot fork")
+_FILE_SIZE_WORDS = ("File size limit exceeded",)  # what a shell says of a child killed by SIGXFSZ
 
 
 def classify(result: SandboxResult, *, oom: bool = False) -> None:
@@ -120,12 +123,28 @@ def classify(result: SandboxResult, *, oom: bool = False) -> None:
     found = None
     if code != 0 and any(w in err for w in _MEMORY_WORDS):
         found = "memory"
+    elif any(w in err for w in _FILE_SIZE_WORDS):  # a child killed by SIGXFSZ, its shell line exiting 0
+        found = "file_size"
     elif any(w in err for w in _PROCESS_WORDS):  # a fork bomb's children fail even when its parent exits 0
         found = "processes"
     if found and result.resource is None:
         result.resource = found
     elif found and found != result.resource:  # e.g. a fork bomb that also ran into the wall clock
         result.events.append(f"{found} limit reached too")
+
+
+def largest_file(path: Path, since: float = 0.0) -> int:
+    """Bytes of the largest regular file under `path` (not following links) modified at `since` or later."""
+    largest = 0
+    for root, _dirs, files in os.walk(path, onerror=lambda e: None):
+        for name in files:
+            try:
+                st = os.lstat(os.path.join(root, name))
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode) and st.st_mtime >= since:
+                largest = max(largest, st.st_size)
+    return largest
 
 
 def workspace_bytes(path: Path) -> int:
@@ -213,11 +232,18 @@ class SandboxBase:
     def path(self) -> Path:
         return self.workspace.path
 
-    def _check_disk(self, result: SandboxResult, limits: Limits) -> SandboxResult:
+    def _check_disk(self, result: SandboxResult, limits: Limits, started: float = 0.0) -> SandboxResult:
+        """The workspace after a call that began at `started` (time.time()): over the disk limit, or
+        holding a file this call wrote up to the file size limit."""
         used = workspace_bytes(self.path)
         if used > limits.disk_mb << 20:
             result.resource = result.resource or "disk"
             result.events.append(f"workspace holds {used >> 20} MiB, over the {limits.disk_mb} MiB limit")
+        # RLIMIT_FSIZE stops a write at the limit and kills the writer (SIGXFSZ), but a shell line
+        # whose last command succeeded still exits 0: a file at the limit says it was hit
+        if result.resource is None and largest_file(self.path, started) >= limits.file_mb << 20:
+            result.resource = "file_size"
+            result.events.append(f"a file reached the {limits.file_mb} MiB file size limit")
         return result
 
     def close(self) -> None:

@@ -142,8 +142,9 @@ class BwrapSandbox(SandboxBase):
         if isinstance(argv, str):
             argv = ["/bin/sh", "-c", argv]
         self.workspace.chown()
+        started = time.time()
         if self.per_episode:
-            return self._run_in_session(argv, stdin, limits)
+            return self._run_in_session(argv, stdin, limits, started)
         nproc = limits.processes if self.as_root else _user_process_count(os.getuid()) + limits.processes
         r_fd, w_fd = os.pipe()
         try:
@@ -163,9 +164,9 @@ class BwrapSandbox(SandboxBase):
         if "exit-code" in status and not result.timed_out and result.resource != "output":
             result.exit_code = int(status["exit-code"])
         classify(result)
-        return self._check_disk(result, limits)
+        return self._check_disk(result, limits, started)
 
-    def _run_in_session(self, argv: list[str], stdin: str | None, limits: Limits) -> SandboxResult:
+    def _run_in_session(self, argv: list[str], stdin: str | None, limits: Limits, started: float) -> SandboxResult:
         if self._session is None or not self._session.alive():
             self._session = _Session(self.command([sys.executable, "-I", "-c", HELPER, str(self.uid)], None,
                                                   drop_user=False))
@@ -178,7 +179,7 @@ class BwrapSandbox(SandboxBase):
             raise
         result = SandboxResult(**reply, backend=self.backend)
         classify(result)
-        return self._check_disk(result, limits)
+        return self._check_disk(result, limits, started)
 
     def close(self) -> None:
         if self._session is not None:

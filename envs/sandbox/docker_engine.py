@@ -141,7 +141,7 @@ class DockerSandbox(SandboxBase):
         # keeps it from starting): the guest's processes are then limited by RLIMIT_NPROC alone.
         pids_limit = limits.processes if self.runtime != "runsc" else limits.processes + 512
         self.workspace.chown()
-        t0 = time.monotonic()
+        t0, started = time.monotonic(), time.time()
         container = None
         timed_out = False
         try:
@@ -193,7 +193,7 @@ class DockerSandbox(SandboxBase):
             result.resource = "output"
             result.events.append(f"output flood: {max(sizes)} bytes written, stopped by the file-size limit")
         classify(result, oom=oom)
-        return self._check_disk(result, limits)
+        return self._check_disk(result, limits, started)
 
     def close(self) -> None:
         super().close()

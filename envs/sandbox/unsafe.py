@@ -14,6 +14,7 @@ root is exempt from it).
 from __future__ import annotations
 
 import os
+import time
 
 from envs.sandbox.base import Limits, SandboxBase, SandboxResult, Workspace, classify
 from envs.sandbox._process import rlimit_setter, run_process
@@ -31,7 +32,8 @@ class UnsafeSandbox(SandboxBase):
         limits = limits or self.limits
         if isinstance(argv, str):
             argv = ["/bin/sh", "-c", argv]
+        started = time.time()
         result = run_process(argv, limits=limits, backend=self.backend, cwd=str(self.path), env=self.env,
                                 stdin=stdin, preexec=rlimit_setter(limits, processes=0))
         classify(result)
-        return self._check_disk(result, limits)
+        return self._check_disk(result, limits, started)
