@@ -2,7 +2,8 @@
 
 Ray rewrites 127.0.0.1 to the machine's own address and listens on every interface unless told
 otherwise. A local Ray here binds to loopback only: `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` plus an
-explicit node address of 127.0.0.1 (see the machine notes). A real cluster is joined with
+explicit node address of 127.0.0.1 (see the machine notes), and it goes with the driver that
+started it, even one killed with SIGKILL (rl/ray_reaper.py). A real cluster is joined with
 `ray.address`; its security (token auth, firewalling) is the cluster operator's.
 """
 
@@ -38,6 +39,10 @@ def init_ray(cfg: RayConfig) -> bool:
             log_to_driver=cfg.log_to_driver,
             resources=dict(cfg.local_resources) or None,
         )
+        from rl.ray_reaper import watch
+
+        node = ray._private.worker._global_node  # the processes this ray.init started
+        watch([p.process.pid for procs in node.all_processes.values() for p in procs if p.process is not None])
     return True
 
 

@@ -306,3 +306,44 @@ def test_a_file_size_kill_is_named_even_when_the_shell_line_ends_well():
     with open_sandbox("bwrap", limits=Limits(file_mb=1)) as sb:
         assert sb.run("head -c 5000000 /dev/zero > big 2>/dev/null; true").resource == "file_size"
         assert sb.run("echo small > small").resource is None
+
+
+@pytest.mark.slow
+def test_a_driver_killed_with_sigkill_leaves_no_ray_process_behind(tmp_path):
+    """A driver that started a local Ray (and an actor, so the raylet has a worker) is killed with
+    SIGKILL: within 30 s none of the Ray processes it started, nor any below them, still runs."""
+    import json as _json
+    import os
+    import signal
+    import time
+
+    from rl.ray_reaper import _is_ray, _tree
+
+    script = tmp_path / "driver.py"
+    script.write_text(
+        "import json, os, time\n"
+        "os.environ['RAY_AUTH_MODE'] = 'disabled'\n"
+        "import ray\n"
+        "from rl.config import RayConfig\n"
+        "from rl.ray_utils import init_ray\n"
+        "init_ray(RayConfig(num_cpus=1, object_store_mb=100))\n"
+        "@ray.remote\n"
+        "class A:\n"
+        "    def pid(self):\n"
+        "        return os.getpid()\n"
+        "a = A.remote()\n"
+        "ray.get(a.pid.remote())\n"
+        "node = ray._private.worker._global_node\n"
+        "print(json.dumps([p.process.pid for ps in node.all_processes.values() for p in ps]), flush=True)\n"
+        "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    roots = _json.loads(proc.stdout.readline())
+    started = [p for p in _tree(roots) if _is_ray(p)]
+    assert len(started) >= 5  # GCS, raylet, dashboard, log monitor, monitor, and the raylet's own
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(_is_ray(p) for p in started):
+        time.sleep(0.5)
+    assert not [p for p in started if _is_ray(p)], "Ray processes outlived their driver"

@@ -1,0 +1,82 @@
+"""A local Ray goes with the driver that started it, however that driver ends.
+
+`ray.init()` starts Ray's processes (GCS, raylet, dashboard, log monitor; the raylet's agents and
+workers under it) as children of the driver. A driver that exits cleanly stops them; one killed
+with SIGKILL (or by the OOM killer) left them running for minutes, holding ports, memory and the
+session directory. `watch(pids)` starts this module as a process of its own, in a session of its
+own, holding the read end of a pipe whose write end only the driver has: when the driver is gone,
+for whatever reason, the pipe reads end-of-file, and the reaper stops every process of those trees
+that still runs (SIGTERM, then SIGKILL after a grace period).
+
+Only processes whose command line shows Ray's are signalled, so a pid reused after a clean exit is
+left alone. Not covered: a cluster the driver joined (`ray.address`): that is the operator's.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+
+def watch(pids: list[int]) -> None:
+    """Start the reaper for the process trees of `pids` (this process's children); it outlives us."""
+    read, write = os.pipe()
+    subprocess.Popen([sys.executable, "-m", "rl.ray_reaper", str(read), *map(str, pids)], pass_fds=(read,),
+                     start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    os.close(read)
+    os.set_inheritable(write, False)  # only this process holds it: our children must not keep it open
+    watch.fd = write  # kept open (and referenced) for this process's lifetime
+
+
+def _tree(roots: list[int]) -> list[int]:
+    """`roots` and every process below them, from /proc (parents first)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], list(roots)
+    while todo:
+        pid = todo.pop(0)
+        if pid not in out:
+            out.append(pid)
+            todo += children.get(pid, [])
+    return out
+
+
+def _is_ray(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return b"ray" in fh.read()
+    except OSError:
+        return False
+
+
+def main(fd: int, roots: list[int], grace_s: float = 5.0) -> None:
+    while os.read(fd, 1024):  # end-of-file: the driver is gone
+        pass
+    # the trees as they are now: a raylet that exits first hands its agents and workers to init, and
+    # they would no longer be found below it
+    tree = [p for p in _tree(roots) if _is_ray(p)]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = [p for p in tree if _is_ray(p)]
+        for pid in alive:
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline and any(_is_ray(p) for p in alive):
+            time.sleep(0.1)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), [int(p) for p in sys.argv[2:]])
