@@ -4,8 +4,9 @@ The workspace (a sandbox, default backend `bwrap`) holds a chain of `horizon` se
 passes through: `logs/<service>.log` (timestamped INFO and WARN lines, and for a few failing services
 ERROR lines from the time they started failing) and `routes/<service>` (the next service downstream).
 The task names the first service. Tools: `check(service)` runs `grep` over that service's log and
-reads its route in the sandbox, and reports its ERROR lines (how many, which error) and the next
-service downstream; `report(failing)` submits the comma-separated failing services and
+reads its route in the sandbox, and answers with a verdict (`FAILING billing: 4 ERROR lines
+(disk full on /var/data). Next: ledger.`, or `ok search: no ERROR lines. ...`) and the next service
+downstream; `report(failing)` submits the comma-separated failing services and
 ends the episode. A solution takes `horizon` checks and the report: `horizon + 1` tool calls.
 
 Built so that what the agent found early is needed at the end: the failing services are spread
@@ -137,11 +138,11 @@ class OncallEnv(SandboxedEnv):
         nxt = lines[-1].removeprefix("next:").strip() if lines and lines[-1].startswith("next:") else ""
         downstream = f" Next: {nxt}." if nxt else " End of the chain."
         if not count:
-            return f"{name}: no ERROR lines.{downstream}"
+            return f"ok {name}: no ERROR lines.{downstream}"
         if name in self.failing:
             self.reach(f"found:{name}", 0.25 / len(self.failing))
         error = lines[1].split(" ERROR ", 1)[-1] if len(lines) > 2 else "?"
-        return f"{name}: {count} ERROR lines ({error}).{downstream}"
+        return f"FAILING {name}: {count} ERROR lines ({error}).{downstream}"
 
     def _report(self, failing) -> str:
         self.finish()

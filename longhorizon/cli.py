@@ -290,11 +290,18 @@ def _submit(args) -> int:
     except (ConfigError, ConnectionError, FileNotFoundError) as exc:
         print(f"error: {message(exc)}", file=sys.stderr)
         return 2
+    except RuntimeError as exc:  # the jobs API's refusal (e.g. "No available agent to submit job"), as one line
+        print(f"error: the cluster at {args.address} did not take the job: {message(exc)}", file=sys.stderr)
+        return 1
     print(f"submitted {job_id}; run directory on the head: {run_dir}")
     if not args.wait:
         print(f"follow it: longhorizon jobs logs {job_id} --address {args.address}")
         return 0
-    state = jobs.wait(args.address, job_id, timeout_s=args.timeout)
+    try:
+        state = jobs.wait(args.address, job_id, timeout_s=args.timeout)
+    except (ConnectionError, RuntimeError) as exc:
+        print(f"error: following job {job_id}: {message(exc)}", file=sys.stderr)
+        return 1
     print(f"job {job_id}: {state}")
     return 0 if state == "SUCCEEDED" else 1
 
@@ -352,8 +359,12 @@ def _eval(args) -> int:
         return 2
     from rl.evaluate import evaluate_policy
 
-    summary, _ = evaluate_policy(str(policy), rollout, args.env, args.episodes, k=args.k, env_kwargs=env_kwargs,
-                                 temperature=args.temperature, seed=args.seed, split=args.split)
+    try:
+        summary, _ = evaluate_policy(str(policy), rollout, args.env, args.episodes, k=args.k, env_kwargs=env_kwargs,
+                                     temperature=args.temperature, seed=args.seed, split=args.split)
+    except (RuntimeError, OSError) as exc:  # the engine's or an environment's failure, as one line
+        print(f"error: the evaluation failed: {message(exc)}", file=sys.stderr)
+        return 1
     summary["policy"] = str(policy)
     if args.json:
         print(json.dumps(summary))

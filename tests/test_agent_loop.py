@@ -173,7 +173,7 @@ def test_rescoring_functions_on_an_expert_episode(tokenizer):
 
 
 BUILTIN_KWARGS = {"tools/calculator-v0": {}, "tools/shell-v0": {}, "code/fix-tests-v0": {},
-                  "long/needle-v0": {}, "vision/maze-v0": {"size": 5, "max_turns": 12}}
+                  "long/needle-v0": {}, "vision/maze-v0": {"size": 5, "max_turns": 12}, "long/oncall-v0": {"horizon": 6}}
 
 
 @pytest.mark.parametrize("env_id", sorted(BUILTIN_KWARGS))
