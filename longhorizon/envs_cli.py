@@ -229,10 +229,13 @@ def _sandbox_run(args) -> int:
         limits = Limits.within(args.timeout, memory_mb=args.memory)
         with open_sandbox(args.backend, workspace=args.workspace, limits=limits) as sb:
             result = sb.run(cmd)
+            cgroup = getattr(sb, "cgroup", None)
+            scope = ("the container" if args.backend == "docker" else cgroup.scope if cgroup is not None
+                     else "each process (RLIMIT_AS)")
     except (SandboxError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {message(exc)}", file=sys.stderr)
         return 2
-    print(json.dumps(result.to_dict(), indent=2))
+    print(json.dumps({**result.to_dict(), "memory_scope": scope}, indent=2))
     return 0
 
 
@@ -275,7 +278,10 @@ def add_parsers(sub) -> None:
     s = ssub.add_parser("run", help="run CMD in a sandbox and print a JSON result")
     s.add_argument("--backend", default="bwrap", help="bwrap (default), docker or none")
     s.add_argument("--timeout", type=float, default=10.0, help="wall-clock seconds (default 10)")
-    s.add_argument("--memory", type=int, default=512, help="memory limit in MiB (default 512)")
+    s.add_argument("--memory", type=int, default=512,
+                   help="memory limit in MiB (default 512): for the whole sandbox where a cgroup can be made (cgroup "
+                        "v2, else v1's memory controller; the result's memory_scope says which), else for each process "
+                        "(RLIMIT_AS), which a fork-heavy command can pass")
     s.add_argument("--workspace", help="directory to use as the workspace (default: a fresh temporary one)")
     s.add_argument("cmd", nargs="*", help="-- CMD ARGS...")
     s.set_defaults(fn=_sandbox_run)

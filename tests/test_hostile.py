@@ -347,3 +347,21 @@ def test_a_driver_killed_with_sigkill_leaves_no_ray_process_behind(tmp_path):
     while time.monotonic() < deadline and any(_is_ray(p) for p in started):
         time.sleep(0.5)
     assert not [p for p in started if _is_ray(p)], "Ray processes outlived their driver"
+
+
+def test_the_memory_limit_holds_for_the_whole_sandbox():
+    """Seven processes of 100 MB each under a 256 MiB limit: with a cgroup (what this machine allows:
+    `memory_scope`), the kernel kills some of them and the result names the memory limit, though
+    each process stayed below it and the shell line ended well. Without one, the fallback says so."""
+    import json as _json
+
+    cmd = 'for i in 1 2 3 4 5 6 7; do python3 -c "a = bytearray(100 << 20); import time; time.sleep(3)" & done; wait; echo ok'
+    out = cli("sandbox", "run", "--memory", "256", "--timeout", "30", "--", "sh", "-c", cmd)
+    result = _json.loads(out.stdout)
+    if result["memory_scope"].startswith("the whole sandbox"):
+        assert result["resource"] == "memory" and result["exit_code"] == 0, result
+        assert any("256 MiB for all its processes" in e for e in result["events"])
+    else:  # a machine where no cgroup can be made: each process alone is bounded, and it says so
+        assert result["memory_scope"] == "each process (RLIMIT_AS)" and result["resource"] is None
+    helped = cli("sandbox", "run", "--help")
+    assert "for the whole sandbox where a cgroup can be made" in " ".join(helped.stdout.split())

@@ -33,7 +33,7 @@ class Limits:
     cpu_s: int = 10
     """CPU seconds per process (RLIMIT_CPU; Docker: also a 1-CPU quota)."""
     memory_mb: int = 512
-    """Address space per process in MiB (RLIMIT_AS; Docker: the container's memory)."""
+    """Memory in MiB: for the whole sandbox where a cgroup can be made (bwrap: envs/sandbox/cgroup.py; Docker: the container's memory), and the address space of each process (RLIMIT_AS) everywhere."""
     processes: int = 64
     """Processes and threads the call may have at once (RLIMIT_NPROC per sandbox user; Docker: pids limit)."""
     output_bytes: int = 65536

@@ -11,8 +11,11 @@ Each call runs `bwrap` with fresh pid, network, IPC, UTS and mount namespaces:
   user of its own (`setpriv`, a fresh uid per sandbox, no capabilities, no supplementary groups),
   so host files not readable by "others" stay unreadable and RLIMIT_NPROC counts only this
   sandbox's processes. As another user, bwrap maps that user into a new user namespace.
-- limits: RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NPROC per process; wall time and output
-  bytes by the caller; workspace size checked after each call.
+- limits: RLIMIT_CPU, RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_NPROC per process; memory for the whole
+  sandbox in a cgroup of its own where one can be made (envs/sandbox/cgroup.py: v2, else v1's
+  memory controller), the kernel's kill for it reported as the `memory` limit, commands the first it
+  kills (the episode helper is not); wall time and output bytes by the caller; workspace size checked
+  after each call.
 - clean-up: the command is PID 1's child in its own pid namespace; when the call ends or is killed,
   bwrap (with --die-with-parent) takes the namespace down and with it every process left behind.
 
@@ -28,7 +31,8 @@ helper apart), every call gets a fresh bwrap.
 
 Does NOT protect against: kernel exploits (namespaces share the host kernel; use the `docker`
 backend with gVisor for that); CPU or memory contention with the host beyond the rlimits (no
-cgroups); filling the workspace faster than the check after the call (bounded by file size × wall
+cgroups for CPU; memory only where a cgroup can be made); filling the workspace faster than the
+check after the call (bounded by file size × wall
 time); as root, the sandbox user may create nested user namespaces (more kernel surface); as a
 non-root user, RLIMIT_NPROC is counted over all of that user's processes (set relative to how many
 run when the call starts), and two sandboxes with a colliding uid share one process budget.
@@ -50,6 +54,7 @@ from pathlib import Path
 from envs.sandbox.base import (Limits, SandboxBase, SandboxError, SandboxResult, Workspace, classify, host_view,
                           sandbox_env, sandbox_uid)
 from envs.sandbox._process import rlimit_setter, run_process
+from envs.sandbox.cgroup import SandboxCgroup
 
 
 def bwrap_binary() -> str | None:
@@ -99,6 +104,8 @@ class BwrapSandbox(SandboxBase):
         self.env = sandbox_env(env)
         self.per_episode = per_episode and self.as_root
         self._session: _Session | None = None
+        # every process of the sandbox counted together against memory_mb, where the machine allows it
+        self.cgroup = SandboxCgroup.make(self.limits.memory_mb)
 
     def _mounts(self) -> list[str]:
         args = []
@@ -143,13 +150,22 @@ class BwrapSandbox(SandboxBase):
             argv = ["/bin/sh", "-c", argv]
         self.workspace.chown()
         started = time.time()
+        kills = self._memory_limit(limits)
         if self.per_episode:
-            return self._run_in_session(argv, stdin, limits, started)
+            return self._run_in_session(argv, stdin, limits, started, kills)
         nproc = limits.processes if self.as_root else _user_process_count(os.getuid()) + limits.processes
         r_fd, w_fd = os.pipe()
+        rlimits = rlimit_setter(limits, processes=nproc)
+        enter = self.cgroup.enter if self.cgroup is not None else None
+
+        def preexec():
+            rlimits()
+            if enter is not None:
+                enter()
+
         try:
             result = run_process(self.command(argv, w_fd), limits=limits, backend=self.backend, stdin=stdin,
-                                    preexec=rlimit_setter(limits, processes=nproc), pass_fds=(w_fd,))
+                                    preexec=preexec, pass_fds=(w_fd,))
         finally:
             os.close(w_fd)
         with os.fdopen(r_fd) as fh:
@@ -163,13 +179,30 @@ class BwrapSandbox(SandboxBase):
             raise SandboxError(f"bwrap could not start the sandbox: {result.stderr.strip()[:500]}")
         if "exit-code" in status and not result.timed_out and result.resource != "output":
             result.exit_code = int(status["exit-code"])
-        classify(result)
+        classify(result, oom=self._oom_since(kills, result))
         return self._check_disk(result, limits, started)
 
-    def _run_in_session(self, argv: list[str], stdin: str | None, limits: Limits, started: float) -> SandboxResult:
+    def _memory_limit(self, limits: Limits) -> int:
+        """The sandbox's cgroup set to this call's memory limit; the kernel's kills for it so far."""
+        if self.cgroup is None:
+            return 0
+        self.cgroup.set_limit(limits.memory_mb)
+        return self.cgroup.oom_kills()
+
+    def _oom_since(self, before: int, result: SandboxResult) -> bool:
+        """Whether the kernel killed a process of the sandbox for its memory limit during the call."""
+        if self.cgroup is None or self.cgroup.oom_kills() <= before:
+            return False
+        result.events.append(f"the sandbox's memory limit ({self.cgroup.limit_mb} MiB for all its processes, "
+                             f"cgroup v{self.cgroup.version}) was reached")
+        return True
+
+    def _run_in_session(self, argv: list[str], stdin: str | None, limits: Limits, started: float,
+                        kills: int) -> SandboxResult:
         if self._session is None or not self._session.alive():
             self._session = _Session(self.command([sys.executable, "-I", "-c", HELPER, str(self.uid)], None,
-                                                  drop_user=False))
+                                                  drop_user=False),
+                                     preexec=self.cgroup.enter if self.cgroup is not None else None)
         request = {"argv": argv, "stdin": stdin, "limits": asdict(limits)}
         try:
             reply = self._session.call(request, timeout_s=limits.timeout_s + 30)
@@ -178,13 +211,16 @@ class BwrapSandbox(SandboxBase):
             self._session = None
             raise
         result = SandboxResult(**reply, backend=self.backend)
-        classify(result)
+        classify(result, oom=self._oom_since(kills, result))
         return self._check_disk(result, limits, started)
 
     def close(self) -> None:
         if self._session is not None:
             self._session.close()
             self._session = None
+        if self.cgroup is not None:
+            self.cgroup.close()
+            self.cgroup = None
         super().close()
 
 
@@ -192,11 +228,12 @@ HELPER = (Path(__file__).parent / "_helper.py").read_text()
 
 
 class _Session:
-    """One long-lived bwrap running the helper; a call is a JSON line each way."""
+    """One long-lived bwrap running the helper; a call is a JSON line each way. `preexec`: run in
+    bwrap's process before it starts (the sandbox's cgroup: everything below it is counted)."""
 
-    def __init__(self, argv: list[str]):
+    def __init__(self, argv: list[str], preexec=None):
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=preexec)
         self._buf = b""
 
     def alive(self) -> bool:
