@@ -39,6 +39,8 @@ _BASE = ["auth", "billing", "search", "checkout", "gateway", "storage", "mailer"
          "cart", "reviews"]
 SERVICES = _BASE + [f"{b}-worker" for b in _BASE]
 """The pool a task draws its services from (64: the longest horizon)."""
+SLACK = 4
+"""Turns an episode has beyond the `horizon` + 1 calls a solution takes (its `max_turns` by default)."""
 
 _ERRORS = ["connection pool exhausted", "disk full on /var/data", "upstream timeout after 30 s", "out of memory",
            "TLS certificate expired", "too many open files", "replica lag above 60 s", "deadlock detected"]
@@ -68,8 +70,8 @@ class OncallEnv(SandboxedEnv):
     def __init__(self, horizon: int | list = 12, max_turns: int = 0, backend: str = "bwrap", timeout_s: float = 10.0,
                  **sandbox_options):
         horizons = list(horizon) if isinstance(horizon, (list, tuple)) else [horizon]
-        super().__init__(max_turns or max(horizons) + 8, backend, timeout_s, **sandbox_options)
-        self.horizons = horizons
+        super().__init__(max_turns or max(horizons) + SLACK, backend, timeout_s, **sandbox_options)
+        self.horizons, self.fixed_turns = horizons, max_turns
 
     @classmethod
     def kwargs_problem(cls, kwargs: dict) -> str | None:
@@ -79,12 +81,13 @@ class OncallEnv(SandboxedEnv):
             return f"horizon must be an integer (or a list of them) from 2 to {len(SERVICES)}, not {h!r}"
         turns = kwargs.get("max_turns", 0)
         if not (isinstance(turns, int) and not isinstance(turns, bool) and turns >= 0):
-            return f"max_turns must be an integer >= 0 (0: horizon + 8), not {turns!r}"
+            return f"max_turns must be an integer >= 0 (0: the episode's horizon + {SLACK}), not {turns!r}"
         return super().kwargs_problem({**kwargs, "max_turns": turns or 1})
 
     def _reset_task(self) -> str:
         rng = self.np_random
         self.horizon = self.horizons[int(rng.integers(len(self.horizons)))]
+        self.max_turns = self.fixed_turns or self.horizon + SLACK  # a few turns of slack on the solution's
         self.services = [SERVICES[i] for i in rng.choice(len(SERVICES), size=self.horizon, replace=False)]
         # failing: one in each quarter of the chain at least, so the report needs early findings too
         quarters = [range(q * self.horizon // 4, (q + 1) * self.horizon // 4) for q in range(4)]
