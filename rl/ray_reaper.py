@@ -5,16 +5,18 @@ workers under it) as children of the driver. A driver that exits cleanly stops t
 with SIGKILL (or by the OOM killer) left them running for minutes, holding ports, memory and the
 session directory. `watch(pids)` starts this module as a process of its own, in a session of its
 own, holding the read end of a pipe whose write end only the driver has: when the driver is gone,
-for whatever reason, the pipe reads end-of-file, and the reaper stops every process of those trees
-that still runs (SIGTERM, then SIGKILL after a grace period).
+for whatever reason, the pipe reads end-of-file, and the reaper stops every Ray process it ever saw
+in those trees (read once a second while the driver lives) that still runs: SIGTERM, then SIGKILL
+after a grace period.
 
-Only processes whose command line shows Ray's are signalled, so a pid reused after a clean exit is
-left alone. Not covered: a cluster the driver joined (`ray.address`): that is the operator's.
+Only processes whose command line shows Ray's and whose start time is the one seen are signalled,
+so a pid reused after a clean exit is left alone. Not covered: a cluster the driver joined (`ray.address`): that is the operator's.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -52,6 +54,15 @@ def _tree(roots: list[int]) -> list[int]:
     return out
 
 
+def _start_time(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot): with the pid, names a process uniquely."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _is_ray(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
@@ -60,21 +71,34 @@ def _is_ray(pid: int) -> bool:
         return False
 
 
-def main(fd: int, roots: list[int], grace_s: float = 5.0) -> None:
-    while os.read(fd, 1024):  # end-of-file: the driver is gone
-        pass
-    # the trees as they are now: a raylet that exits first hands its agents and workers to init, and
-    # they would no longer be found below it
-    tree = [p for p in _tree(roots) if _is_ray(p)]
+def _ray_tree(roots: list[int]) -> dict[int, int | None]:
+    return {p: _start_time(p) for p in _tree(roots) if _is_ray(p)}
+
+
+def main(fd: int, roots: list[int], grace_s: float = 5.0, every_s: float = 1.0) -> None:
+    # The trees are read while the driver lives, again and again, and every Ray process ever seen in
+    # them is kept: once the driver is gone, processes started with Ray's fate-sharing die with it,
+    # and the workers and agents of a raylet that died are handed to init, no longer below any root.
+    known: dict[int, int | None] = {}
+    while True:
+        known.update(_ray_tree(roots))
+        ready, _, _ = select.select([fd], [], [], every_s)
+        if ready and not os.read(fd, 1024):  # end-of-file: the driver is gone
+            break
+    known.update(_ray_tree(roots))
+
+    def alive(pid: int) -> bool:  # the same process as seen (not a pid reused since) and still Ray's
+        return _start_time(pid) == known[pid] and _is_ray(pid)
+
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        alive = [p for p in tree if _is_ray(p)]
-        for pid in alive:
+        targets = [p for p in known if alive(p)]
+        for pid in targets:
             try:
                 os.kill(pid, sig)
             except OSError:
                 pass
         deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline and any(_is_ray(p) for p in alive):
+        while time.monotonic() < deadline and any(alive(p) for p in targets):
             time.sleep(0.1)
 
 
