@@ -443,11 +443,23 @@ class OpenAIServer:
             body = ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status))
             return JSONResponse(body.model_dump(), status_code=status)
 
-        @app.middleware("http")
-        async def bearer(request: Request, call_next):
-            if self.api_key and request.headers.get("authorization", "") != f"Bearer {self.api_key}":
-                return error("a valid bearer token is required (Authorization: Bearer ...)", 401, kind="authentication_error")
-            return await call_next(request)
+        expected = f"Bearer {self.api_key}".encode() if self.api_key else None
+
+        class Bearer:
+            """The key check as plain ASGI: Starlette's `@app.middleware` wraps `receive`, and a handler
+            behind it never sees its client disconnect (its generation would run on for nobody)."""
+
+            def __init__(self, inner):
+                self.inner = inner
+
+            async def __call__(self, scope, receive, send):
+                if expected and scope["type"] == "http" and dict(scope["headers"]).get(b"authorization") != expected:
+                    answer = error("a valid bearer token is required (Authorization: Bearer ...)", 401,
+                                   kind="authentication_error")
+                    return await answer(scope, receive, send)
+                await self.inner(scope, receive, send)
+
+        app.add_middleware(Bearer)
 
         async def models():
             from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
