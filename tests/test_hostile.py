@@ -365,3 +365,27 @@ def test_the_memory_limit_holds_for_the_whole_sandbox():
         assert result["memory_scope"] == "each process (RLIMIT_AS)" and result["resource"] is None
     helped = cli("sandbox", "run", "--help")
     assert "for the whole sandbox where a cgroup can be made" in " ".join(helped.stdout.split())
+
+
+@pytest.mark.slow
+def test_a_one_iteration_run_whose_every_episode_failed_does_not_end_green(tiny_policy, tmp_path):
+    """`longhorizon train` for one iteration of an environment whose every reset fails (a plugin's
+    demo/crash-v0): below the guard's two failed iterations in a row, and still the run ends with
+    the failure quoted and a non-zero exit, not `done:`."""
+    import os
+
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), str(REPO / "tests" / "plugins" / "lh_demo_plugin")], check=True,
+                   capture_output=True, timeout=300)
+    env = {**os.environ, "PYTHONPATH": f"{target}{os.pathsep}{REPO}"}
+    out = subprocess.run([sys.executable, "-m", "longhorizon.cli", "train", "configs/quickstart.yaml", "--run-dir",
+                          str(tmp_path / "run"), f"policy.path={tiny_policy}", "env.id=demo/crash-v0", "env.kwargs={}",
+                          "iterations=1", "rollout.num_workers=1", "rollout.max_turns=1"],
+                         capture_output=True, text=True, timeout=900, cwd=REPO, env=env)
+    assert out.returncode == 1, out.stderr[-3000:]
+    line = out.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: the run cannot learn: its last 1 iteration(s) failed; 16 of 16 episodes of "
+                           "iteration 0 ended in infrastructure errors, the first: reset: RuntimeError: the task "
+                           "server is down"), line
+    assert "done" not in out.stderr.split("error:")[-1] and (tmp_path / "run" / "metrics.jsonl").exists()
