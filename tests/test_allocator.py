@@ -7,7 +7,7 @@ import pytest
 import ray
 
 from conftest import REPO
-from rl.allocator import TCMALLOC, actor_env, in_use, tcmalloc_installed
+from rl.allocator import TCMALLOC, actor_env, tcmalloc_installed
 from rl.config import ConfigError, load_config
 
 
@@ -27,7 +27,24 @@ def test_a_learner_process_runs_with_the_allocator_asked_for(ray_cluster):
                   else _malloc_of_a_fresh_worker.remote())
     assert got == ("tcmalloc" if tcmalloc_installed() else "glibc")
     assert actor_env("system") == {}
-    assert in_use() in ("glibc", "tcmalloc", "jemalloc")  # this pytest process: whatever it started with
+
+
+def test_the_allocator_in_use_is_read_from_the_process_itself():
+    """`in_use` names what the process mapped: a fresh interpreter with tcmalloc preloaded says
+    tcmalloc, one without says glibc (whatever this pytest process started with)."""
+    import os
+    import subprocess
+    import sys
+
+    def fresh(preload: str | None) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | ({"LD_PRELOAD": preload} if preload else {})
+        out = subprocess.run([sys.executable, "-c", "from rl.allocator import in_use; print(in_use())"], env=env,
+                             cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
+        return out.stdout.strip()
+
+    assert fresh(None) == "glibc"
+    if tcmalloc_installed():  # the Makefile's system-deps install it; a machine without is checked above
+        assert fresh(TCMALLOC) == "tcmalloc"
 
 
 def test_an_ld_preload_already_set_is_kept(monkeypatch):

@@ -75,6 +75,19 @@ def test_pass_at_k_counts_seeds_with_any_success():
     assert s["success"] == 0.25 and s["pass@2"] == 0.5
 
 
+def assert_one_summary(success: float, ci95: list, pass_at_2: float, episodes: int, seeds: int) -> None:
+    """The figures of one evaluation describe one set of episodes: a whole number of wins, the
+    Wilson interval of exactly that count, and a pass@2 (seeds with a win) that those wins allow:
+    at least one seed per two wins, at most one per win."""
+    wins = success * episodes
+    assert wins == pytest.approx(round(wins)), success
+    wins = round(wins)
+    assert ci95 == pytest.approx(list(wilson(wins, episodes)))
+    solved = pass_at_2 * seeds
+    assert solved == pytest.approx(round(solved)), pass_at_2
+    assert -(-wins // 2) <= round(solved) <= min(wins, seeds), (wins, pass_at_2)
+
+
 @pytest.mark.slow
 def test_eval_cli_on_a_run_directory(e2e_run):
     _, _, run_dir = e2e_run
@@ -84,7 +97,7 @@ def test_eval_cli_on_a_run_directory(e2e_run):
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["env_id"] == "tools/calculator-v0" and out["episodes"] == 6 and out["k"] == 2
     assert out["policy"].endswith("checkpoints/version-000002")  # the run's newest weights
-    assert 0.0 <= out["ci95"][0] <= out["success"] <= out["ci95"][1] <= 1.0 and "pass@2" in out
+    assert_one_summary(out["success"], out["ci95"], out["pass@2"], episodes=6, seeds=3)
     bad = subprocess.run([sys.executable, "-m", "longhorizon.cli", "eval", str(run_dir / "nope")], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "neither a run directory nor a checkpoint" in bad.stderr
@@ -99,8 +112,9 @@ def test_training_evaluates_on_held_out_seeds(e2e_run):
     _, rows, _ = e2e_run
     for row in rows:  # eval.every=1, 6 episodes as 3 seeds × 2
         assert row["eval/episodes"] == 6 and row["eval/policy_version"] == row["policy_version"]
-        assert row["eval/ci95_low"] <= row["eval/success"] <= row["eval/ci95_high"]
-        assert 0.0 <= row["eval/pass@2"] <= 1.0 and row["eval/s"] > 0
+        assert_one_summary(row["eval/success"], [row["eval/ci95_low"], row["eval/ci95_high"]], row["eval/pass@2"],
+                           episodes=6, seeds=3)
+        assert row["eval/s"] > 0
     assert envs.env_class("tools/calculator-v0").succeeded([{"name": "solved"}], 1.0)
 
 

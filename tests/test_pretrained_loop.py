@@ -26,6 +26,21 @@ OVERRIDES = [
 ]
 
 
+def naive_load_imbalance(policy_dir: str, sequences: list[list[int]]) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32)
+    loads: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for ids in sequences:
+            out = model(torch.tensor([list(ids)]), output_router_logits=True)
+            for layer, logits in enumerate(out.router_logits):  # tokens × experts
+                count = torch.bincount(logits.argmax(-1).flatten(), minlength=logits.shape[-1])
+                loads[layer] = loads.get(layer, 0) + count
+    return max(float(c.max()) / float(c.float().mean()) for c in loads.values())
+
+
 @pytest.fixture(scope="module")
 def pretrained_run(ray_cluster, tmp_path_factory):
     from rl.config import load_config
@@ -62,7 +77,14 @@ def test_expert_load_is_reported_and_every_parameter_trains(pretrained_run):
     from safetensors import safe_open
 
     trainer, rows, run_dir = pretrained_run
-    assert all(1.0 <= r["router_load_max_over_mean"] <= 4.0 for r in rows)
+    # the reported load is the worst layer's max/mean expert load over the first step's tokens: the
+    # same count, done naively (Hugging Face's own Mixtral on the starting checkpoint, one episode at
+    # a time, each token's top-1 expert from its router logits); the learner routes as vLLM did
+    # (routing replay), so a token near a tie may count for another expert
+    episodes = [t for t in TrajectoryStore(run_dir).trajectories() if t.iteration == 0]
+    assert len(episodes) == 2
+    naive = naive_load_imbalance(trainer.policy_path(), [t.token_ids for t in episodes])
+    assert abs(rows[0]["router_load_max_over_mean"] - naive) < 0.02 * naive, (rows[0], naive)
     assert all(r["router_aux_loss"] > 0 for r in rows)
     ckpt = run_dir / "checkpoints" / "version-000002"
     cfg = json.loads((ckpt / "config.json").read_text())

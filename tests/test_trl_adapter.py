@@ -77,9 +77,11 @@ def test_tool_calls_get_the_environments_results_and_reward():
     assert adapted.get_reward() == 0.0
 
 
-def test_grpo_trainer_takes_it_as_environment_factory(tiny_policy, tmp_path):
-    """TRL accepts the class: it finds `reset`, takes the tool methods as tools and `get_reward` as
-    the reward source."""
+def test_grpo_trainer_trains_a_step_through_it(tiny_policy, tmp_path):
+    """TRL takes the class as `environment_factory` (the tool methods as tools, `get_reward` as the
+    reward source) and trains a step through it: every generation's environment is reset with its
+    dataset row's seed, and the reward TRL logs is the environment's (0: a random model never
+    submits the answer)."""
     import os
 
     os.environ["TRL_EXPERIMENTAL_SILENCE"] = "1"
@@ -92,10 +94,22 @@ def test_grpo_trainer_takes_it_as_environment_factory(tiny_policy, tmp_path):
     tok.response_template = qwen3_template
     model = AutoModelForCausalLM.from_pretrained(tiny_policy)
     args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, max_steps=1,
-                      max_completion_length=8, use_cpu=True, report_to="none", save_strategy="no")
+                      max_completion_length=8, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1)
     environment = trl_environment(CALC, max_turns=4)
-    trainer = GRPOTrainer(model=model, args=args, processing_class=tok, environment_factory=environment,
-                          train_dataset=Dataset.from_dict(trl_prompts(CALC, [1, 2], max_turns=4)))
+    seeds = []
+
+    class Watched(environment):
+        def reset(self, **row):
+            seeds.append(row["seed"])
+            return super().reset(**row)
+
+    Watched.__name__ = environment.__name__
+    trainer = GRPOTrainer(model=model, args=args, processing_class=tok, environment_factory=Watched,
+                          train_dataset=Dataset.from_dict(trl_prompts(CALC, [5, 6], max_turns=4)))
     assert sorted(t.__name__ for t in trainer.tools) == ["calculator", "submit"]
     assert environment.__name__ in trainer.reward_func_names
+    trainer.train()
+    (step, *_) = trainer.state.log_history
+    assert step["step"] == 1 and len(seeds) == 2 and len(set(seeds)) == 1 and seeds[0] in (5, 6)
+    assert step[f"rewards/{environment.__name__}/mean"] == 0.0 and "tools/call_frequency" in step
     json.dumps(trl_prompts(CALC, [1], max_turns=4))  # a dataset row is plain data
