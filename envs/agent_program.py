@@ -13,7 +13,7 @@ the record. It is registered like every environment (`envs.register(id, "module:
 `longhorizon.envs` entry-point group) and checked the same way: `config_problem` binds its kwargs.
 
 Every call the agent makes through the session is recorded with its exact tokens; the rollout
-worker turns them into the episode's trajectory (rollout/agent_program.py).
+worker turns them into the episode's trajectory (rollout/program_episodes.py).
 
 An agent that runs as its own process (another language, its own environment) is an external
 command: envs/agent_command.py (`agents/command-v0`) hands it the session through OPENAI_BASE_URL.

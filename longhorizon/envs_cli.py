@@ -107,11 +107,11 @@ def _show(args) -> int:
 
 def _check_program(args) -> int:
     """An agent program, run against an endpoint that answers every call with a fixed reply
-    (rollout/agent_program.py `check_agent_program`): no model, the tokenizer of `--policy`
+    (rollout/program_episodes.py `check_agent_program`): no model, the tokenizer of `--policy`
     (default: the tiny policy's, which has the same chat template)."""
     import envs
     from envs.check import EnvCheckError
-    from rollout.agent_program import check_agent_program
+    from rollout.program_episodes import check_agent_program
 
     kwargs = _kwargs(args.kwargs)
     problem = envs.config_problem(args.env_id, kwargs) or envs.host_problem(args.env_id, kwargs)

@@ -163,7 +163,7 @@ def replay_segments(traj: Trajectory, make_env: Callable, tokenizer, rollout) ->
 
 def replay_agent(traj: Trajectory, env_kwargs: dict | None, tokenizer) -> ReplayResult:
     """The agent program run again on the recorded completions (see the module doc)."""
-    from rollout.agent_program import run_agent_episodes
+    from rollout.program_episodes import run_agent_episodes
     from rollout.chat import ChatFormat
     from rollout.openai_api import OpenAIServer
     from rollout.recorded import RecordedEngine, recorded_calls
@@ -232,7 +232,7 @@ def judge_scores(rubric, trajectories, run_dir: str | Path | None) -> tuple[dict
     """Each episode's judge part scores ({episode id: {part: score}}) and the judge's counts: by the
     run's judge model, through the run's cache (see the module doc)."""
     from rl.config import RunConfig, load_config
-    from rollout.judge import JudgeScorer, judge_requests, ran, ranked_groups
+    from rollout.judge_actor import JudgeScorer, judge_requests, ran, ranked_groups
 
     config = Path(run_dir or ".") / "config.yaml"
     cfg = load_config(config) if config.is_file() else RunConfig()
@@ -257,7 +257,7 @@ def judge_scores(rubric, trajectories, run_dir: str | Path | None) -> tuple[dict
 def rescore(trajectories, spec: str, run_dir: str | Path | None = None, stats: dict | None = None) -> list[dict]:
     """Each episode's recorded and rescored reward and parts; `stats` (if given) gets the judge's
     request and cache-hit counts."""
-    from rollout.judge import ran
+    from rollout.judge_actor import ran
 
     rubric = rubric_of(spec, run_dir)
     judged, counts = judge_scores(rubric, trajectories, run_dir) if rubric.judges else ({}, {})

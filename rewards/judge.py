@@ -3,7 +3,7 @@ score, and the cache that makes a judged score reproducible.
 
 A `Judge` is a rubric part (rewards/rubric.py, `fn: judge`) that cannot score on its own: it turns
 a recorded episode into a `JudgeRequest`, a prompt and the continuations to score, which a judge
-model served by vLLM answers in its own Ray actor (rollout/judge.py). Both ways of judging read
+model served by vLLM answers in its own Ray actor (rollout/judge_actor.py). Both ways of judging read
 only the judge's log-probabilities of fixed continuations, so a score is a deterministic function
 of (judge model, prompt): no sampling, nothing to parse.
 
@@ -104,7 +104,7 @@ class Judge:
             raise ValueError(f"judge: rotations must be an integer >= 0, got {self.rotations!r}")
 
     def __call__(self, trajectory) -> float:
-        raise RuntimeError("a judge part is scored by the judge model (rollout/judge.py), not called")
+        raise RuntimeError("a judge part is scored by the judge model (rollout/judge_actor.py), not called")
 
     def answer(self, trajectory) -> str:
         """The part of the episode the judge reads."""

@@ -30,7 +30,7 @@ turns, and whatever of the episode's reward they do not account for at its last 
 (rl/credit.py).
 
 A judge part is the one part that cannot score itself: the rollout worker asks the judge actor
-(rollout/judge.py) without waiting, and the rubric is applied once the scores are there.
+(rollout/judge_actor.py) without waiting, and the rubric is applied once the scores are there.
 """
 
 from __future__ import annotations

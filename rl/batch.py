@@ -63,7 +63,7 @@ def episode_values(rows: list[Row], batch: list[Trajectory], per_micro: dict) ->
     return out
 
 
-def _pad(rows: list[list], value) -> list[list]:
+def pad(rows: list[list], value) -> list[list]:
     width = max(len(r) for r in rows)
     return [list(r) + [value] * (width - len(r)) for r in rows]
 

@@ -242,7 +242,7 @@ class RewardConfig:
     parts: list = field(default_factory=list)
     """The run's rubric (rewards/rubric.py): [{fn, weight, name, kwargs}, ...]; fn a built-in part (milestones, solved, format, length, judge) or module:function, each part logged as reward/NAME and the reward their weighted sum. Empty: the environment's milestones."""
     judge: JudgeConfig = field(default_factory=JudgeConfig)
-    """The judge model that scores `judge` parts (rewards/judge.py, rollout/judge.py), in its own Ray actor."""
+    """The judge model that scores `judge` parts (rewards/judge.py, rollout/judge_actor.py), in its own Ray actor."""
 
     def judge_path(self) -> str:
         """The judge model's directory (a packaged model is converted once, cached)."""

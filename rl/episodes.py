@@ -1,5 +1,5 @@
 """What an iteration is made of: the episodes it asks for (`iteration_tasks`) and the metrics of
-the ones that ended (`summarise`, a row of metrics.jsonl before the learner's and the sync's)."""
+the ones that ended (`batch_metrics`, a row of metrics.jsonl before the learner's and the sync's)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def iteration_tasks(cfg: RunConfig, iteration: int) -> list[EpisodeTask]:
     return tasks
 
 
-def summarise(trajs: list[Trajectory]) -> dict:
+def batch_metrics(trajs: list[Trajectory]) -> dict:
     n = max(1, len(trajs))
     reached = Counter(name for t in trajs for name in {m["name"] for m in t.milestones})
     out = {

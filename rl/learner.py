@@ -65,7 +65,7 @@ from rl.shares import (
     pack,
     padded_slots,
 )
-from rl.batch import (Row, _pad, annotations, episode_values, recorded_routing, token_versions, training_rows,
+from rl.batch import (Row, pad, annotations, episode_values, recorded_routing, token_versions, training_rows,
                       usable_episodes)
 from rollout.trajectory import Trajectory
 
@@ -169,10 +169,10 @@ class Learner(WeightSource):
     def _tensors(self, mb: list[Trajectory]):
         """Padded ids and attention mask, and the loss mask and rollout log-probs aligned to the
         next-token targets (tokens 1..T-1, so the per-token records shift by one)."""
-        ids = torch.tensor(_pad([t.token_ids for t in mb], 0))
-        attn = torch.tensor(_pad([[1] * len(t.token_ids) for t in mb], 0))  # right padding
-        mask = torch.tensor(_pad([t.loss_mask for t in mb], 0))[:, 1:].float()
-        rollout = torch.tensor(_pad([t.rollout_logprobs for t in mb], 0.0))[:, 1:].float()
+        ids = torch.tensor(pad([t.token_ids for t in mb], 0))
+        attn = torch.tensor(pad([[1] * len(t.token_ids) for t in mb], 0))  # right padding
+        mask = torch.tensor(pad([t.loss_mask for t in mb], 0))[:, 1:].float()
+        rollout = torch.tensor(pad([t.rollout_logprobs for t in mb], 0.0))[:, 1:].float()
         return ids.to(self.device), attn.to(self.device), mask.to(self.device), rollout.to(self.device)
 
     def _routing(self, mb: list[Trajectory], width: int) -> torch.Tensor | None:
@@ -257,7 +257,7 @@ class Learner(WeightSource):
 
             def of_rows(micro):
                 cut = [per_token[rows[i].episode][rows[i].start : rows[i].start + len(rows[i].seq.token_ids)] for i in micro]
-                return torch.tensor(_pad(cut, 0.0))[:, 1:].float()
+                return torch.tensor(pad(cut, 0.0))[:, 1:].float()
             return of_rows, returns, adv_abs
         rewards = torch.tensor([t.reward for t in batch])
         groups = torch.tensor([t.group_id for t in batch])
@@ -494,7 +494,7 @@ class Learner(WeightSource):
             weights.append(w[gen])
             seqs_dropped += int((((w == 0) | ~gen).all(-1) & gen.any(-1)).sum())
             n_seqs += int(gen.any(-1).sum())
-            versions = torch.tensor(_pad([token_versions(seqs[i]) for i in micro], -1))[:, 1:].to(self.device)
+            versions = torch.tensor(pad([token_versions(seqs[i]) for i in micro], -1))[:, 1:].to(self.device)
             lags.append((self.version - versions)[gen])
         return mismatch_metrics(torch.cat(logr), torch.cat(weights), torch.cat(lags), seqs_dropped, n_seqs)
 

@@ -62,14 +62,14 @@ from rl.config import RunConfig, dump_config
 from rl.learner_group import LearnerGroup, result
 from rl.ray_utils import init_ray
 from rl.store import TrajectoryStore
-from rl.episodes import iteration_tasks, summarise
+from rl.episodes import batch_metrics, iteration_tasks
 from rollout.trajectory import EpisodeTask, Trajectory
-from envs.worker import EnvWorkerActor
+from envs.env_worker import EnvWorkerActor
 from rl.loggers import TensorBoardLog
 from rl.guards import LearningGuard
 from rl.sync import WORKER_LOST, PendingSync, form_group, start_collective_sync, start_sync
 from rollout.worker import RolloutWorkerActor, StaleWorkerError
-from rollout.judge import JudgeActor, ask_groups, settle
+from rollout.judge_actor import JudgeActor, ask_groups, settle
 from rewards.rubric import build as build_rubric
 
 # a worker's process or node died, or the result it produced was lost with its node
@@ -540,7 +540,7 @@ class Trainer:
         now = time.perf_counter()
         iteration_s = now - (self._last_row_t or t0)
         self._last_row_t = now
-        row = {"iteration": it, "policy_version": self.version, **summarise(trajs), **stats, **sync,
+        row = {"iteration": it, "policy_version": self.version, **batch_metrics(trajs), **stats, **sync,
                "rollout_s": rollout_s, "iteration_s": iteration_s, "staleness_max": staleness,
                **held_out, **self._judge_row, "worker_restarts": self.worker_restarts, "episodes_rerun": self.episodes_rerun,
                "episodes_trained": len(batch), "episodes_held": len(self._held),

@@ -17,7 +17,7 @@ with stop reason `infra_error` and the message; the batch and the worker carry o
 learner keeps such episodes out of its group statistics.
 
 The episodes' environments are reset and stepped concurrently on threads: sandboxed tools spend
-their time in subprocesses, remote environments (`envs.worker.RemoteEnv`) in Ray calls.
+their time in subprocesses, remote environments (`envs.env_worker.RemoteEnv`) in Ray calls.
 
 Partial rollouts (`continue_episodes` with a `token_budget`): once a call has generated its budget
 of tokens, the episodes still running are handed back suspended, their environments open, and the

@@ -47,7 +47,7 @@ address other than loopback, the server requires `api_key` (a bearer token, not 
 to start without one.
 
 Agent programs get these sessions from the rollout worker (envs/agent_program.py), and a session's
-calls become the episode's trajectory in rollout/agent_program.py.
+calls become the episode's trajectory in rollout/program_episodes.py.
 
 Not covered: token-by-token streaming (see above); continuous batching for engines that cannot be
 stepped (there a batch of calls is one engine call, and a call that arrives while one runs waits).

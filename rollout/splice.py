@@ -16,7 +16,7 @@ the ids the session actually had wherever it can:
    (an agent that sends back raw text): that call's ids, then the rest tokenised.
 3. otherwise the rendering, tokenised: the history was rewritten (edited messages, a template
    that drops earlier reasoning), and the call's prompt does not extend the earlier ids, which is
-   how the trajectory assembly (rollout/agent_program.py) sees it.
+   how the trajectory assembly (rollout/program_episodes.py) sees it.
 
 Needs a template that renders assistant messages as the generation header followed by the message
 and the end-of-turn token (every Hermes/ChatML-style template does).

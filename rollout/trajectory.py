@@ -159,7 +159,7 @@ class Trajectory:
     """Where each of the episode's training samples starts in `token_ids`, when it has more than one
     (empty: the episode is one token sequence). The agent loop under `window` or `compact` context
     management stores each context segment this way (rollout/context.py), and an agent program whose
-    history was rewritten between calls (rollout/agent_program.py) its calls' sequences, each its
+    history was rewritten between calls (rollout/program_episodes.py) its calls' sequences, each its
     call's prompt and completion; the learner trains each as a sequence of its own, with the
     episode's advantage."""
     context: str = ""
@@ -170,7 +170,7 @@ class Trajectory:
     replay can reproduce what environments did when it was written (rl/store.py SCHEMA_VERSION)."""
     judging: object = None
     """Transient, never stored: the judge's pending scores for the episode's judge parts, from the
-    rollout worker until the trainer applies the rubric (rollout/judge.py `ask`, `ask_groups`, `settle`)."""
+    rollout worker until the trainer applies the rubric (rollout/judge_actor.py `ask`, `ask_groups`, `settle`)."""
 
     @property
     def num_generated(self) -> int:

@@ -3,7 +3,7 @@ chat format and environment instances.
 
 A plain class; `RolloutWorkerActor` is its thin Ray shell, so the same code runs in-process in
 tests and debugging. Environments run in the worker's process, or, given `env_actors`, in
-EnvWorker actors (`envs/worker.py`), one slot per episode, spread over the actors round-robin.
+EnvWorker actors (`envs/env_worker.py`), one slot per episode, spread over the actors round-robin.
 
 Its calls may run at once, on threads of their own (the async schedule makes its actor threaded):
 the engine is a `SharedEngine` (rollout/engines/shared.py), whose thread batches the concurrent
@@ -29,7 +29,7 @@ import ray
 import envs
 from envs.config import EnvConfig
 from rollout.config import RolloutConfig
-from envs.worker import RemoteEnv
+from envs.env_worker import RemoteEnv
 from rollout.weights import CheckpointTensors, Manifest, iter_weights, merge_adapters
 from rollout.trajectory import Trajectory
 from rollout.agent_loop import continue_episodes
@@ -38,8 +38,8 @@ from rollout.chat import ChatFormat
 from rollout.engines import make_engine
 from rollout.engines.shared import SharedEngine
 from rollout.engines.base import Generation
-from rollout.judge import ask, ask_groups, settle
-from rollout.agent_program import run_agent_episodes
+from rollout.judge_actor import ask, ask_groups, settle
+from rollout.program_episodes import run_agent_episodes
 
 
 class StaleWorkerError(RuntimeError):
@@ -176,9 +176,6 @@ class RolloutWorker:
     def engine_busy_s(self) -> float:
         """Seconds the engine has spent in calls since the worker started (its utilisation)."""
         return self.engine.busy_s
-
-    def suspended_ids(self) -> list[str]:
-        return [ep.task.episode_id for ep in self.suspended]
 
     def make_env(self):
         if not self.env_actors:

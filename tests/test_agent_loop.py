@@ -196,7 +196,7 @@ def test_every_builtin_env_records_and_replays_through_the_loop(tokenizer, env_i
 
 def test_expert_episodes_through_env_worker_actors(tokenizer, ray_cluster):
     """The same loop with each episode's environment in a slot of an EnvWorker actor."""
-    from envs.worker import EnvWorkerActor, RemoteEnv
+    from envs.env_worker import EnvWorkerActor, RemoteEnv
     from longhorizon.replay import replay_episode
 
     chat = ChatFormat(tokenizer)

@@ -1,4 +1,4 @@
-"""Agent programs as environments (envs/agent_program.py) and their episodes (rollout/agent_program.py):
+"""Agent programs as environments (envs/agent_program.py) and their episodes (rollout/program_episodes.py):
 registration and kwargs checks, results, and the assembly of a session's recorded calls into one
 trajectory; on the real engine, an agent written with the `openai` client through the endpoint."""
 
@@ -11,7 +11,7 @@ import torch
 
 import envs
 from envs.agent_program import AgentResult, AgentTask, result_of, run_program
-from rollout.agent_program import assemble, run_agent_episodes
+from rollout.program_episodes import assemble, run_agent_episodes
 from rollout.chat import ChatFormat
 from rollout.openai_api import CallRecord
 from rollout.trajectory import EpisodeTask
@@ -242,7 +242,7 @@ def test_envs_check_runs_an_agent_program_without_a_model(tokenizer):
     import sys
 
     from envs.check import EnvCheckError
-    from rollout.agent_program import check_agent_program
+    from rollout.program_episodes import check_agent_program
 
     report = check_agent_program("agents/echo-v0", {"bonus": 1.0}, tokenizer, seed=4)
     assert report["calls"] == [2, 2, 2] and report["rewards"] == [2.0, 2.0, 2.0] and report["samples"] == [1, 1, 1]

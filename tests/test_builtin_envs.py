@@ -15,7 +15,7 @@ from conftest import REPO
 from envs.check import EnvCheckError, check_env
 from envs.sandbox import SandboxError
 from envs.tool_calls import format_tool_call as call
-from envs.worker import EnvWorker
+from envs.env_worker import EnvWorker
 
 BUILTIN = {  # id -> (constructor arguments for the test, milestones the expert reaches, its total reward)
     "tools/calculator-v0": ({}, {"product", "solved"}, 1.25),
@@ -209,7 +209,7 @@ def test_infra_errors_are_reported_not_raised():
 
 
 def test_env_worker_actor_steps_concurrently_and_survives_hostile_calls(ray_cluster):
-    from envs.worker import EnvWorkerActor
+    from envs.env_worker import EnvWorkerActor
 
     actor = EnvWorkerActor.remote("tools/shell-v0", {"timeout_s": 10})
     for slot in range(3):

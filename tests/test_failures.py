@@ -11,7 +11,7 @@ import pytest
 import envs
 from envs.tool_calls import format_tool_call as call
 from rl.store import TrajectoryStore
-from rl.episodes import summarise
+from rl.episodes import batch_metrics
 from rollout.agent_loop import run_episodes
 from rollout.chat import ChatFormat
 from rollout.expert import ExpertEngine
@@ -85,7 +85,7 @@ def test_every_kind_is_a_share_of_the_iteration_in_metrics(tokenizer):
                               lambda: envs.make("tools/calculator-v0", max_turns=2), "tools/calculator-v0",
                               [EpisodeTask(f"e{i}", 0, SEED, 0)], max_turns=2, max_new_tokens=64,
                               max_episode_tokens=4096)
-    row = summarise(trajs)
+    row = batch_metrics(trajs)
     assert {k: v for k, v in row.items() if k.startswith("failure/") and v} == {
         "failure/success": 0.25, "failure/no_tool_call": 0.75}
     assert sum(row[f"failure/{k}"] for k in FAILURE_KINDS) == pytest.approx(1.0)  # zeros included

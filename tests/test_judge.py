@@ -1,4 +1,4 @@
-"""LLM-as-judge reward parts (rewards/judge.py, rollout/judge.py): what the judge is asked, how its
+"""LLM-as-judge reward parts (rewards/judge.py, rollout/judge_actor.py): what the judge is asked, how its
 log-probs become a score, the score cache, the judged incident environment; on the real engine, a
 judge that ranks a good report above bad ones, a cache that answers without an engine, a dead judge
 that turns into infrastructure errors, and a training run whose judge scores `replay --rescore`
@@ -18,7 +18,7 @@ import envs
 from envs.tool_calls import format_tool_call as call
 from rewards.judge import LETTERS, Judge, JudgeCache, likelihood_score, rank_scores, verdict_score
 from rewards.rubric import build
-from rollout.judge import apply_rubric, ask, ask_groups, settle
+from rollout.judge_actor import apply_rubric, ask, ask_groups, settle
 from rollout.trajectory import Trajectory, Turn
 
 from conftest import REPO, started_trainer
@@ -182,7 +182,7 @@ def judge_path():
 def judge_actor(ray_cluster, judge_path, tmp_path_factory):
     """The packaged SmolLM2 as a judge in its own actor (vLLM keeps one engine per process: the
     test process may hold the session's policy engine)."""
-    from rollout.judge import JudgeActor
+    from rollout.judge_actor import JudgeActor
 
     cache = tmp_path_factory.mktemp("judge") / "judge_cache.jsonl"
     actor = JudgeActor.options(num_cpus=0.1).remote(judge_path, str(cache), name="smollm2")
@@ -192,7 +192,7 @@ def judge_actor(ray_cluster, judge_path, tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_real_judge_ranks_a_good_report_above_bad_ones_and_caches(judge_actor, judge_path):
-    from rollout.judge import JudgeScorer
+    from rollout.judge_actor import JudgeScorer
 
     actor, cache = judge_actor
     rubric = build([{"fn": "milestones"}, LIKELIHOOD])
@@ -242,7 +242,7 @@ def test_a_rank_judge_compares_a_group_and_rotations_cancel_its_position_bias(ju
 def test_a_dead_judge_makes_infrastructure_errors_and_a_restarted_one_scores(ray_cluster, judge_path, tmp_path):
     import ray
 
-    from rollout.judge import JudgeActor
+    from rollout.judge_actor import JudgeActor
 
     rubric = build([{"fn": "milestones"}, LIKELIHOOD])
     actor = JudgeActor.options(num_cpus=0.1, max_restarts=1).remote(judge_path, str(tmp_path / "c.jsonl"), name="smollm2")

@@ -13,7 +13,7 @@ import pytest
 from rewards.rubric import DEFAULT, FORMAT_FAILURES, build, length, well_formed
 from rl.credit import episode_turn_rewards
 from rollout.trajectory import TURN_FAILURES, Trajectory, Turn
-from rollout.judge import apply_rubric
+from rollout.judge_actor import apply_rubric
 
 from conftest import REPO
 
