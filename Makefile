@@ -9,7 +9,7 @@ RUN    ?= runs/quickstart
 DEMO   ?= runs/demo
 DEMO_LONG ?= runs/demo-long
 
-.PHONY: install malloc-dep system-deps demo demo-long quickstart test test-fast bench clean
+.PHONY: install malloc-dep system-deps demo demo-long quickstart lint test test-fast bench clean
 
 install: $(STAMP) malloc-dep
 	$(VENV)/bin/longhorizon policy pretrained smollm2-135m-instruct >/dev/null
@@ -78,7 +78,12 @@ quickstart: install
 	$(VENV)/bin/longhorizon plot $(RUN)
 	@echo "results: $(RUN) (metrics.jsonl, tensorboard/, trajectories/*.parquet, checkpoints/, viewer.html, plots/*.png); try: $(VENV)/bin/longhorizon inspect $(RUN) --episode i0-g0-e0"
 
-test: install system-deps
+# The formatter and the linter over the whole tree (pyproject's [tool.ruff]): `ruff format .` fixes the first.
+lint: install
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+test: install system-deps lint
 	$(PY) -m pytest -q -rs
 
 test-fast: install

@@ -48,24 +48,33 @@ def main() -> None:
     import vllm
     from rich.console import Console
 
-    from rl.tiny import make_tiny_qwen3_moe
     from rl.config import load_config
     from rl.ray_utils import init_ray
+    from rl.tiny import make_tiny_qwen3_moe
     from rl.trainer import Trainer
 
     tmp = Path(tempfile.mkdtemp(prefix="lh-bench-async-"))
     policy = make_tiny_qwen3_moe(tmp / "policy", seed=0)
-    common = [f"iterations={args.iterations}", f"policy.path={policy}", "rollout.num_workers=1",
-              "rollout.groups_per_iteration=2", "rollout.group_size=4", "rollout.max_turns=3",
-              f"env.kwargs={{max_turns: 3, step_latency_s: {args.step_latency}}}", "algo.entropy_coef=0.01"]
+    common = [
+        f"iterations={args.iterations}",
+        f"policy.path={policy}",
+        "rollout.num_workers=1",
+        "rollout.groups_per_iteration=2",
+        "rollout.group_size=4",
+        "rollout.max_turns=3",
+        f"env.kwargs={{max_turns: 3, step_latency_s: {args.step_latency}}}",
+        "algo.entropy_coef=0.01",
+    ]
     # (schedule, max staleness, learner threads): the learner shares this machine's cores with the engine,
     # which in async mode is busy while it trains, so async is also run with one learner thread
-    modes = {("sync", 0, 2): ["schedule.mode=sync", "algo.threads=2"],
-             ("sync", 0, 1): ["schedule.mode=sync", "algo.threads=1"],
-             ("async", 1, 2): ["schedule.mode=async", "schedule.max_staleness=1", "algo.threads=2"],
-             ("async", 2, 2): ["schedule.mode=async", "schedule.max_staleness=2", "algo.threads=2"],
-             ("async", 1, 1): ["schedule.mode=async", "schedule.max_staleness=1", "algo.threads=1"],
-             ("async", 2, 1): ["schedule.mode=async", "schedule.max_staleness=2", "algo.threads=1"]}
+    modes = {
+        ("sync", 0, 2): ["schedule.mode=sync", "algo.threads=2"],
+        ("sync", 0, 1): ["schedule.mode=sync", "algo.threads=1"],
+        ("async", 1, 2): ["schedule.mode=async", "schedule.max_staleness=1", "algo.threads=2"],
+        ("async", 2, 2): ["schedule.mode=async", "schedule.max_staleness=2", "algo.threads=2"],
+        ("async", 1, 1): ["schedule.mode=async", "schedule.max_staleness=1", "algo.threads=1"],
+        ("async", 2, 1): ["schedule.mode=async", "schedule.max_staleness=2", "algo.threads=1"],
+    }
     cfg0 = load_config(REPO / "configs" / "quickstart.yaml", common)
     init_ray(cfg0.ray)
     quiet = Console(stderr=True, quiet=True)
@@ -84,36 +93,68 @@ def main() -> None:
             finally:
                 trainer.close()
             per_min[mode].append(60 * len(rows) / wall)
-            details[mode].append({"wall_s": wall, "engine_busy": busy / wall, "train_s": sum(x.get("train_s", 0) for x in rows),
-                                  "rollout_wait_s": sum(x["rollout_s"] for x in rows),
-                                  "staleness_max": max(x["staleness_max"] for x in rows)})
-            print(f"run {r} {mode}: {per_min[mode][-1]:.2f} iterations/min", file=sys.stderr, flush=True)
+            details[mode].append(
+                {
+                    "wall_s": wall,
+                    "engine_busy": busy / wall,
+                    "train_s": sum(x.get("train_s", 0) for x in rows),
+                    "rollout_wait_s": sum(x["rollout_s"] for x in rows),
+                    "staleness_max": max(x["staleness_max"] for x in rows),
+                }
+            )
+            print(
+                f"run {r} {mode}: {per_min[mode][-1]:.2f} iterations/min",
+                file=sys.stderr,
+                flush=True,
+            )
 
     shutil.rmtree(tmp, ignore_errors=True)  # the runs were only measured, not kept
     med = {m: statistics.median(v) for m, v in per_min.items()}
-    s = max(v for m, v in med.items() if m[0] == "sync")  # the ratios are against the faster sync setting
+    s = max(
+        v for m, v in med.items() if m[0] == "sync"
+    )  # the ratios are against the faster sync setting
     best = max((m for m in med if m[0] == "async"), key=med.get)
-    result = {"sync_iter_per_min": s, "best_async": list(best), "ratio": med[best] / s,
-              "runs": {"-".join(map(str, m)): {"iter_per_min": med[m], "runs": d} for m, d in details.items()},
-              "step_latency_s": args.step_latency, "iterations": args.iterations, "repeats": args.repeats,
-              "versions": {"torch": torch.__version__, "vllm": vllm.__version__, "ray": ray.__version__,
-                           "python": platform.python_version()}}
+    result = {
+        "sync_iter_per_min": s,
+        "best_async": list(best),
+        "ratio": med[best] / s,
+        "runs": {
+            "-".join(map(str, m)): {"iter_per_min": med[m], "runs": d} for m, d in details.items()
+        },
+        "step_latency_s": args.step_latency,
+        "iterations": args.iterations,
+        "repeats": args.repeats,
+        "versions": {
+            "torch": torch.__version__,
+            "vllm": vllm.__version__,
+            "ray": ray.__version__,
+            "python": platform.python_version(),
+        },
+    }
     if args.json:
         print(json.dumps(result))
         return
-    print(f"# async vs sync: tiny Qwen3-MoE, 1 vLLM worker (concurrent rollouts in async), 8 episodes/iteration, calculator env with "
-          f"{args.step_latency:g} s per step; {args.iterations} iterations per run, median of {args.repeats} runs each")
-    print(f"# torch {torch.__version__}, vllm {vllm.__version__}, ray {ray.__version__}, {platform.machine()}\n")
-    print("| schedule | max_staleness | learner threads | iterations / min | learner s per run | rollout wait s per run "
-          "| engine busy | max staleness seen | vs the faster sync |")
+    print(
+        f"# async vs sync: tiny Qwen3-MoE, 1 vLLM worker (concurrent rollouts in async), 8 episodes/iteration, calculator env with "
+        f"{args.step_latency:g} s per step; {args.iterations} iterations per run, median of {args.repeats} runs each"
+    )
+    print(
+        f"# torch {torch.__version__}, vllm {vllm.__version__}, ray {ray.__version__}, {platform.machine()}\n"
+    )
+    print(
+        "| schedule | max_staleness | learner threads | iterations / min | learner s per run | rollout wait s per run "
+        "| engine busy | max staleness seen | vs the faster sync |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for mode, value in med.items():
         d = details[mode]
-        print(f"| {mode[0]} | {mode[1] if mode[0] == 'async' else '–'} | {mode[2]} | {value:.2f} | "
-              f"{statistics.median(x['train_s'] for x in d):.1f} | "
-              f"{statistics.median(x['rollout_wait_s'] for x in d):.1f} | "
-              f"{statistics.median(x['engine_busy'] for x in d):.0%} | {max(x['staleness_max'] for x in d)} | "
-              f"{value / s:.2f}× |")
+        print(
+            f"| {mode[0]} | {mode[1] if mode[0] == 'async' else '–'} | {mode[2]} | {value:.2f} | "
+            f"{statistics.median(x['train_s'] for x in d):.1f} | "
+            f"{statistics.median(x['rollout_wait_s'] for x in d):.1f} | "
+            f"{statistics.median(x['engine_busy'] for x in d):.0%} | {max(x['staleness_max'] for x in d)} | "
+            f"{value / s:.2f}× |"
+        )
 
 
 if __name__ == "__main__":

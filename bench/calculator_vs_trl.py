@@ -94,14 +94,35 @@ def held_out(policy: str, episodes: int, precision: str) -> dict:
     from rl.evaluate import evaluate_policy
 
     cfg = base_config(engines(precision))
-    summary, _ = evaluate_policy(policy, cfg.rollout, ENV, episodes, env_kwargs=dict(cfg.env.kwargs),
-                                 temperature=cfg.eval.temperature or None, seed=cfg.seed)
-    return {"success": summary["success"], "ci95": list(summary["ci95"]), "reward": summary["reward_mean"]}
+    summary, _ = evaluate_policy(
+        policy,
+        cfg.rollout,
+        ENV,
+        episodes,
+        env_kwargs=dict(cfg.env.kwargs),
+        temperature=cfg.eval.temperature or None,
+        seed=cfg.seed,
+    )
+    return {
+        "success": summary["success"],
+        "ci95": list(summary["ci95"]),
+        "reward": summary["reward_mean"],
+    }
 
 
 def held_out_in_child(policy: str, episodes: int, precision: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", "eval", "--policy", policy, "--episodes", str(episodes),
-           "--precision", precision]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        "eval",
+        "--policy",
+        policy,
+        "--episodes",
+        str(episodes),
+        "--precision",
+        precision,
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1800)
     if r.returncode != 0:
         raise RuntimeError(f"held-out evaluation of {policy} failed:\n{r.stderr[-3000:]}")
@@ -115,9 +136,20 @@ def run_ours(init: str, a, run_dir: str) -> dict:
     from rl.trainer import Trainer
 
     t0 = time.perf_counter()
-    cfg = base_config([f"policy.path={init}", "policy.pretrained=''", "warm_start.demos=0", "eval.every=0",
-                       f"eval.episodes={a.episodes}", f"iterations={a.max_steps}", "checkpoint_every=100000",
-                       f"learner.precision={a.precision}", *engines(a.precision), f"seed={a.seed}"])
+    cfg = base_config(
+        [
+            f"policy.path={init}",
+            "policy.pretrained=''",
+            "warm_start.demos=0",
+            "eval.every=0",
+            f"eval.episodes={a.episodes}",
+            f"iterations={a.max_steps}",
+            "checkpoint_every=100000",
+            f"learner.precision={a.precision}",
+            *engines(a.precision),
+            f"seed={a.seed}",
+        ]
+    )
     trainer = Trainer(cfg, run_dir, console=Console(stderr=True, quiet=True))
     trainer.start()
     startup = time.perf_counter() - t0
@@ -129,11 +161,19 @@ def run_ours(init: str, a, run_dir: str) -> dict:
             row = trainer.iteration(it)
             train_s += time.perf_counter() - t
             # where the step's wall time went: the wait for rollouts, the learner's update, the weight sync
-            step = {"step": it + 1, "train_s": train_s, "reward": row["mean_reward"], "rollout_s": row["rollout_s"],
-                    "learner_s": row.get("train_s", 0.0), "sync_s": row.get("sync_s", 0.0)}
+            step = {
+                "step": it + 1,
+                "train_s": train_s,
+                "reward": row["mean_reward"],
+                "rollout_s": row["rollout_s"],
+                "learner_s": row.get("train_s", 0.0),
+                "sync_s": row.get("sync_s", 0.0),
+            }
             if (it + 1) % a.eval_every == 0:
                 ev = trainer.evaluate()
-                step.update(success=ev["eval/success"], ci95=[ev["eval/ci95_low"], ev["eval/ci95_high"]])
+                step.update(
+                    success=ev["eval/success"], ci95=[ev["eval/ci95_low"], ev["eval/ci95_high"]]
+                )
             steps.append(step)
             print(f"ours: {step}", file=sys.stderr, flush=True)
             if step.get("success", -1) >= a.target:
@@ -141,7 +181,13 @@ def run_ours(init: str, a, run_dir: str) -> dict:
                 break
     finally:
         trainer.close()
-    return {"startup_s": startup, "seconds": hit, "steps": steps, "train_s": train_s, "malloc": malloc}
+    return {
+        "startup_s": startup,
+        "seconds": hit,
+        "steps": steps,
+        "train_s": train_s,
+        "malloc": malloc,
+    }
 
 
 def run_trl(init: str, a, run_dir: str) -> dict:
@@ -175,10 +221,13 @@ def run_trl(init: str, a, run_dir: str) -> dict:
     ours_prompt = ChatFormat(tok).prompt_ids([{"role": "user", "content": obs}], info["tools"])
     probe = environment()
     tools = [getattr(probe, s.name) for s in envs.env_class(ENV).tools]
-    trl_prompt = tok.apply_chat_template(data["prompt"][0], tools=tools, add_generation_prompt=True, tokenize=True,
-                                         return_dict=False)
+    trl_prompt = tok.apply_chat_template(
+        data["prompt"][0], tools=tools, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     if list(trl_prompt) != ours_prompt:
-        raise RuntimeError("TRL's first prompt differs from our loop's: the comparison would not be like for like")
+        raise RuntimeError(
+            "TRL's first prompt differs from our loop's: the comparison would not be like for like"
+        )
     model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32)
     model.config.output_router_logits = False  # see the docstring: no router loss on either side
 
@@ -201,7 +250,11 @@ def run_trl(init: str, a, run_dir: str) -> dict:
 
         def on_step_end(self, args, st, control, model=None, **kw):
             state["train_s"] += time.perf_counter() - state["begin"]
-            step = {"step": st.global_step, "train_s": state["train_s"], "generate_s": state["generate_s"]}
+            step = {
+                "step": st.global_step,
+                "train_s": state["train_s"],
+                "generate_s": state["generate_s"],
+            }
             state["generate_s"] = 0.0
             if st.global_step % a.eval_every == 0:
                 ckpt = Path(run_dir) / f"step-{st.global_step}"
@@ -221,23 +274,54 @@ def run_trl(init: str, a, run_dir: str) -> dict:
 
     groups = r.groups_per_iteration
     args = GRPOConfig(
-        output_dir=run_dir, per_device_train_batch_size=groups * r.group_size, num_generations=r.group_size,
-        gradient_accumulation_steps=1, max_completion_length=r.max_episode_tokens - len(ours_prompt),
-        generation_kwargs={"max_new_tokens": r.max_new_tokens}, max_tool_calling_iterations=r.max_turns - 1,
-        learning_rate=algo.lr, beta=0.0, loss_type="dapo", temperature=r.temperature, top_p=r.top_p,
-        num_iterations=1, max_steps=a.max_steps, logging_steps=1, report_to="none", save_strategy="no", use_cpu=True,
-        bf16=a.precision == "bf16", seed=cfg.seed, shuffle_dataset=False, lr_scheduler_type="constant", warmup_steps=0,
-        weight_decay=algo.weight_decay, max_grad_norm=algo.max_grad_norm, router_aux_loss_coef=0.0,
-        disable_tqdm=True, log_completions=False,
+        output_dir=run_dir,
+        per_device_train_batch_size=groups * r.group_size,
+        num_generations=r.group_size,
+        gradient_accumulation_steps=1,
+        max_completion_length=r.max_episode_tokens - len(ours_prompt),
+        generation_kwargs={"max_new_tokens": r.max_new_tokens},
+        max_tool_calling_iterations=r.max_turns - 1,
+        learning_rate=algo.lr,
+        beta=0.0,
+        loss_type="dapo",
+        temperature=r.temperature,
+        top_p=r.top_p,
+        num_iterations=1,
+        max_steps=a.max_steps,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=a.precision == "bf16",
+        seed=cfg.seed,
+        shuffle_dataset=False,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=algo.weight_decay,
+        max_grad_norm=algo.max_grad_norm,
+        router_aux_loss_coef=0.0,
+        disable_tqdm=True,
+        log_completions=False,
     )
-    trainer = GRPOTrainer(model=model, args=args, processing_class=tok, train_dataset=Dataset.from_dict(data),
-                          environment_factory=environment, callbacks=[Watch()])
+    trainer = GRPOTrainer(
+        model=model,
+        args=args,
+        processing_class=tok,
+        train_dataset=Dataset.from_dict(data),
+        environment_factory=environment,
+        callbacks=[Watch()],
+    )
     startup = time.perf_counter() - t0
     trainer.train()
     from rl.allocator import in_use
 
-    return {"startup_s": startup, "seconds": state["hit"], "steps": state["steps"], "train_s": state["train_s"],
-            "malloc": in_use()}
+    return {
+        "startup_s": startup,
+        "seconds": state["hit"],
+        "steps": state["steps"],
+        "train_s": state["train_s"],
+        "malloc": in_use(),
+    }
 
 
 def machine_gflops(policy: str, precision: str) -> float:
@@ -245,15 +329,17 @@ def machine_gflops(policy: str, precision: str) -> float:
     learners' threads (its speed drifts on a shared host: taken before and after each side, so a
     drift between the two sides shows beside their ratio)."""
     import torch
-
     from learner_throughput import matmul_gflops
 
     shape = json.loads((Path(policy) / "config.json").read_text())
     threads = torch.get_num_threads()
     torch.set_num_threads(base_config().algo.threads)
     try:
-        return matmul_gflops(shape["hidden_size"], shape["intermediate_size"],
-                             torch.bfloat16 if precision == "bf16" else torch.float32)
+        return matmul_gflops(
+            shape["hidden_size"],
+            shape["intermediate_size"],
+            torch.bfloat16 if precision == "bf16" else torch.float32,
+        )
     finally:
         torch.set_num_threads(threads)
 
@@ -262,9 +348,28 @@ def measure(side: str, init: str, a, seed: int) -> dict:
     from rl.allocator import actor_env
 
     with tempfile.TemporaryDirectory() as d:
-        cmd = [sys.executable, __file__, "--child", side, "--policy", init, "--run-dir", str(Path(d) / "run"),
-               "--target", str(a.target), "--max-steps", str(a.max_steps), "--eval-every", str(a.eval_every),
-               "--episodes", str(a.episodes), "--precision", a.precision, "--seed", str(seed)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            side,
+            "--policy",
+            init,
+            "--run-dir",
+            str(Path(d) / "run"),
+            "--target",
+            str(a.target),
+            "--max-steps",
+            str(a.max_steps),
+            "--eval-every",
+            str(a.eval_every),
+            "--episodes",
+            str(a.episodes),
+            "--precision",
+            a.precision,
+            "--seed",
+            str(seed),
+        ]
         # TRL's process gets the malloc our learner actor gets (rl/allocator.py: tcmalloc where installed):
         # an allocator is the machine's setting, not the framework's
         env = {**os.environ, **actor_env("auto")} if side == "trl" else None
@@ -290,15 +395,29 @@ def plot(seeds: dict, start: dict, target: float, path: str) -> None:
     for k, (seed, runs) in enumerate(seeds.items()):
         for side, res in runs.items():
             pts = [(0.0, start["success"], *start["ci95"])] + [
-                (s["train_s"], s["success"], *s["ci95"]) for s in res["steps"] if "success" in s]
+                (s["train_s"], s["success"], *s["ci95"]) for s in res["steps"] if "success" in s
+            ]
             x, y, lo, hi = zip(*pts)
             label = f"{side}: held-out success" + ("" if one else f", seed {seed}")
-            ax.plot(x, y, marker="o", color=colours[side], linestyle=styles[k % len(styles)], label=label)
+            ax.plot(
+                x,
+                y,
+                marker="o",
+                color=colours[side],
+                linestyle=styles[k % len(styles)],
+                label=label,
+            )
             if one:
                 ax.fill_between(x, lo, hi, alpha=0.15, color=colours[side])
                 rs = [(s["train_s"], s["reward"]) for s in res["steps"] if "reward" in s]
                 if rs:
-                    ax.plot(*zip(*rs), linestyle="--", color=colours[side], alpha=0.6, label=f"{side}: train reward")
+                    ax.plot(
+                        *zip(*rs),
+                        linestyle="--",
+                        color=colours[side],
+                        alpha=0.6,
+                        label=f"{side}: train reward",
+                    )
     ax.axhline(target, color="grey", linewidth=1, alpha=0.6, label="target")
     ax.set_xlabel("training wall seconds (start-up and evaluation excluded)")
     ax.set_ylabel("held-out success / train reward" if one else "held-out success")
@@ -344,12 +463,14 @@ def per_step(res: dict) -> float:
 def step_split(o: dict, t: dict, precision: str) -> str:
     n = max(1, len(o["steps"]))
     part = lambda k: sum(s.get(k, 0.0) for s in o["steps"]) / n  # noqa: E731
-    return (f"Our step's wall time, mean over its {len(o['steps'])} steps: rollout {part('rollout_s'):.1f} s, "
-            f"learner update {part('learner_s'):.1f} s, weight sync {part('sync_s'):.1f} s; TRL's, over its "
-            f"{len(t['steps'])}: generation (its `generate` calls) "
-            f"{sum(s['generate_s'] for s in t['steps']) / max(1, len(t['steps'])):.1f} s. This machine's {precision} "
-            f"matmul GFLOP/s at the policy's shape, before and after each side: ours {o['gflops'][0]:.0f} → "
-            f"{o['gflops'][1]:.0f}, TRL {t['gflops'][0]:.0f} → {t['gflops'][1]:.0f}.")
+    return (
+        f"Our step's wall time, mean over its {len(o['steps'])} steps: rollout {part('rollout_s'):.1f} s, "
+        f"learner update {part('learner_s'):.1f} s, weight sync {part('sync_s'):.1f} s; TRL's, over its "
+        f"{len(t['steps'])}: generation (its `generate` calls) "
+        f"{sum(s['generate_s'] for s in t['steps']) / max(1, len(t['steps'])):.1f} s. This machine's {precision} "
+        f"matmul GFLOP/s at the policy's shape, before and after each side: ours {o['gflops'][0]:.0f} → "
+        f"{o['gflops'][1]:.0f}, TRL {t['gflops'][0]:.0f} → {t['gflops'][1]:.0f}."
+    )
 
 
 def report(seeds: dict, start: dict, a) -> None:
@@ -361,47 +482,72 @@ def report(seeds: dict, start: dict, a) -> None:
 
     fmt = lambda x: f"{x:.0f}" if x is not None else f"not reached in {a.max_steps} steps"  # noqa: E731
     first = next(iter(seeds.values()))
-    where = "training seed" + (f" {a.seeds[0]}" if len(a.seeds) == 1 else f"s {', '.join(map(str, a.seeds))}")
-    print(f"# time to held-out success ≥ {a.target} on {ENV} ({a.episodes} held-out episodes every {a.eval_every} "
-          f"steps), {where}, SmolLM2-135M upcycled to 4 experts top-1, {a.precision} learners"
-          f"{' and engines' if a.precision == 'bf16' else ''}, from one warm start (held-out success "
-          f"{start['success']:.2f} [{start['ci95'][0]:.2f}, {start['ci95'][1]:.2f}]); 3×8 episodes of ≤ 4 turns per "
-          f"step; learners' malloc: ours {first['ours']['malloc']}, TRL {first['trl']['malloc']}")
+    where = "training seed" + (
+        f" {a.seeds[0]}" if len(a.seeds) == 1 else f"s {', '.join(map(str, a.seeds))}"
+    )
+    print(
+        f"# time to held-out success ≥ {a.target} on {ENV} ({a.episodes} held-out episodes every {a.eval_every} "
+        f"steps), {where}, SmolLM2-135M upcycled to 4 experts top-1, {a.precision} learners"
+        f"{' and engines' if a.precision == 'bf16' else ''}, from one warm start (held-out success "
+        f"{start['success']:.2f} [{start['ci95'][0]:.2f}, {start['ci95'][1]:.2f}]); 3×8 episodes of ≤ 4 turns per "
+        f"step; learners' malloc: ours {first['ours']['malloc']}, TRL {first['trl']['malloc']}"
+    )
     print(f"# torch {torch.__version__}, vllm {vllm.__version__}, trl {trl.__version__}\n")
 
     def last(res):
         ev = [s for s in res["steps"] if "success" in s][-1:]
-        return f"{ev[0]['success']:.2f} [{ev[0]['ci95'][0]:.2f}, {ev[0]['ci95'][1]:.2f}]" if ev else "-"
+        return (
+            f"{ev[0]['success']:.2f} [{ev[0]['ci95'][0]:.2f}, {ev[0]['ci95'][1]:.2f}]"
+            if ev
+            else "-"
+        )
 
     if len(seeds) == 1:
         o, t = first["ours"], first["trl"]
-        print("| loop | seconds to target | steps | s / step | held-out success at the end | start-up s | TRL s / ours s |")
+        print(
+            "| loop | seconds to target | steps | s / step | held-out success at the end | start-up s | TRL s / ours s |"
+        )
         print("| --- | ---: | ---: | ---: | --- | ---: | ---: |")
-        for name, res, r in (("ours (Ray + vLLM + learner + sync)", o, speedup(o, t)[1]),
-                             ("TRL GRPOTrainer (HF generate, its tool loop)", t, "1.00×")):
-            print(f"| {name} | {fmt(res['seconds'])} | {len(res['steps'])} | {per_step(res):.1f} | {last(res)} | "
-                  f"{res['startup_s']:.1f} | {r} |")
-        print(f"\nPer step, TRL's s / ours: {per_step(t) / per_step(o):.2f}×. {step_split(o, t, a.precision)}")
+        for name, res, r in (
+            ("ours (Ray + vLLM + learner + sync)", o, speedup(o, t)[1]),
+            ("TRL GRPOTrainer (HF generate, its tool loop)", t, "1.00×"),
+        ):
+            print(
+                f"| {name} | {fmt(res['seconds'])} | {len(res['steps'])} | {per_step(res):.1f} | {last(res)} | "
+                f"{res['startup_s']:.1f} | {r} |"
+            )
+        print(
+            f"\nPer step, TRL's s / ours: {per_step(t) / per_step(o):.2f}×. {step_split(o, t, a.precision)}"
+        )
         return
-    print("| training seed | ours: seconds to target | steps | s / step | TRL: seconds to target | steps | s / step "
-          "| time to target, TRL / ours | per step, TRL / ours |")
+    print(
+        "| training seed | ours: seconds to target | steps | s / step | TRL: seconds to target | steps | s / step "
+        "| time to target, TRL / ours | per step, TRL / ours |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     ratios = []
     for seed, runs in seeds.items():
         o, t = runs["ours"], runs["trl"]
         ratios.append(speedup(o, t))
-        print(f"| {seed} | {fmt(o['seconds'])} | {len(o['steps'])} | {per_step(o):.1f} | {fmt(t['seconds'])} | "
-              f"{len(t['steps'])} | {per_step(t):.1f} | {ratios[-1][1]} | {per_step(t) / per_step(o):.2f}× |")
+        print(
+            f"| {seed} | {fmt(o['seconds'])} | {len(o['steps'])} | {per_step(o):.1f} | {fmt(t['seconds'])} | "
+            f"{len(t['steps'])} | {per_step(t):.1f} | {ratios[-1][1]} | {per_step(t) / per_step(o):.2f}× |"
+        )
     med = statistics.median
     os_, ts_ = [r["ours"] for r in seeds.values()], [r["trl"] for r in seeds.values()]
-    print(f"| median | | {med([len(o['steps']) for o in os_]):g} | {med([per_step(o) for o in os_]):.1f} | | "
-          f"{med([len(t['steps']) for t in ts_]):g} | {med([per_step(t) for t in ts_]):.1f} | {median_text(ratios)} | "
-          f"{med([per_step(t) / per_step(o) for o, t in zip(os_, ts_)]):.2f}× |")
+    print(
+        f"| median | | {med([len(o['steps']) for o in os_]):g} | {med([per_step(o) for o in os_]):.1f} | | "
+        f"{med([len(t['steps']) for t in ts_]):g} | {med([per_step(t) for t in ts_]):.1f} | {median_text(ratios)} | "
+        f"{med([per_step(t) / per_step(o) for o, t in zip(os_, ts_)]):.2f}× |"
+    )
     print()
     for seed, runs in seeds.items():
-        print(f"Seed {seed}: held-out success at the end, ours {last(runs['ours'])} and TRL {last(runs['trl'])}; "
-              f"start-up ours {runs['ours']['startup_s']:.1f} s, TRL {runs['trl']['startup_s']:.1f} s. "
-              + step_split(runs["ours"], runs["trl"], a.precision) + "\n")
+        print(
+            f"Seed {seed}: held-out success at the end, ours {last(runs['ours'])} and TRL {last(runs['trl'])}; "
+            f"start-up ours {runs['ours']['startup_s']:.1f} s, TRL {runs['trl']['startup_s']:.1f} s. "
+            + step_split(runs["ours"], runs["trl"], a.precision)
+            + "\n"
+        )
 
 
 def main() -> None:
@@ -410,12 +556,24 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=12)
     ap.add_argument("--eval-every", type=int, default=2)
     ap.add_argument("--episodes", type=int, default=100, help="held-out episodes per evaluation")
-    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
-                    help="both learners' precision; bf16 also puts our engines (and the evaluator) in bf16")
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0],
-                    help="training seeds, one run of each side per seed (its tasks, their order, the sampling); the "
-                         "warm start and the held-out episodes are the same for every seed; several: the median too")
-    ap.add_argument("--init", help="a warm-started checkpoint to start both from (default: made here, as the demo does)")
+    ap.add_argument(
+        "--precision",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="both learners' precision; bf16 also puts our engines (and the evaluator) in bf16",
+    )
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="training seeds, one run of each side per seed (its tasks, their order, the sampling); the "
+        "warm start and the held-out episodes are the same for every seed; several: the median too",
+    )
+    ap.add_argument(
+        "--init",
+        help="a warm-started checkpoint to start both from (default: made here, as the demo does)",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--plot", help="write held-out success against training wall time to this PNG")
     ap.add_argument("--child", choices=["ours", "trl", "eval"], help=argparse.SUPPRESS)
@@ -431,19 +589,28 @@ def main() -> None:
         print(json.dumps(fn(a.policy, a, a.run_dir)))
         return
     if len(set(a.seeds)) != len(a.seeds):
-        ap.error(f"--seeds repeats a seed ({a.seeds}): every seed is fixed, a repeat is the same run")
+        ap.error(
+            f"--seeds repeats a seed ({a.seeds}): every seed is fixed, a repeat is the same run"
+        )
 
     with tempfile.TemporaryDirectory() as d:
         t = time.perf_counter()
         init = a.init or make_warm_start(Path(d) / "warm")
         warm_s = time.perf_counter() - t
         start = held_out_in_child(init, a.episodes, a.precision)
-        print(f"start: held-out success {start['success']:.3f} {start['ci95']}", file=sys.stderr, flush=True)
+        print(
+            f"start: held-out success {start['success']:.3f} {start['ci95']}",
+            file=sys.stderr,
+            flush=True,
+        )
         seeds = {}
         for seed in a.seeds:
             seeds[seed] = {side: measure(side, init, a, seed) for side in ("ours", "trl")}
-            print(f"seed {seed}: {speedup(seeds[seed]['ours'], seeds[seed]['trl'])[1]} to target", file=sys.stderr,
-                  flush=True)
+            print(
+                f"seed {seed}: {speedup(seeds[seed]['ours'], seeds[seed]['trl'])[1]} to target",
+                file=sys.stderr,
+                flush=True,
+            )
     if a.plot:
         plot(seeds, start, a.target, a.plot)
     if a.json:
@@ -451,9 +618,17 @@ def main() -> None:
         import trl
         import vllm
 
-        versions = {"torch": torch.__version__, "vllm": vllm.__version__, "trl": trl.__version__,
-                    "python": platform.python_version()}
-        print(json.dumps({"start": start, "seeds": seeds, "warm_start_s": warm_s, "versions": versions}))
+        versions = {
+            "torch": torch.__version__,
+            "vllm": vllm.__version__,
+            "trl": trl.__version__,
+            "python": platform.python_version(),
+        }
+        print(
+            json.dumps(
+                {"start": start, "seeds": seeds, "warm_start_s": warm_s, "versions": versions}
+            )
+        )
         return
     report(seeds, start, a)
 

@@ -60,7 +60,10 @@ def reader(address, entries, expected, to_learner, from_learner, out) -> None:
     from rollout.shared_memory import SlabReader, view, written_version
 
     slab = SlabReader().open(address)
-    params = [torch.empty(ref.shape, dtype=getattr(torch, ref.dtype), device=slab.device) for _, ref in entries]
+    params = [
+        torch.empty(ref.shape, dtype=getattr(torch, ref.dtype), device=slab.device)
+        for _, ref in entries
+    ]
     for dst, (_, ref) in zip(params, entries):  # a warm-up load (the engine's first)
         dst.copy_(view(slab, ref))
     _sync(slab.device)
@@ -69,12 +72,21 @@ def reader(address, entries, expected, to_learner, from_learner, out) -> None:
         dst.copy_(view(slab, ref))
     _sync(slab.device)
     load_s = time.perf_counter() - t0
-    wrong = [name for (name, _), dst, want in zip(entries, params, expected) if _bits_sum(dst) != want]
+    wrong = [
+        name for (name, _), dst, want in zip(entries, params, expected) if _bits_sum(dst) != want
+    ]
     seen = written_version(slab)
     to_learner.put("rewrite")  # the learner starts the next version in this slab now
     from_learner.get(timeout=120)
-    out.put({"load_s": load_s, "copy_s": _copy_seconds(sum(p.nbytes for p in params), slab.device),
-             "wrong": wrong, "version_seen": seen, "version_after_rewrite": written_version(slab)})
+    out.put(
+        {
+            "load_s": load_s,
+            "copy_s": _copy_seconds(sum(p.nbytes for p in params), slab.device),
+            "wrong": wrong,
+            "version_seen": seen,
+            "version_after_rewrite": written_version(slab),
+        }
+    )
 
 
 def main() -> int:
@@ -97,9 +109,16 @@ def main() -> int:
     from rl.weight_source import _untied
 
     device = torch.device("cpu") if a.cpu else torch.device("cuda", 0)
-    cfg = MixtralConfig(vocab_size=32000, hidden_size=a.hidden, intermediate_size=2 * a.hidden,
-                        num_hidden_layers=a.layers, num_attention_heads=16, num_key_value_heads=4,
-                        num_local_experts=a.experts, num_experts_per_tok=2)
+    cfg = MixtralConfig(
+        vocab_size=32000,
+        hidden_size=a.hidden,
+        intermediate_size=2 * a.hidden,
+        num_hidden_layers=a.layers,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        num_local_experts=a.experts,
+        num_experts_per_tok=2,
+    )
     model = MixtralForCausalLM(cfg).to(device)
     lm = CausalLM(model, "hf")
     named = list(_untied((n, t.detach()) for n, t in model.state_dict().items()))
@@ -114,30 +133,49 @@ def main() -> int:
     publish(1)  # a warm-up (the slab's allocation)
     pub.release(1)
     plan, entries, publish_s = publish(2)
-    expected = [_bits_sum(t) for _, t in lm.checkpoint_names((n, t.to(torch.bfloat16)) for n, t in named)]
+    expected = [
+        _bits_sum(t) for _, t in lm.checkpoint_names((n, t.to(torch.bfloat16)) for n, t in named)
+    ]
     ctx = mp.get_context("spawn")
     to_learner, from_learner, out = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    p = ctx.Process(target=reader, args=(plan["shared"], entries, expected, to_learner, from_learner, out))
+    p = ctx.Process(
+        target=reader, args=(plan["shared"], entries, expected, to_learner, from_learner, out)
+    )
     p.start()
     to_learner.get(timeout=300)
     pub.release(2)
-    pub.plan(3, 256, iter(named), device)  # marks the slab -1 (being written): the reader must see it
+    pub.plan(
+        3, 256, iter(named), device
+    )  # marks the slab -1 (being written): the reader must see it
     from_learner.put("done")
     r = out.get(timeout=300)
     p.join(60)
     nbytes = sum(plan["bytes"])
     copy_s = _copy_seconds(nbytes, device)
     where = "host memory (--cpu)" if a.cpu else torch.cuda.get_device_name(device)
-    print(f"# CUDA IPC weight sync on {where}: Mixtral-style MoE, hidden {a.hidden}, "
-          f"{a.layers} layers, {a.experts} experts, fp32 learner, bf16 engine; {len(entries)} tensors, {nbytes / 2**20:,.0f} MiB\n")
+    print(
+        f"# CUDA IPC weight sync on {where}: Mixtral-style MoE, hidden {a.hidden}, "
+        f"{a.layers} layers, {a.experts} experts, fp32 learner, bf16 engine; {len(entries)} tensors, {nbytes / 2**20:,.0f} MiB\n"
+    )
     print("| step | s | one device copy of the bytes s | ratio |")
     print("| --- | ---: | ---: | ---: |")
-    print(f"| publish (the cast into the slab) | {publish_s:.4f} | {copy_s:.4f} | {publish_s / copy_s:.1f}× |")
-    print(f"| load in the other process (copies into its tensors) | {r['load_s']:.4f} | {r['copy_s']:.4f} | "
-          f"{r['load_s'] / r['copy_s']:.1f}× |")
-    print(f"\ntensors whose bits differ: {len(r['wrong'])}; header read {r['version_seen']} (want 2), "
-          f"after the learner began version 3: {r['version_after_rewrite']} (want -1)")
-    ok = not r["wrong"] and r["version_seen"] == 2 and r["version_after_rewrite"] == -1 and p.exitcode == 0
+    print(
+        f"| publish (the cast into the slab) | {publish_s:.4f} | {copy_s:.4f} | {publish_s / copy_s:.1f}× |"
+    )
+    print(
+        f"| load in the other process (copies into its tensors) | {r['load_s']:.4f} | {r['copy_s']:.4f} | "
+        f"{r['load_s'] / r['copy_s']:.1f}× |"
+    )
+    print(
+        f"\ntensors whose bits differ: {len(r['wrong'])}; header read {r['version_seen']} (want 2), "
+        f"after the learner began version 3: {r['version_after_rewrite']} (want -1)"
+    )
+    ok = (
+        not r["wrong"]
+        and r["version_seen"] == 2
+        and r["version_after_rewrite"] == -1
+        and p.exitcode == 0
+    )
     return 0 if ok else 1
 
 

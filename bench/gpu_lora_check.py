@@ -19,7 +19,6 @@ once fully fine-tuned, on the same batch (24 episodes of calculator length, one 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -38,17 +37,29 @@ def measure(path: str, device: str, lora: bool, episodes: int, length: int, step
     from rl.learner import Learner
 
     torch.manual_seed(0)
-    lrn = Learner(path, algo(minibatch_episodes=episodes, lr=2e-4 if lora else 1e-5), device=device,
-                  precision="bf16", lora=LoraConfig(enabled=lora))
+    lrn = Learner(
+        path,
+        algo(minibatch_episodes=episodes, lr=2e-4 if lora else 1e-5),
+        device=device,
+        precision="bf16",
+        lora=LoraConfig(enabled=lora),
+    )
     b = batch(episodes, length, SMOLLM2_MOE["vocab_size"])
-    step_s, stats = timed_steps(lrn, b, steps, device)  # the warm-up step also moves the adapters off zero
+    step_s, stats = timed_steps(
+        lrn, b, steps, device
+    )  # the warm-up step also moves the adapters off zero
     t0 = time.perf_counter()
     payload = list(lrn.engine_factors()) if lora else lrn.weights()
     produce_s = time.perf_counter() - t0
-    out = {"check": "lora" if lora else "full", "ok": stats["loss"] == stats["loss"], "step_s": step_s,
-           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device != "cpu" else None,
-           "trainable_params": stats["trainable_params"], "sync_mib": sum(a.nbytes for _, a in payload) / 2**20,
-           "sync_produce_s": produce_s}
+    out = {
+        "check": "lora" if lora else "full",
+        "ok": stats["loss"] == stats["loss"],
+        "step_s": step_s,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device != "cpu" else None,
+        "trainable_params": stats["trainable_params"],
+        "sync_mib": sum(a.nbytes for _, a in payload) / 2**20,
+        "sync_produce_s": produce_s,
+    }
     if lora:
         out.update(exactness(path, lrn, payload, b[:4], device))
     return out
@@ -69,19 +80,36 @@ def exactness(path: str, lrn, payload, episodes, device: str) -> dict:
     engine.load_state_dict(merged_state(lrn.model), strict=True)
     ids = torch.tensor([t.token_ids for t in episodes], device=device)
     gaps = {}
-    for precision in ("fp32", "bf16"):  # fp32: the sync's exactness; bf16: what autocast adds on top
+    for precision in (
+        "fp32",
+        "bf16",
+    ):  # fp32: the sync's exactness; bf16: what autocast adds on top
         lps = []
-        with torch.no_grad(), torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16,
-                                             enabled=precision == "bf16"):
+        with (
+            torch.no_grad(),
+            torch.autocast(
+                device_type=torch.device(device).type,
+                dtype=torch.bfloat16,
+                enabled=precision == "bf16",
+            ),
+        ):
             for model in (lrn.model, engine):
                 logits = model(ids).logits.float()
-                lps.append(torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0])
+                lps.append(
+                    torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+                )
         gaps[precision] = (lps[0] - lps[1]).abs()
     moved = sum(1 for n in merged if not torch.equal(merged[n], CheckpointTensors(path)[n]))
-    return {"merged_tensors": len(merged), "tensors_moved": moved, "merge_s": merge_s,
-            "merged_weight_diff_max": weight_diff, "logprob_gap_max_fp32": float(gaps["fp32"].max()),
-            "logprob_gap_mean_bf16": float(gaps["bf16"].mean()), "logprob_gap_max_bf16": float(gaps["bf16"].max()),
-            "ok": weight_diff < 1e-5 and float(gaps["fp32"].max()) < 1e-3 and moved > 0}
+    return {
+        "merged_tensors": len(merged),
+        "tensors_moved": moved,
+        "merge_s": merge_s,
+        "merged_weight_diff_max": weight_diff,
+        "logprob_gap_max_fp32": float(gaps["fp32"].max()),
+        "logprob_gap_mean_bf16": float(gaps["bf16"].mean()),
+        "logprob_gap_max_bf16": float(gaps["bf16"].max()),
+        "ok": weight_diff < 1e-5 and float(gaps["fp32"].max()) < 1e-3 and moved > 0,
+    }
 
 
 def main() -> int:
@@ -98,22 +126,30 @@ def main() -> int:
         print(json.dumps(rows[-1]), flush=True)
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     lo, full = rows
-    print(f"\n# LoRA vs full fine-tuning on {name}, torch {torch.__version__}; SmolLM2-135M upcycled to 4 experts "
-          f"top-1 (random weights), bf16 autocast, {a.episodes} episodes × {a.length} tokens, one optimiser step\n")
+    print(
+        f"\n# LoRA vs full fine-tuning on {name}, torch {torch.__version__}; SmolLM2-135M upcycled to 4 experts "
+        f"top-1 (random weights), bf16 autocast, {a.episodes} episodes × {a.length} tokens, one optimiser step\n"
+    )
     print("| run | trainable params | step s | peak GiB | MiB per sync | s to produce it |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for label, r in (("LoRA r=8 (attention + experts)", lo), ("full fine-tuning", full)):
         peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "–"
-        print(f"| {label} | {r['trainable_params']:,} | {r['step_s']:.3f} | {peak} | {r['sync_mib']:.1f} | "
-              f"{r['sync_produce_s']:.2f} |")
+        print(
+            f"| {label} | {r['trainable_params']:,} | {r['step_s']:.3f} | {peak} | {r['sync_mib']:.1f} | "
+            f"{r['sync_produce_s']:.2f} |"
+        )
     peak = f"{lo['peak_gib'] / full['peak_gib']:.2f}×" if lo["peak_gib"] else "–"
-    print(f"| LoRA / full | {lo['trainable_params'] / full['trainable_params']:.4f}× | {lo['step_s'] / full['step_s']:.2f}× | "
-          f"{peak} | {lo['sync_mib'] / full['sync_mib']:.4f}× | |")
-    print(f"\nAdapter sync exactness: {lo['merged_tensors']} served tensors merged ({lo['tensors_moved']} changed) in "
-          f"{lo['merge_s']:.2f} s on the rollout side; largest difference from the learner's merged weights "
-          f"{lo['merged_weight_diff_max']:.2e}; log-prob gap adapted learner vs the merged model "
-          f"{lo['logprob_gap_max_fp32']:.1e} max in fp32; under bf16 autocast (different rounding of W·x + B·A·x "
-          f"and (W + B·A)·x) {lo['logprob_gap_mean_bf16']:.4f} mean, {lo['logprob_gap_max_bf16']:.3f} max.")
+    print(
+        f"| LoRA / full | {lo['trainable_params'] / full['trainable_params']:.4f}× | {lo['step_s'] / full['step_s']:.2f}× | "
+        f"{peak} | {lo['sync_mib'] / full['sync_mib']:.4f}× | |"
+    )
+    print(
+        f"\nAdapter sync exactness: {lo['merged_tensors']} served tensors merged ({lo['tensors_moved']} changed) in "
+        f"{lo['merge_s']:.2f} s on the rollout side; largest difference from the learner's merged weights "
+        f"{lo['merged_weight_diff_max']:.2e}; log-prob gap adapted learner vs the merged model "
+        f"{lo['logprob_gap_max_fp32']:.1e} max in fp32; under bf16 autocast (different rounding of W·x + B·A·x "
+        f"and (W + B·A)·x) {lo['logprob_gap_mean_bf16']:.4f} mean, {lo['logprob_gap_max_bf16']:.3f} max."
+    )
     return 0 if all(r["ok"] for r in rows) else 1
 
 

@@ -56,7 +56,11 @@ def check(name: str, make, parallelize, forward, vocab: int) -> bool:
     from policy.parallelize import gather_full_state
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and CUDA else torch.device("cpu")
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available() and CUDA
+        else torch.device("cpu")
+    )
     g = torch.Generator().manual_seed(3)
     batch = torch.randint(2, vocab, (4 * world, 48), generator=g).to(device)
     total = batch.shape[0] * (batch.shape[1] - 1)
@@ -70,10 +74,24 @@ def check(name: str, make, parallelize, forward, vocab: int) -> bool:
     worst = max(float((state[k].float() - ref[k].float()).abs().max()) for k in ref)
     ok = abs(loss - ref_loss) < 1e-4 and abs(norm - ref_norm) < 1e-3 and worst < 0.02 * LR
     if rank == 0:
-        print(json.dumps({"model": name, "backend": dist.get_backend(), "world_size": world,
-                          "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "loss": loss, "loss_single": ref_loss,
-                          "grad_norm": norm, "grad_norm_single": ref_norm, "max_weight_diff": worst,
-                          "tolerance": 0.02 * LR, "ok": ok}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "model": name,
+                    "backend": dist.get_backend(),
+                    "world_size": world,
+                    "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                    "loss": loss,
+                    "loss_single": ref_loss,
+                    "grad_norm": norm,
+                    "grad_norm_single": ref_norm,
+                    "max_weight_diff": worst,
+                    "tolerance": 0.02 * LR,
+                    "ok": ok,
+                }
+            ),
+            flush=True,
+        )
     return ok
 
 
@@ -82,20 +100,26 @@ CUDA = "--cpu" not in sys.argv
 
 def main() -> int:
     if CUDA and not torch.cuda.is_available():
-        print("no CUDA device: this check is for a GPU machine (--cpu runs it with gloo)", file=sys.stderr)
+        print(
+            "no CUDA device: this check is for a GPU machine (--cpu runs it with gloo)",
+            file=sys.stderr,
+        )
         return 2
     if "RANK" not in os.environ:  # plain `python`: a one-rank group
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
+        os.environ.update(
+            RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517"
+        )
     if CUDA:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl" if CUDA else "gloo")
     import dataclasses
 
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     from policy.args import load_model_args
     from policy.model import Policy
     from policy.parallelize import parallelize, parallelize_hf
     from rl.tiny import make_tiny_qwen3_moe
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     args = load_model_args(str(Path(__file__).resolve().parents[1] / "configs/policy/debug.yaml"))
     args = dataclasses.replace(args, vision=dataclasses.replace(args.vision, enabled=False))
@@ -109,8 +133,13 @@ def main() -> int:
         path = make_tiny_qwen3_moe(Path(tmp) / "tiny", seed=0) if dist.get_rank() == 0 else None
         box = [str(path) if path else None]
         dist.broadcast_object_list(box)
-        ok &= check("hf/tiny-qwen3-moe", lambda: AutoModelForCausalLM.from_pretrained(box[0], dtype=torch.float32),
-                    parallelize_hf, lambda m, ids: m(input_ids=ids).logits, AutoConfig.from_pretrained(box[0]).vocab_size)
+        ok &= check(
+            "hf/tiny-qwen3-moe",
+            lambda: AutoModelForCausalLM.from_pretrained(box[0], dtype=torch.float32),
+            parallelize_hf,
+            lambda m, ids: m(input_ids=ids).logits,
+            AutoConfig.from_pretrained(box[0]).vocab_size,
+        )
         dist.barrier()
     dist.destroy_process_group()
     return 0 if ok else 1

@@ -20,11 +20,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main() -> int:
     from policy.args import load_model_args
-    from rl.tiny import make_tiny_policy
     from rl.logprobs import chunked_logprobs, load_causal_lm
+    from rl.tiny import make_tiny_policy
     from rollout.engines.vllm_engine import VLLMEngine
 
-    path = str(make_tiny_policy(Path(tempfile.mkdtemp()) / "policy", load_model_args("configs/policy/debug.yaml")))
+    path = str(
+        make_tiny_policy(
+            Path(tempfile.mkdtemp()) / "policy", load_model_args("configs/policy/debug.yaml")
+        )
+    )
     engine = VLLMEngine(path, max_model_len=1024, seed=0)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 33, 200, 700)]
@@ -34,13 +38,25 @@ def main() -> int:
     for p, gen in zip(prompts, gens):
         ids = torch.tensor([p + gen.token_ids])
         with torch.no_grad():
-            lp, _ = chunked_logprobs(lm.hidden(ids), lm.head, ids, temperature=0.7, banned_ids=lm.banned_ids)
+            lp, _ = chunked_logprobs(
+                lm.hidden(ids), lm.head, ids, temperature=0.7, banned_ids=lm.banned_ids
+            )
         worst = max(worst, (lp[0, len(p) - 1 :] - torch.tensor(gen.logprobs)).abs().max().item())
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     ok = worst < 1e-3
-    print(json.dumps({"check": "vllm plugin vs learner log-probs", "device": device, "sequences": len(prompts),
-                      "tokens": sum(len(x.token_ids) for x in gens), "max_abs_logprob_diff": worst,
-                      "tolerance": 1e-3, "ok": ok}))
+    print(
+        json.dumps(
+            {
+                "check": "vllm plugin vs learner log-probs",
+                "device": device,
+                "sequences": len(prompts),
+                "tokens": sum(len(x.token_ids) for x in gens),
+                "max_abs_logprob_diff": worst,
+                "tolerance": 1e-3,
+                "ok": ok,
+            }
+        )
+    )
     return 0 if ok else 1
 
 

@@ -61,30 +61,50 @@ def active_params(model, experts: int, top_k: int) -> int:
 
 
 def one(precision: str, spec: dict, engine_logprobs: list | None) -> dict:
-    import torch
-
     import dataclasses
+
+    import torch
+    from transformers import AutoTokenizer
 
     from rl.config import AlgoConfig
     from rl.learner import Learner
     from rl.sft import demonstrations
     from rollout.chat import ChatFormat
-    from transformers import AutoTokenizer
 
     chat = ChatFormat(AutoTokenizer.from_pretrained(spec["path"]))
-    episodes = demonstrations(chat, "tools/calculator-v0", spec["episodes"], env_kwargs={"max_turns": spec["max_turns"]},
-                              max_turns=spec["max_turns"])
-    algo = AlgoConfig(minibatch_episodes=spec["episodes"], microbatch_tokens=spec["microbatch_tokens"], lr=1e-5,
-                      loss_aggregation="token_mean", threads=2)
+    episodes = demonstrations(
+        chat,
+        "tools/calculator-v0",
+        spec["episodes"],
+        env_kwargs={"max_turns": spec["max_turns"]},
+        max_turns=spec["max_turns"],
+    )
+    algo = AlgoConfig(
+        minibatch_episodes=spec["episodes"],
+        microbatch_tokens=spec["microbatch_tokens"],
+        lr=1e-5,
+        loss_aggregation="token_mean",
+        threads=2,
+    )
     learner = Learner(spec["path"], algo, precision=precision)
-    if engine_logprobs is None:  # the fp32 learner scores the batch: the engine's numbers for both runs
+    if (
+        engine_logprobs is None
+    ):  # the fp32 learner scores the batch: the engine's numbers for both runs
         engine_logprobs = [[0.0] + learner.logprobs(t.token_ids) for t in episodes]
     # the expert always succeeds: rewards vary by episode so GRPO's advantages are not all zero
-    batch = [dataclasses.replace(t, group_id=i // 8, reward=float(i % 3 == 0),
-                                 rollout_logprobs=[lp if m else 0.0 for lp, m in zip(lps, t.loss_mask)])
-             for i, (t, lps) in enumerate(zip(episodes, engine_logprobs))]
+    batch = [
+        dataclasses.replace(
+            t,
+            group_id=i // 8,
+            reward=float(i % 3 == 0),
+            rollout_logprobs=[lp if m else 0.0 for lp, m in zip(lps, t.loss_mask)],
+        )
+        for i, (t, lps) in enumerate(zip(episodes, engine_logprobs))
+    ]
     start = {k: v.clone() for k, v in learner.model.state_dict().items()}
-    learner.train_step(batch)  # untimed: one-time costs; then the weights the engine log-probs are of
+    learner.train_step(
+        batch
+    )  # untimed: one-time costs; then the weights the engine log-probs are of
     learner.model.load_state_dict(start)
     del start
     t0 = time.perf_counter()
@@ -92,19 +112,26 @@ def one(precision: str, spec: dict, engine_logprobs: list | None) -> dict:
     seconds = time.perf_counter() - t0
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     cfg = learner.model.config
-    return {"seconds": seconds, "tokens": sum(len(t.token_ids) for t in episodes),
-            "gflops": matmul_gflops(cfg.hidden_size, cfg.intermediate_size, dtype),
-            "active": active_params(learner.model, cfg.num_local_experts, cfg.num_experts_per_tok),
-            "rollout_kl": stats.get("rollout_kl"), "rollout_ppl_ratio": stats.get("rollout_ppl_ratio"),
-            "rollout_logprob_diff_mean": stats.get("rollout_logprob_diff_mean"), "loss": stats.get("loss"),
-            "malloc": learner.allocator(),
-            "engine_logprobs": engine_logprobs if precision == "fp32" else None}
+    return {
+        "seconds": seconds,
+        "tokens": sum(len(t.token_ids) for t in episodes),
+        "gflops": matmul_gflops(cfg.hidden_size, cfg.intermediate_size, dtype),
+        "active": active_params(learner.model, cfg.num_local_experts, cfg.num_experts_per_tok),
+        "rollout_kl": stats.get("rollout_kl"),
+        "rollout_ppl_ratio": stats.get("rollout_ppl_ratio"),
+        "rollout_logprob_diff_mean": stats.get("rollout_logprob_diff_mean"),
+        "loss": stats.get("loss"),
+        "malloc": learner.allocator(),
+        "engine_logprobs": engine_logprobs if precision == "fp32" else None,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--episodes", type=int, default=24)
-    ap.add_argument("--max-turns", type=int, default=4, help="calculator turns per episode (the demo's 4)")
+    ap.add_argument(
+        "--max-turns", type=int, default=4, help="calculator turns per episode (the demo's 4)"
+    )
     ap.add_argument("--microbatch-tokens", type=int, default=2048)
     ap.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # internal: PRECISION SPEC_JSON_FILE
     a = ap.parse_args()
@@ -119,15 +146,24 @@ def main() -> None:
     from rl.pretrained import policy
 
     console = Console(stderr=True)
-    spec = {"path": str(policy("smollm2-135m-instruct", 4, 1)), "episodes": a.episodes, "max_turns": a.max_turns,
-            "microbatch_tokens": a.microbatch_tokens}
+    spec = {
+        "path": str(policy("smollm2-135m-instruct", 4, 1)),
+        "episodes": a.episodes,
+        "max_turns": a.max_turns,
+        "microbatch_tokens": a.microbatch_tokens,
+    }
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for precision in ("fp32", "bf16"):
             f = Path(tmp) / "spec.json"
             f.write_text(json.dumps(spec))
-            out = subprocess.run([sys.executable, __file__, "--one", precision, str(f)], capture_output=True, text=True,
-                                 cwd=REPO, env={**os.environ, **actor_env("auto")})
+            out = subprocess.run(
+                [sys.executable, __file__, "--one", precision, str(f)],
+                capture_output=True,
+                text=True,
+                cwd=REPO,
+                env={**os.environ, **actor_env("auto")},
+            )
             if out.returncode != 0:
                 console.print(f"[red]{precision} failed[/]: {out.stderr[-800:]}")
                 raise SystemExit(1)
@@ -136,21 +172,31 @@ def main() -> None:
                 spec["engine_logprobs"] = results[precision].pop("engine_logprobs")
             r = results[precision]
             console.log(f"{precision}: {r['seconds']:.1f} s for {r['tokens']} tokens")
-    print(f"# one GRPO learner step (one optimiser step over the batch) on SmolLM2-135M-Instruct upcycled to 4 experts "
-          f"top-1: {a.episodes} `tools/calculator-v0` expert episodes ({results['fp32']['tokens']:,} tokens), micro-batches of ≤ {a.microbatch_tokens:,} "
-          f"tokens, 2 threads; each precision in a fresh process, the second step timed, malloc: {results['fp32']['malloc']}")
-    print(f"# torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}\n")
-    print("| precision | step s | tokens / s | matmul GFLOP/s (same precision) | model FLOPs utilisation | "
-          "rollout KL vs fp32 | perplexity ratio vs fp32 |")
+    print(
+        f"# one GRPO learner step (one optimiser step over the batch) on SmolLM2-135M-Instruct upcycled to 4 experts "
+        f"top-1: {a.episodes} `tools/calculator-v0` expert episodes ({results['fp32']['tokens']:,} tokens), micro-batches of ≤ {a.microbatch_tokens:,} "
+        f"tokens, 2 threads; each precision in a fresh process, the second step timed, malloc: {results['fp32']['malloc']}"
+    )
+    print(
+        f"# torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}\n"
+    )
+    print(
+        "| precision | step s | tokens / s | matmul GFLOP/s (same precision) | model FLOPs utilisation | "
+        "rollout KL vs fp32 | perplexity ratio vs fp32 |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for precision, r in results.items():
         tps = r["tokens"] / r["seconds"]
         mfu = tps * 6 * r["active"] / (r["gflops"] * 1e9)
-        print(f"| {precision} | {r['seconds']:.1f} | {tps:.0f} | {r['gflops']:.0f} | {mfu:.0%} | "
-              f"{r['rollout_kl']:.1e} | {r['rollout_ppl_ratio']:.4f} |")
+        print(
+            f"| {precision} | {r['seconds']:.1f} | {tps:.0f} | {r['gflops']:.0f} | {mfu:.0%} | "
+            f"{r['rollout_kl']:.1e} | {r['rollout_ppl_ratio']:.4f} |"
+        )
     f32, b16 = results["fp32"], results["bf16"]
-    print(f"\nbf16 / fp32 tokens per second: {f32['seconds'] / b16['seconds']:.2f}×; "
-          f"active parameters {f32['active'] / 1e6:.0f}M")
+    print(
+        f"\nbf16 / fp32 tokens per second: {f32['seconds'] / b16['seconds']:.2f}×; "
+        f"active parameters {f32['active'] / 1e6:.0f}M"
+    )
 
 
 if __name__ == "__main__":

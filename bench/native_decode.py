@@ -54,37 +54,60 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--flavour", default="configs/policy/debug.yaml")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 8192, 65536])
-    ap.add_argument("--decode", type=int, default=33, help="tokens the native engine generates per context")
-    ap.add_argument("--recompute", type=int, default=2, help="tokens the full-recompute baseline generates")
+    ap.add_argument(
+        "--decode", type=int, default=33, help="tokens the native engine generates per context"
+    )
+    ap.add_argument(
+        "--recompute", type=int, default=2, help="tokens the full-recompute baseline generates"
+    )
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     args = load_model_args(a.flavour)
-    args = dataclasses.replace(args, vision=dataclasses.replace(args.vision, enabled=False), vocab_size=1024,
-                               max_seq_len=max(args.max_seq_len, max(a.contexts) + a.decode + 8))
+    args = dataclasses.replace(
+        args,
+        vision=dataclasses.replace(args.vision, enabled=False),
+        vocab_size=1024,
+        max_seq_len=max(args.max_seq_len, max(a.contexts) + a.decode + 8),
+    )
     torch.manual_seed(0)
     model = Policy(args).eval()
     path = save_policy(model, tempfile.mkdtemp())
     from rl.tiny import build_tokenizer, default_corpus
 
     build_tokenizer(default_corpus()).save_pretrained(path)  # vLLM loads one (the prompts are ids)
-    eng = NativeEngine(str(path), max_model_len=max(a.contexts) + a.decode + 8, prefix_cache_entries=0)
+    eng = NativeEngine(
+        str(path), max_model_len=max(a.contexts) + a.decode + 8, prefix_cache_entries=0
+    )
     from rollout.engines.vllm_engine import VLLMEngine
     from rollout.engines.vllm_plugin import mla_head_size
 
     vllm = VLLMEngine(str(path), max_model_len=max(a.contexts) + a.decode + 8, kv_cache_gib=2.0)
     kda, n_kda = args.kda, args.layer_kinds().count("kda")
-    kda_state_bytes = n_kda * 4 * (3 * kda.n_heads * kda.head_dim * (kda.conv_size - 1) + kda.n_heads * kda.head_dim ** 2)
+    kda_state_bytes = (
+        n_kda
+        * 4
+        * (3 * kda.n_heads * kda.head_dim * (kda.conv_size - 1) + kda.n_heads * kda.head_dim**2)
+    )
     vllm_kv_bytes = args.layer_kinds().count("mla") * 2 * args.mla.n_heads * mla_head_size(args) * 4
     mla = args.mla
     n_mla = args.layer_kinds().count("mla")
-    mha_bytes = args.n_layers * mla.n_heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim) * 4
+    mha_bytes = (
+        args.n_layers
+        * mla.n_heads
+        * (mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim)
+        * 4
+    )
 
-    print(f"# native decode vs full recompute — flavour {args.name} (dim {args.dim}, {args.n_layers} layers, "
-          f"{n_mla} MLA), {a.threads} threads, torch {torch.__version__}, {platform.processor() or platform.machine()}\n")
-    print("| context | native decode tok/s | full recompute tok/s | speed-up | prefill s | cache bytes/token | "
-          "MHA KV bytes/token | cache / MHA | vLLM plugin decode tok/s | vLLM vs recompute | "
-          "vLLM cache bytes/token | vLLM cache / MHA |")
+    print(
+        f"# native decode vs full recompute — flavour {args.name} (dim {args.dim}, {args.n_layers} layers, "
+        f"{n_mla} MLA), {a.threads} threads, torch {torch.__version__}, {platform.processor() or platform.machine()}\n"
+    )
+    print(
+        "| context | native decode tok/s | full recompute tok/s | speed-up | prefill s | cache bytes/token | "
+        "MHA KV bytes/token | cache / MHA | vLLM plugin decode tok/s | vLLM vs recompute | "
+        "vLLM cache bytes/token | vLLM cache / MHA |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     vllm.generate([list(range(1, 64))], max_tokens=8, temperature=0.0)  # its first call warms up
     g = torch.Generator().manual_seed(0)
@@ -114,9 +137,12 @@ def main() -> None:
         assert gen.token_ids == out.token_ids  # the same greedy tokens as the native engine
         v_decode = (a.decode - 1) / (timed[a.decode] - timed[1])
         v_bytes = vllm_kv_bytes + kda_state_bytes / L
-        print(f"| {L} | {native:.1f} | {recompute:.3f} | {native / recompute:.0f}× | {t_one:.1f} | {per_token:.0f} | "
-              f"{mha_bytes} | {per_token / mha_bytes:.3f}× | {v_decode:.1f} | {v_decode / recompute:.0f}× | "
-              f"{v_bytes:.0f} | {v_bytes / mha_bytes:.3f}× |", flush=True)
+        print(
+            f"| {L} | {native:.1f} | {recompute:.3f} | {native / recompute:.0f}× | {t_one:.1f} | {per_token:.0f} | "
+            f"{mha_bytes} | {per_token / mha_bytes:.3f}× | {v_decode:.1f} | {v_decode / recompute:.0f}× | "
+            f"{v_bytes:.0f} | {v_bytes / mha_bytes:.3f}× |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -36,8 +36,11 @@ def build(config: str, length: int, all_attention: bool):
 
     torch.manual_seed(0)
     args = load_model_args(config)
-    args = dataclasses.replace(args, max_seq_len=max(args.max_seq_len, length),
-                               vision=dataclasses.replace(args.vision, enabled=False))
+    args = dataclasses.replace(
+        args,
+        max_seq_len=max(args.max_seq_len, length),
+        vision=dataclasses.replace(args.vision, enabled=False),
+    )
     if all_attention:
         args = dataclasses.replace(args, mla_every=1)
     return args, Policy(args), torch.randint(2, args.vocab_size, (1, length))
@@ -74,7 +77,9 @@ def measure(config: str, length: int, all_attention: bool, repeats: int, ac: boo
     args, model, ids = build(config, length, all_attention)
     model.activation_checkpointing = ac
     times = []
-    warmup = 1 if length < 32768 else 0  # warm-up matters for short runs only; long ones take minutes
+    warmup = (
+        1 if length < 32768 else 0
+    )  # warm-up matters for short runs only; long ones take minutes
     for _ in range(repeats + warmup):
         t0 = time.perf_counter()
         logits, _, _ = model(ids)
@@ -84,7 +89,11 @@ def measure(config: str, length: int, all_attention: bool, repeats: int, ac: boo
         times.append(time.perf_counter() - t0)
         del logits, loss
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"seconds": min(times[warmup:]), "peak_mib": peak_kib / 1024, "pattern": "".join(k[0].upper() for k in args.layer_kinds())}
+    return {
+        "seconds": min(times[warmup:]),
+        "peak_mib": peak_kib / 1024,
+        "pattern": "".join(k[0].upper() for k in args.layer_kinds()),
+    }
 
 
 def run_flavour(config: str, lengths: list[int], repeats: int, ac: bool, console) -> list:
@@ -92,7 +101,17 @@ def run_flavour(config: str, lengths: list[int], repeats: int, ac: bool, console
     for length in lengths:
         res = {}
         for kind in ("hybrid", "all"):
-            cmd = [sys.executable, __file__, "--config", config, "--repeats", str(repeats), "--one", str(length), kind]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--config",
+                config,
+                "--repeats",
+                str(repeats),
+                "--one",
+                str(length),
+                kind,
+            ]
             if ac:
                 cmd.append("--activation-checkpointing")
             out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
@@ -101,14 +120,22 @@ def run_flavour(config: str, lengths: list[int], repeats: int, ac: bool, console
                 res[kind] = None
                 continue
             res[kind] = json.loads(out.stdout.strip().splitlines()[-1])
-            console.log(f"{Path(config).stem} {length:>7} tokens {kind:>6}: {res[kind]['seconds']:.2f} s, "
-                        f"{res[kind]['peak_mib']:.0f} MiB")
+            console.log(
+                f"{Path(config).stem} {length:>7} tokens {kind:>6}: {res[kind]['seconds']:.2f} s, "
+                f"{res[kind]['peak_mib']:.0f} MiB"
+            )
         rows.append((length, res))
     saved = {}
     for kind in ("hybrid", "all"):
-        out = subprocess.run([sys.executable, __file__, "--config", config, "--saved", "2048", kind],
-                             capture_output=True, text=True, cwd=REPO)
-        saved[kind] = json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
+        out = subprocess.run(
+            [sys.executable, __file__, "--config", config, "--saved", "2048", kind],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+        )
+        saved[kind] = (
+            json.loads(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else None
+        )
     return rows, saved
 
 
@@ -120,28 +147,40 @@ def print_saved(saved: dict) -> None:
     total = {k: v["kda"] + v["mla"] + v["rest"] for k, v in saved.items()}
     print("\n| saved for backward at 2,048 tokens, bytes per token | hybrid | softmax | ratio |")
     print("| --- | ---: | ---: | ---: |")
-    for label, hv, sv in (("attention layers (KDA + MLA / MLA)", h["kda"] + h["mla"], sm["mla"]),
-                          ("everything else", h["rest"], sm["rest"]), ("total", total["hybrid"], total["all"])):
+    for label, hv, sv in (
+        ("attention layers (KDA + MLA / MLA)", h["kda"] + h["mla"], sm["mla"]),
+        ("everything else", h["rest"], sm["rest"]),
+        ("total", total["hybrid"], total["all"]),
+    ):
         print(f"| {label} | {hv:,.0f} | {sv:,.0f} | {hv / sv:.2f} |")
-    print(f"\nthe softmax stack's attention layers keep {sm['mla'] / total['all']:.0%} of its bytes: a hybrid whose KDA "
-          f"layers kept nothing would keep {(total['hybrid'] - h['kda']) / total['all']:.2f}× the softmax stack's")
+    print(
+        f"\nthe softmax stack's attention layers keep {sm['mla'] / total['all']:.0%} of its bytes: a hybrid whose KDA "
+        f"layers kept nothing would keep {(total['hybrid'] - h['kda']) / total['all']:.2f}× the softmax stack's"
+    )
 
 
 def print_table(rows: list) -> None:
-    print("| tokens | hybrid s | softmax s | time ratio | hybrid MiB | softmax MiB | memory ratio |")
+    print(
+        "| tokens | hybrid s | softmax s | time ratio | hybrid MiB | softmax MiB | memory ratio |"
+    )
     print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for length, res in rows:
         h, sm = res.get("hybrid"), res.get("all")
         if not h or not sm:
             print(f"| {length:,} | - | - | - | - | - | - |")
             continue
-        print(f"| {length:,} | {h['seconds']:.2f} | {sm['seconds']:.2f} | {h['seconds'] / sm['seconds']:.2f} | "
-              f"{h['peak_mib']:,.0f} | {sm['peak_mib']:,.0f} | {h['peak_mib'] / sm['peak_mib']:.2f} |")
+        print(
+            f"| {length:,} | {h['seconds']:.2f} | {sm['seconds']:.2f} | {h['seconds'] / sm['seconds']:.2f} | "
+            f"{h['peak_mib']:,.0f} | {sm['peak_mib']:,.0f} | {h['peak_mib'] / sm['peak_mib']:.2f} |"
+        )
     done = [(n, r) for n, r in rows if r.get("hybrid") and r.get("all")]
     if len(done) >= 2:
         (n0, r0), (n1, r1) = done[-2], done[-1]
         print()
-        slopes = {kind: (r1[kind]["peak_mib"] - r0[kind]["peak_mib"]) / ((n1 - n0) / 1024) for kind in ("hybrid", "all")}
+        slopes = {
+            kind: (r1[kind]["peak_mib"] - r0[kind]["peak_mib"]) / ((n1 - n0) / 1024)
+            for kind in ("hybrid", "all")
+        }
         for kind, slope in slopes.items():
             print(f"memory slope {kind}: {slope:.2f} MiB per 1K tokens ({n0} → {n1})")
         print(f"memory slope ratio hybrid / softmax: {slopes['hybrid'] / slopes['all']:.2f}")
@@ -151,12 +190,24 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default=str(REPO / "configs/policy/debug.yaml"))
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192, 32768, 131072])
-    ap.add_argument("--k3-config", default=str(REPO / "configs/policy/k3_width.yaml"),
-                    help="the second flavour, at K3's per-head widths (head dim 128)")
-    ap.add_argument("--k3-lengths", type=int, nargs="*", default=[2048, 8192, 32768, 131072],
-                    help="lengths for --k3-config (none: skip it); its softmax stack takes ~15 minutes at 128K tokens")
+    ap.add_argument(
+        "--k3-config",
+        default=str(REPO / "configs/policy/k3_width.yaml"),
+        help="the second flavour, at K3's per-head widths (head dim 128)",
+    )
+    ap.add_argument(
+        "--k3-lengths",
+        type=int,
+        nargs="*",
+        default=[2048, 8192, 32768, 131072],
+        help="lengths for --k3-config (none: skip it); its softmax stack takes ~15 minutes at 128K tokens",
+    )
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--activation-checkpointing", action="store_true", help="recompute layers in backward (both stacks)")
+    ap.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute layers in backward (both stacks)",
+    )
     ap.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # internal: LENGTH all|hybrid
     ap.add_argument("--saved", nargs=2, help=argparse.SUPPRESS)  # internal: LENGTH all|hybrid
     a = ap.parse_args()
@@ -164,7 +215,17 @@ def main() -> None:
         print(json.dumps(saved_per_token(a.config, int(a.saved[0]), a.saved[1] == "all")))
         return
     if a.one:
-        print(json.dumps(measure(a.config, int(a.one[0]), a.one[1] == "all", a.repeats, a.activation_checkpointing)))
+        print(
+            json.dumps(
+                measure(
+                    a.config,
+                    int(a.one[0]),
+                    a.one[1] == "all",
+                    a.repeats,
+                    a.activation_checkpointing,
+                )
+            )
+        )
         return
     import platform
 
@@ -173,12 +234,16 @@ def main() -> None:
 
     console = Console(stderr=True)
     flavours = [(a.config, a.lengths)] + ([(a.k3_config, a.k3_lengths)] if a.k3_lengths else [])
-    results = [(config, run_flavour(config, lengths, a.repeats, a.activation_checkpointing, console))
-               for config, lengths in flavours]
+    results = [
+        (config, run_flavour(config, lengths, a.repeats, a.activation_checkpointing, console))
+        for config, lengths in flavours
+    ]
     ac = ", activation checkpointing" if a.activation_checkpointing else ""
     # Markdown on stdout (what `make bench` collects); the progress lines above go to stderr
-    print(f"# forward+backward (cross-entropy over every position), batch 1{ac}; hybrid = KDA + gated MLA, "
-          "softmax = the same flavour with every layer softmax attention; each in a fresh process")
+    print(
+        f"# forward+backward (cross-entropy over every position), batch 1{ac}; hybrid = KDA + gated MLA, "
+        "softmax = the same flavour with every layer softmax attention; each in a fresh process"
+    )
     print(f"# torch {torch.__version__}, python {platform.python_version()}, {platform.machine()}")
     for config, (rows, saved) in results:
         print(f"\n{Path(config).name}\n")

@@ -44,8 +44,19 @@ sys.path.insert(0, str(REPO))
 
 SIZES = {
     "tiny": dict(dims={}, sequences=16, new_tokens=128),
-    "compute": dict(dims=dict(hidden_size=512, num_layers=8, num_experts=16, num_heads=8, num_kv_heads=4,
-                              head_dim=64, moe_intermediate_size=256), sequences=64, new_tokens=256),
+    "compute": dict(
+        dims=dict(
+            hidden_size=512,
+            num_layers=8,
+            num_experts=16,
+            num_heads=8,
+            num_kv_heads=4,
+            head_dim=64,
+            moe_intermediate_size=256,
+        ),
+        sequences=64,
+        new_tokens=256,
+    ),
     "real": dict(pretrained=True, sequences=24, new_tokens=128),
     "real-bf16": dict(pretrained=True, sequences=24, new_tokens=128, dtype="bfloat16"),
 }
@@ -82,9 +93,13 @@ def run_hf(path: str, n: int, new: int, dtype: str) -> dict:
     ids = torch.tensor(prompts(vocab, n))
     kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=0)
     with torch.inference_mode():
-        model.generate(ids[:2], attention_mask=torch.ones_like(ids[:2]), max_new_tokens=8, **kw)  # warm-up
+        model.generate(
+            ids[:2], attention_mask=torch.ones_like(ids[:2]), max_new_tokens=8, **kw
+        )  # warm-up
         t0 = time.perf_counter()
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, **kw)
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, **kw
+        )
         dt = time.perf_counter() - t0
     return {"tokens": int((out.shape[1] - PROMPT) * n), "seconds": dt}
 
@@ -125,8 +140,20 @@ def child(args) -> None:
 
 
 def measure(side: str, path: str, n: int, new: int, dtype: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", side, "--path", path, "--sequences", str(n), "--new-tokens", str(new),
-           "--dtype", dtype]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        side,
+        "--path",
+        path,
+        "--sequences",
+        str(n),
+        "--new-tokens",
+        str(new),
+        "--dtype",
+        dtype,
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1800)
     if r.returncode != 0:
         raise RuntimeError(f"{side} failed:\n{r.stderr[-3000:]}")
@@ -161,7 +188,11 @@ def main() -> None:
         if spec.get("pretrained"):
             path = str(policy("smollm2-135m-instruct", 4, 1))
         else:
-            path = str(make_tiny_qwen3_moe(Path(tempfile.mkdtemp()) / size, TinyMoEDims(**spec["dims"]), seed=0))
+            path = str(
+                make_tiny_qwen3_moe(
+                    Path(tempfile.mkdtemp()) / size, TinyMoEDims(**spec["dims"]), seed=0
+                )
+            )
         dtype = spec.get("dtype", "float32")
         ours, hf = [], []
         for _ in range(args.repeats):  # alternate, so load on this noisy machine hits both alike
@@ -171,26 +202,49 @@ def main() -> None:
         h = statistics.median(m["tokens"] / m["seconds"] for m in hf)
         step_bytes = weight_bytes_per_step(path, dtype)
         limit = spec["sequences"] / (step_bytes / bandwidth)
-        rows.append({"size": size, "sequences": spec["sequences"], "new_tokens": spec["new_tokens"],
-                     "ours_tok_s": o, "hf_tok_s": h, "ratio": o / h, "repeats": args.repeats,
-                     "weight_bytes_per_step": step_bytes, "read_bytes_s": bandwidth, "limit_tok_s": limit})
-    versions = {"torch": torch.__version__, "vllm": vllm.__version__, "transformers": transformers.__version__,
-                "python": platform.python_version()}
+        rows.append(
+            {
+                "size": size,
+                "sequences": spec["sequences"],
+                "new_tokens": spec["new_tokens"],
+                "ours_tok_s": o,
+                "hf_tok_s": h,
+                "ratio": o / h,
+                "repeats": args.repeats,
+                "weight_bytes_per_step": step_bytes,
+                "read_bytes_s": bandwidth,
+                "limit_tok_s": limit,
+            }
+        )
+    versions = {
+        "torch": torch.__version__,
+        "vllm": vllm.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+    }
     if args.json:
         print(json.dumps({"rows": rows, "versions": versions}))
         return
-    print(f"# rollout throughput: vLLM rollout path vs HF generate, same checkpoint/prompts/sampling, "
-          f"median of {args.repeats}")
-    print(f"# torch {torch.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__}; "
-          f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s\n")
-    print("| model | sequences × new tokens | ours tok/s | HF generate tok/s | ratio | weights read per step MiB "
-          "| weight-streaming limit tok/s | ours / limit | HF / limit |")
+    print(
+        f"# rollout throughput: vLLM rollout path vs HF generate, same checkpoint/prompts/sampling, "
+        f"median of {args.repeats}"
+    )
+    print(
+        f"# torch {torch.__version__}, vllm {vllm.__version__}, transformers {transformers.__version__}; "
+        f"memory read bandwidth {bandwidth / 1e9:.1f} GB/s\n"
+    )
+    print(
+        "| model | sequences × new tokens | ours tok/s | HF generate tok/s | ratio | weights read per step MiB "
+        "| weight-streaming limit tok/s | ours / limit | HF / limit |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         lim = r["limit_tok_s"]
-        print(f"| {r['size']} | {r['sequences']} × {r['new_tokens']} | {r['ours_tok_s']:.0f} | {r['hf_tok_s']:.0f} | "
-              f"{r['ratio']:.2f}× | {r['weight_bytes_per_step'] / 2**20:.0f} | {lim:.0f} | "
-              f"{r['ours_tok_s'] / lim:.0%} | {r['hf_tok_s'] / lim:.0%} |")
+        print(
+            f"| {r['size']} | {r['sequences']} × {r['new_tokens']} | {r['ours_tok_s']:.0f} | {r['hf_tok_s']:.0f} | "
+            f"{r['ratio']:.2f}× | {r['weight_bytes_per_step'] / 2**20:.0f} | {lim:.0f} | "
+            f"{r['ours_tok_s'] / lim:.0%} | {r['hf_tok_s'] / lim:.0%} |"
+        )
 
 
 if __name__ == "__main__":

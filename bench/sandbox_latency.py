@@ -23,7 +23,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from envs.sandbox import Limits, backend_status, open_sandbox  # noqa: E402
-from envs.sandbox.docker_engine import private_dockerd, private_dockerd_unavailable, unavailable_reason  # noqa: E402
+from envs.sandbox.docker_engine import (  # noqa: E402
+    private_dockerd,
+    private_dockerd_unavailable,
+    unavailable_reason,
+)
 
 # The interpreter by its full path: a bare `python3` may be a pyenv shim (a shell script) outside and
 # the venv's binary inside, which would compare two different programs.
@@ -34,8 +38,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=30)
     ap.add_argument("--docker-host")
-    ap.add_argument("--no-private-dockerd", action="store_true",
-                    help="do not start a private dockerd when no engine is reachable")
+    ap.add_argument(
+        "--no-private-dockerd",
+        action="store_true",
+        help="do not start a private dockerd when no engine is reachable",
+    )
     args = ap.parse_args()
     from contextlib import nullcontext
 
@@ -55,10 +62,17 @@ def measure(args, docker_host: str | None) -> None:
     runners = {"bare subprocess": None}
     sandboxes = []
     # bwrap per episode (the default: one sandbox for the episode, a helper runs each call) and per call
-    variants = [("none", "none", {}), ("bwrap (episode)", "bwrap", {}), ("bwrap (per call)", "bwrap", {"per_episode": False})]
+    variants = [
+        ("none", "none", {}),
+        ("bwrap (episode)", "bwrap", {}),
+        ("bwrap (per call)", "bwrap", {"per_episode": False}),
+    ]
     if docker_host or unavailable_reason() is None:
         opts = {"docker_host": docker_host} if docker_host else {}
-        variants += [("docker", "docker", opts), ("docker + gVisor", "docker", {**opts, "runtime": "runsc"})]
+        variants += [
+            ("docker", "docker", opts),
+            ("docker + gVisor", "docker", {**opts, "runtime": "runsc"}),
+        ]
     for name, backend, opts in variants:
         reason = backend_status(backend) if backend != "docker" else None
         try:
@@ -86,7 +100,9 @@ def measure(args, docker_host: str | None) -> None:
     for sb in sandboxes:
         sb.close()
 
-    print(f"python {platform.python_version()}, {platform.machine()}, {args.calls} calls per cell\n")
+    print(
+        f"python {platform.python_version()}, {platform.machine()}, {args.calls} calls per cell\n"
+    )
     print("| command | runner | median ms | p90 ms | median / bare |")
     print("|---|---|---:|---:|---:|")
     for cmd in COMMANDS:

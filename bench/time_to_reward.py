@@ -44,13 +44,26 @@ def run_ours(policy: str, target: float, max_steps: int, run_dir: str) -> dict:
     from rl.trainer import Trainer
 
     t0 = time.perf_counter()
-    cfg = load_config(REPO / "configs" / "quickstart.yaml", [
-        f"policy.path={policy}", "env.id=text/digits-v0", "env.kwargs={}", f"iterations={max_steps}",
-        "checkpoint_every=100000", "rollout.num_workers=1", f"rollout.groups_per_iteration={GROUPS}",
-        f"rollout.group_size={GROUP_SIZE}", "rollout.max_turns=1", f"rollout.max_new_tokens={NEW_TOKENS}",
-        f"algo.lr={LR}", "algo.kl_beta=0", "algo.loss_aggregation=token_mean",
-        f"algo.minibatch_episodes={GROUPS * GROUP_SIZE}", "algo.epochs=1",
-    ])
+    cfg = load_config(
+        REPO / "configs" / "quickstart.yaml",
+        [
+            f"policy.path={policy}",
+            "env.id=text/digits-v0",
+            "env.kwargs={}",
+            f"iterations={max_steps}",
+            "checkpoint_every=100000",
+            "rollout.num_workers=1",
+            f"rollout.groups_per_iteration={GROUPS}",
+            f"rollout.group_size={GROUP_SIZE}",
+            "rollout.max_turns=1",
+            f"rollout.max_new_tokens={NEW_TOKENS}",
+            f"algo.lr={LR}",
+            "algo.kl_beta=0",
+            "algo.loss_aggregation=token_mean",
+            f"algo.minibatch_episodes={GROUPS * GROUP_SIZE}",
+            "algo.epochs=1",
+        ],
+    )
     trainer = Trainer(cfg, run_dir, console=Console(stderr=True, quiet=True))
     trainer.start()
     startup = time.perf_counter() - t0
@@ -63,8 +76,13 @@ def run_ours(policy: str, target: float, max_steps: int, run_dir: str) -> dict:
                 break
     finally:
         trainer.close()
-    return {"startup_s": startup, "seconds": hit, "steps": len(curve), "curve": curve,
-            "train_s": time.perf_counter() - t_start}
+    return {
+        "startup_s": startup,
+        "seconds": hit,
+        "steps": len(curve),
+        "curve": curve,
+        "train_s": time.perf_counter() - t_start,
+    }
 
 
 def run_trl(policy: str, target: float, max_steps: int, run_dir: str) -> dict:
@@ -100,34 +118,81 @@ def run_trl(policy: str, target: float, max_steps: int, run_dir: str) -> dict:
                     control.should_training_stop = True
 
     args = GRPOConfig(
-        output_dir=run_dir, per_device_train_batch_size=GROUPS * GROUP_SIZE, num_generations=GROUP_SIZE,
-        gradient_accumulation_steps=1, max_completion_length=NEW_TOKENS, learning_rate=LR, beta=0.0,
-        loss_type="dapo", temperature=1.0, top_p=1.0, num_iterations=1, max_steps=max_steps, logging_steps=1,
-        report_to="none", save_strategy="no", use_cpu=True, bf16=False, seed=0, shuffle_dataset=False,
-        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999,
-        max_grad_norm=1.0, disable_tqdm=True,
+        output_dir=run_dir,
+        per_device_train_batch_size=GROUPS * GROUP_SIZE,
+        num_generations=GROUP_SIZE,
+        gradient_accumulation_steps=1,
+        max_completion_length=NEW_TOKENS,
+        learning_rate=LR,
+        beta=0.0,
+        loss_type="dapo",
+        temperature=1.0,
+        top_p=1.0,
+        num_iterations=1,
+        max_steps=max_steps,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        seed=0,
+        shuffle_dataset=False,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        max_grad_norm=1.0,
+        disable_tqdm=True,
     )
     tokenizer = AutoTokenizer.from_pretrained(policy)
     model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, processing_class=tokenizer,
-                          train_dataset=Dataset.from_dict({"prompt": prompts}), callbacks=[Watch()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=args,
+        processing_class=tokenizer,
+        train_dataset=Dataset.from_dict({"prompt": prompts}),
+        callbacks=[Watch()],
+    )
     startup = time.perf_counter() - t0
     trainer.train()
-    return {"startup_s": startup, "seconds": state["hit"], "steps": len(curve), "curve": curve,
-            "train_s": time.perf_counter() - (state["t_start"] or t0)}
+    return {
+        "startup_s": startup,
+        "seconds": state["hit"],
+        "steps": len(curve),
+        "curve": curve,
+        "train_s": time.perf_counter() - (state["t_start"] or t0),
+    }
 
 
 def measure(side: str, policy: str, target: float, max_steps: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
-        cmd = [sys.executable, __file__, "--child", side, "--policy", policy, "--target", str(target),
-               "--max-steps", str(max_steps), "--run-dir", str(Path(d) / "run")]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            side,
+            "--policy",
+            policy,
+            "--target",
+            str(target),
+            "--max-steps",
+            str(max_steps),
+            "--run-dir",
+            str(Path(d) / "run"),
+        ]
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=3600)
     if r.returncode != 0:
         raise RuntimeError(f"{side} failed:\n{r.stderr[-3000:]}")
     res = json.loads(r.stdout.strip().splitlines()[-1])
     curve = " ".join(f"{x:.2f}" for x in res["curve"])
-    print(f"{side}: {res['steps']} steps, target {'at %.1f s' % res['seconds'] if res['seconds'] else 'not reached'}; "
-          f"rewards {curve}", file=sys.stderr, flush=True)
+    reached = f"at {res['seconds']:.1f} s" if res["seconds"] else "not reached"
+    print(
+        f"{side}: {res['steps']} steps, target {reached}; rewards {curve}",
+        file=sys.stderr,
+        flush=True,
+    )
     return res
 
 
@@ -161,12 +226,18 @@ def main() -> None:
     summary = {}
     for side, rs in runs.items():
         hits = [r["seconds"] for r in rs if r["seconds"] is not None]
-        summary[side] = {"seconds": statistics.median(hits) if len(hits) == len(rs) else None,
-                         "steps": statistics.median(r["steps"] for r in rs),
-                         "startup_s": statistics.median(r["startup_s"] for r in rs),
-                         "s_per_step": statistics.median(r["train_s"] / max(1, r["steps"]) for r in rs)}
-    versions = {"torch": torch.__version__, "vllm": vllm.__version__, "trl": trl.__version__,
-                "python": platform.python_version()}
+        summary[side] = {
+            "seconds": statistics.median(hits) if len(hits) == len(rs) else None,
+            "steps": statistics.median(r["steps"] for r in rs),
+            "startup_s": statistics.median(r["startup_s"] for r in rs),
+            "s_per_step": statistics.median(r["train_s"] / max(1, r["steps"]) for r in rs),
+        }
+    versions = {
+        "torch": torch.__version__,
+        "vllm": vllm.__version__,
+        "trl": trl.__version__,
+        "python": platform.python_version(),
+    }
     if args.plot:
         import matplotlib
 
@@ -190,15 +261,21 @@ def main() -> None:
     o, t = summary["ours"], summary["trl"]
     fmt = lambda x: f"{x:.1f}" if x is not None else "not reached"
     ratio = f"{t['seconds'] / o['seconds']:.2f}×" if o["seconds"] and t["seconds"] else "-"
-    print(f"# time to mean reward ≥ {args.target} (last {WINDOW} steps) on text/digits-v0, tiny Qwen3-MoE, "
-          f"{GROUPS}×{GROUP_SIZE} completions of ≤ {NEW_TOKENS} tokens per step, lr {LR}; median of {args.repeats}")
+    print(
+        f"# time to mean reward ≥ {args.target} (last {WINDOW} steps) on text/digits-v0, tiny Qwen3-MoE, "
+        f"{GROUPS}×{GROUP_SIZE} completions of ≤ {NEW_TOKENS} tokens per step, lr {LR}; median of {args.repeats}"
+    )
     print(f"# torch {torch.__version__}, vllm {vllm.__version__}, trl {trl.__version__}\n")
     print("| loop | seconds to target | steps | s / step | start-up s | TRL s / ours s |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    print(f"| ours (Ray + vLLM + learner + sync) | {fmt(o['seconds'])} | {o['steps']:.0f} | {o['s_per_step']:.2f} | "
-          f"{o['startup_s']:.1f} | {ratio} |")
-    print(f"| TRL GRPOTrainer (HF generate) | {fmt(t['seconds'])} | {t['steps']:.0f} | {t['s_per_step']:.2f} | "
-          f"{t['startup_s']:.1f} | 1.00× |")
+    print(
+        f"| ours (Ray + vLLM + learner + sync) | {fmt(o['seconds'])} | {o['steps']:.0f} | {o['s_per_step']:.2f} | "
+        f"{o['startup_s']:.1f} | {ratio} |"
+    )
+    print(
+        f"| TRL GRPOTrainer (HF generate) | {fmt(t['seconds'])} | {t['steps']:.0f} | {t['s_per_step']:.2f} | "
+        f"{t['startup_s']:.1f} | 1.00× |"
+    )
 
 
 if __name__ == "__main__":

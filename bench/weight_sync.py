@@ -41,7 +41,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-MODES = [("object store", "whole"), ("object store", "streamed"), ("shared memory", "whole"), ("shared memory", "streamed")]
+MODES = [
+    ("object store", "whole"),
+    ("object store", "streamed"),
+    ("shared memory", "whole"),
+    ("shared memory", "streamed"),
+]
 CASES = {
     "compute": dict(workers=2, engine_dtype="float32"),
     "real-bf16": dict(workers=1, engine_dtype="bfloat16", pretrained=True),
@@ -55,8 +60,15 @@ def model_path(case: str, args) -> str:
         return str(policy("smollm2-135m-instruct", 4, 1))
     from rl.tiny import TinyMoEDims, make_tiny_qwen3_moe
 
-    dims = TinyMoEDims(hidden_size=args.hidden, num_layers=args.layers, num_experts=16,
-                       num_heads=8, num_kv_heads=4, head_dim=64, moe_intermediate_size=args.hidden // 2)
+    dims = TinyMoEDims(
+        hidden_size=args.hidden,
+        num_layers=args.layers,
+        num_experts=16,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
+        moe_intermediate_size=args.hidden // 2,
+    )
     return str(make_tiny_qwen3_moe(Path(tempfile.mkdtemp()) / "policy", dims, seed=0))
 
 
@@ -77,38 +89,66 @@ def run_case(case: str, args) -> dict:
     spec = CASES[case]
     path, engine_dtype, n_workers = model_path(case, args), spec["engine_dtype"], spec["workers"]
     init_ray(RayConfig(num_cpus=2, object_store_mb=2048))
-    env = actor_env("auto")  # the learner's malloc as the trainer starts it (tcmalloc where installed)
+    env = actor_env(
+        "auto"
+    )  # the learner's malloc as the trainer starts it (tcmalloc where installed)
     learner = LearnerActor.options(**({"runtime_env": {"env_vars": env}} if env else {})).remote(
-        path, AlgoConfig(), seed=0, engine_dtype=engine_dtype)
-    rollout = RolloutConfig(max_model_len=1024, max_episode_tokens=1024, kv_cache_gib=1.0, dtype=engine_dtype)
-    workers = [RolloutWorkerActor.options(num_cpus=0.5).remote(path, rollout, EnvConfig(), seed=i)
-               for i in range(n_workers)]
+        path, AlgoConfig(), seed=0, engine_dtype=engine_dtype
+    )
+    rollout = RolloutConfig(
+        max_model_len=1024, max_episode_tokens=1024, kv_cache_gib=1.0, dtype=engine_dtype
+    )
+    workers = [
+        RolloutWorkerActor.options(num_cpus=0.5).remote(path, rollout, EnvConfig(), seed=i)
+        for i in range(n_workers)
+    ]
     dtype_of = lambda e: str(e.llm.llm_engine.model_config.dtype)  # noqa: E731
-    served = ray.get([w.__ray_call__.remote(lambda self: self.engine.call(dtype_of))
-                      for w in workers])
-    assert served == [f"torch.{engine_dtype}"] * n_workers, f"the workers' engines serve {served}, not {engine_dtype}"
+    served = ray.get(
+        [w.__ray_call__.remote(lambda self: self.engine.call(dtype_of)) for w in workers]
+    )
+    assert served == [f"torch.{engine_dtype}"] * n_workers, (
+        f"the workers' engines serve {served}, not {engine_dtype}"
+    )
     malloc = ray.get(learner.allocator.remote())
     # what a sync sends, as the engines receive it, in this process's own memory: arrays read from
     # the object store would pin the learner's fp32 weights there (1.4 GiB of the real policy), and
     # the syncs below would spill to disk
-    named = [(n, from_wire(a, engine_dtype == "bfloat16"))
-             for n, a in to_wire(((n, torch.from_numpy(a.copy())) for n, a in ray.get(learner.weights.remote())),
-                                 getattr(torch, engine_dtype))]
+    named = [
+        (n, from_wire(a, engine_dtype == "bfloat16"))
+        for n, a in to_wire(
+            ((n, torch.from_numpy(a.copy())) for n, a in ray.get(learner.weights.remote())),
+            getattr(torch, engine_dtype),
+        )
+    ]
     nbytes = sum(a.nbytes for _, a in named)
-    src = np.concatenate([np.asarray(a.view(torch.int16) if isinstance(a, torch.Tensor) else a).reshape(-1).view(np.uint8)
-                          for _, a in named])  # the bytes, contiguous
+    src = np.concatenate(
+        [
+            np.asarray(a.view(torch.int16) if isinstance(a, torch.Tensor) else a)
+            .reshape(-1)
+            .view(np.uint8)
+            for _, a in named
+        ]
+    )  # the bytes, contiguous
     dst = [np.empty_like(src) for _ in range(n_workers)]
     for d in dst:  # touch the pages once so the copy measures copying, not page faults
         d.fill(0)
 
     syncs, copies = {m: [] for m in MODES}, []
-    for shared in (False, True):  # warm: first loads allocate, the first shared publish maps its slab
+    for shared in (
+        False,
+        True,
+    ):  # warm: first loads allocate, the first shared publish maps its slab
         start_sync(learner, workers, args.bucket_mb, shared=shared).finish(600)
     for _ in range(args.repeats):
         for mode in MODES:
             transport, publish = mode
-            out = start_sync(learner, workers, args.bucket_mb, stream=publish == "streamed",
-                             shared=transport == "shared memory").finish(600)
+            out = start_sync(
+                learner,
+                workers,
+                args.bucket_mb,
+                stream=publish == "streamed",
+                shared=transport == "shared memory",
+            ).finish(600)
             assert out["sync_shared"] == (transport == "shared memory"), out
             syncs[mode].append(out)
         t0 = time.perf_counter()
@@ -125,11 +165,15 @@ def run_case(case: str, args) -> dict:
     engine = VLLMEngine(path, max_model_len=1024, kv_cache_gib=1.0, dtype=engine_dtype)
     reload = {False: [], True: []}
     for direct in (False, True):  # warm both
-        engine.llm.collective_rpc("lh_reload_weights", args=(iter(named),), kwargs={"direct": direct})
+        engine.llm.collective_rpc(
+            "lh_reload_weights", args=(iter(named),), kwargs={"direct": direct}
+        )
     for _ in range(args.repeats):
         for direct in (False, True):
             t0 = time.perf_counter()
-            engine.llm.collective_rpc("lh_reload_weights", args=(iter(named),), kwargs={"direct": direct})
+            engine.llm.collective_rpc(
+                "lh_reload_weights", args=(iter(named),), kwargs={"direct": direct}
+            )
             reload[direct].append(time.perf_counter() - t0)
 
     copy = statistics.median(copies)
@@ -138,18 +182,41 @@ def run_case(case: str, args) -> dict:
     def modes(key):
         return {" ".join(m): statistics.median(s[key] for s in syncs[m]) for m in MODES}
 
-    return {"case": case, "malloc": malloc, "bytes": nbytes, "workers": n_workers, "engine_dtype": engine_dtype,
-            "buckets": first["sync_buckets"], "tensors": first.get("sync_tensors"),
-            "direct_tensors": first.get("sync_direct_tensors"),
-            "unstaged": {" ".join(m): syncs[m][0].get("sync_unstaged_expert_layers") for m in MODES},
-            "sync_s": modes("sync_wall_s"), "publish_s": modes("sync_publish_s"), "load_s_max": modes("sync_load_s_max"),
-            "memcpy_s": copy, "memcpy_one_s": copy / n_workers,
-            "reload_layerwise_s": statistics.median(reload[False]), "reload_direct_s": statistics.median(reload[True])}
+    return {
+        "case": case,
+        "malloc": malloc,
+        "bytes": nbytes,
+        "workers": n_workers,
+        "engine_dtype": engine_dtype,
+        "buckets": first["sync_buckets"],
+        "tensors": first.get("sync_tensors"),
+        "direct_tensors": first.get("sync_direct_tensors"),
+        "unstaged": {" ".join(m): syncs[m][0].get("sync_unstaged_expert_layers") for m in MODES},
+        "sync_s": modes("sync_wall_s"),
+        "publish_s": modes("sync_publish_s"),
+        "load_s_max": modes("sync_load_s_max"),
+        "memcpy_s": copy,
+        "memcpy_one_s": copy / n_workers,
+        "reload_layerwise_s": statistics.median(reload[False]),
+        "reload_direct_s": statistics.median(reload[True]),
+    }
 
 
 def measure(case: str, args) -> dict:
-    cmd = [sys.executable, __file__, "--child", case, "--hidden", str(args.hidden), "--layers", str(args.layers),
-           "--repeats", str(args.repeats), "--bucket-mb", str(args.bucket_mb)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        case,
+        "--hidden",
+        str(args.hidden),
+        "--layers",
+        str(args.layers),
+        "--repeats",
+        str(args.repeats),
+        "--bucket-mb",
+        str(args.bucket_mb),
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=1800)
     if r.returncode != 0:
         raise RuntimeError(f"{case} failed:\n{r.stderr[-3000:]}")
@@ -175,33 +242,49 @@ def main() -> None:
     import vllm
 
     rows = [measure(case, args) for case in args.cases]
-    versions = {"torch": torch.__version__, "vllm": vllm.__version__, "ray": ray.__version__,
-                "python": platform.python_version()}
+    versions = {
+        "torch": torch.__version__,
+        "vllm": vllm.__version__,
+        "ray": ray.__version__,
+        "python": platform.python_version(),
+    }
     if args.json:
         print(json.dumps({"rows": rows, "versions": versions, "repeats": args.repeats}))
         return
-    print(f"# weight sync: learner → vLLM rollout workers through Ray's object store or the learner's shared memory, buckets of ≤ "
-          f"{args.bucket_mb:g} MiB, median of {args.repeats}; against one memcpy of the bytes sent per worker. "
-          f"compute: Qwen3-MoE hidden {args.hidden}, {args.layers} layers, 16 experts, fp32; real-bf16: "
-          "SmolLM2-135M upcycled to 4 experts, fp32 learner, bf16 engine; learner's malloc: "
-          + ", ".join(sorted({r["malloc"] for r in rows})))
-    print(f"# torch {torch.__version__}, vllm {vllm.__version__}, ray {ray.__version__}, {platform.machine()}\n")
-    print("| model | engines | transport | publish | MiB sent | memcpy s | publish s | slowest load s | end to end s | vs memcpy |")
+    print(
+        f"# weight sync: learner → vLLM rollout workers through Ray's object store or the learner's shared memory, buckets of ≤ "
+        f"{args.bucket_mb:g} MiB, median of {args.repeats}; against one memcpy of the bytes sent per worker. "
+        f"compute: Qwen3-MoE hidden {args.hidden}, {args.layers} layers, 16 experts, fp32; real-bf16: "
+        "SmolLM2-135M upcycled to 4 experts, fp32 learner, bf16 engine; learner's malloc: "
+        + ", ".join(sorted({r["malloc"] for r in rows}))
+    )
+    print(
+        f"# torch {torch.__version__}, vllm {vllm.__version__}, ray {ray.__version__}, {platform.machine()}\n"
+    )
+    print(
+        "| model | engines | transport | publish | MiB sent | memcpy s | publish s | slowest load s | end to end s | vs memcpy |"
+    )
     print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         c = r["memcpy_s"]
         for transport, publish in MODES:
             mode = f"{transport} {publish}"
             p, load, wall = r["publish_s"][mode], r["load_s_max"][mode], r["sync_s"][mode]
-            print(f"| {r['case']} | {r['workers']} × {r['engine_dtype']} | {transport} | {publish} | {r['bytes'] / 2**20:.0f} | "
-                  f"{c:.3f} | {p:.3f} ({p / c:.1f}×) | {load:.3f} ({load / c:.1f}×) | {wall:.3f} | {wall / c:.1f}× |")
-    print("\nThe engine's reload alone (one engine, the workers gone), against one copy of the bytes:\n")
+            print(
+                f"| {r['case']} | {r['workers']} × {r['engine_dtype']} | {transport} | {publish} | {r['bytes'] / 2**20:.0f} | "
+                f"{c:.3f} | {p:.3f} ({p / c:.1f}×) | {load:.3f} ({load / c:.1f}×) | {wall:.3f} | {wall / c:.1f}× |"
+            )
+    print(
+        "\nThe engine's reload alone (one engine, the workers gone), against one copy of the bytes:\n"
+    )
     print("| model | one copy s | vLLM's layerwise reload s | direct load s | tensors direct |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for r in rows:
         one = r["memcpy_one_s"]
-        print(f"| {r['case']} | {one:.3f} | {r['reload_layerwise_s']:.3f} ({r['reload_layerwise_s'] / one:.1f}×) | "
-              f"{r['reload_direct_s']:.3f} ({r['reload_direct_s'] / one:.1f}×) | {r['direct_tensors']} of {r['tensors']} |")
+        print(
+            f"| {r['case']} | {one:.3f} | {r['reload_layerwise_s']:.3f} ({r['reload_layerwise_s'] / one:.1f}×) | "
+            f"{r['reload_direct_s']:.3f} ({r['reload_direct_s'] / one:.1f}×) | {r['direct_tensors']} of {r['tensors']} |"
+        )
 
 
 if __name__ == "__main__":

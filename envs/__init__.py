@@ -84,14 +84,24 @@ def config_problem(env_id: str, kwargs: dict | None = None) -> tuple[str, str] |
         return "id", f"environment {env_id!r} cannot be imported: {type(exc).__name__}: {exc}"
     signature = inspect.signature(cls)
     merged = {**spec(env_id).kwargs, **(kwargs or {})}
-    program = is_agent_program(cls)  # an agent program takes its AgentTask first (envs/agent_program.py)
+    program = is_agent_program(
+        cls
+    )  # an agent program takes its AgentTask first (envs/agent_program.py)
     try:
         signature.bind(*([None] if program else []), **merged)
     except TypeError as exc:
-        named = [p.name for p in list(signature.parameters.values())[1 if program else 0:]
-                 if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        return "kwargs", f"environment {env_id!r} does not accept them ({exc}); it takes: {', '.join(named) or 'none'}"
-    check = getattr(cls, "kwargs_problem", None)  # an environment's (or a program's) own checks of its values
+        named = [
+            p.name
+            for p in list(signature.parameters.values())[1 if program else 0 :]
+            if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        return (
+            "kwargs",
+            f"environment {env_id!r} does not accept them ({exc}); it takes: {', '.join(named) or 'none'}",
+        )
+    check = getattr(
+        cls, "kwargs_problem", None
+    )  # an environment's (or a program's) own checks of its values
     problem = check(merged) if check else None
     return ("kwargs", f"environment {env_id!r}: {problem}") if problem else None
 
@@ -107,8 +117,10 @@ def host_problem(env_id: str, kwargs: dict | None = None) -> str | None:
 def make(env_id: str, **kwargs) -> ToolEnv:
     cls = env_class(env_id)
     if is_agent_program(cls):
-        raise TypeError(f"{env_id} is an agent program, not an environment to step: a rollout worker runs it "
-                        "against its OpenAI-compatible endpoint (envs/agent_program.py)")
+        raise TypeError(
+            f"{env_id} is an agent program, not an environment to step: a rollout worker runs it "
+            "against its OpenAI-compatible endpoint (envs/agent_program.py)"
+        )
     return cls(**{**spec(env_id).kwargs, **kwargs})
 
 
@@ -151,10 +163,30 @@ def judge_reference(env_id: str, seed: int, kwargs: dict | None = None) -> str:
     finally:
         env.close()
 
+
 def check_env(env, **kwargs) -> dict:
     from envs.check import check_env as _check
 
     return _check(env, **kwargs)
 
 
-__all__ = ["register", "make", "judge_reference", "succeeded", "AgentTask", "AgentResult", "is_agent_program", "config_problem", "host_problem", "Milestone", "env_class", "spec", "list_specs", "check_env", "EnvSpec", "ToolEnv", "ToolSpec", "ToolFailure"]
+__all__ = [
+    "register",
+    "make",
+    "judge_reference",
+    "succeeded",
+    "AgentTask",
+    "AgentResult",
+    "is_agent_program",
+    "config_problem",
+    "host_problem",
+    "Milestone",
+    "env_class",
+    "spec",
+    "list_specs",
+    "check_env",
+    "EnvSpec",
+    "ToolEnv",
+    "ToolSpec",
+    "ToolFailure",
+]

@@ -37,22 +37,42 @@ from envs.agent_program import AgentResult, AgentTask, result_of
 
 def command_env(task: AgentTask, extra: dict | None = None) -> dict:
     """The command's environment: the worker's, `extra`, and the session's variables (see the module doc)."""
-    return {**os.environ, **{k: str(v) for k, v in (extra or {}).items()},
-            "OPENAI_BASE_URL": task.base_url, "OPENAI_API_KEY": task.api_key, "OPENAI_MODEL": task.model,
-            "LONGHORIZON_SEED": str(task.seed), "LONGHORIZON_EPISODE_ID": task.episode_id}
+    return {
+        **os.environ,
+        **{k: str(v) for k, v in (extra or {}).items()},
+        "OPENAI_BASE_URL": task.base_url,
+        "OPENAI_API_KEY": task.api_key,
+        "OPENAI_MODEL": task.model,
+        "LONGHORIZON_SEED": str(task.seed),
+        "LONGHORIZON_EPISODE_ID": task.episode_id,
+    }
 
 
-def command_agent(task: AgentTask, command: list[str] | str, timeout_s: float = 600.0, cwd: str = "",
-                  env: dict | None = None) -> AgentResult:
+def command_agent(
+    task: AgentTask,
+    command: list[str] | str,
+    timeout_s: float = 600.0,
+    cwd: str = "",
+    env: dict | None = None,
+) -> AgentResult:
     """One episode of an external agent command (see the module doc)."""
     argv = _argv(command)
     if not argv:
         raise ValueError(f"agents/command-v0: {kwargs_problem({'command': command})}")
     try:
-        proc = subprocess.Popen(argv, cwd=cwd or None, env=command_env(task, env), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            argv,
+            cwd=cwd or None,
+            env=command_env(task, env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
     except OSError as exc:
-        raise RuntimeError(f"agent command {argv[0]!r} could not start: {exc.strerror or exc}") from None
+        raise RuntimeError(
+            f"agent command {argv[0]!r} could not start: {exc.strerror or exc}"
+        ) from None
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -61,14 +81,20 @@ def command_agent(task: AgentTask, command: list[str] | str, timeout_s: float = 
         raise TimeoutError(f"agent command timed out after {timeout_s:g} s (killed)") from None
     tail = " ".join(err.split())[-300:]
     if proc.returncode != 0:
-        raise RuntimeError(f"agent command exited {proc.returncode}" + (f": {tail}" if tail else ""))
+        raise RuntimeError(
+            f"agent command exited {proc.returncode}" + (f": {tail}" if tail else "")
+        )
     lines = [line for line in out.splitlines() if line.strip()]
     if not lines:
-        raise ValueError("agent command printed no result (its last line of stdout must be a number or a JSON object)")
+        raise ValueError(
+            "agent command printed no result (its last line of stdout must be a number or a JSON object)"
+        )
     try:
         value = json.loads(lines[-1])
     except ValueError:
-        raise ValueError(f"agent command's last line is not a number or a JSON object: {lines[-1][:200]!r}") from None
+        raise ValueError(
+            f"agent command's last line is not a number or a JSON object: {lines[-1][:200]!r}"
+        ) from None
     return result_of(value)
 
 
@@ -78,7 +104,9 @@ def _argv(command) -> list[str] | None:
             return shlex.split(command)
         except ValueError:
             return None
-    if isinstance(command, list) and all(isinstance(a, (str, int, float)) and not isinstance(a, bool) for a in command):
+    if isinstance(command, list) and all(
+        isinstance(a, (str, int, float)) and not isinstance(a, bool) for a in command
+    ):
         return [str(a) for a in command]
     return None
 
@@ -111,7 +139,20 @@ command_agent.kwargs_problem = kwargs_problem  # envs.config_problem and host_pr
 command_agent.host_problem = host_problem
 
 
-def calculator_command(task: AgentTask, max_turns: int = 4, max_tokens: int = 64, timeout_s: float = 600.0) -> AgentResult:
+def calculator_command(
+    task: AgentTask, max_turns: int = 4, max_tokens: int = 64, timeout_s: float = 600.0
+) -> AgentResult:
     """`agents/calculator-command-v0`: the calculator agent as an external process."""
-    return command_agent(task, [sys.executable, "-m", "envs.calculator_command", "--max-turns", str(max_turns),
-                                "--max-tokens", str(max_tokens)], timeout_s=timeout_s)
+    return command_agent(
+        task,
+        [
+            sys.executable,
+            "-m",
+            "envs.calculator_command",
+            "--max-turns",
+            str(max_turns),
+            "--max-tokens",
+            str(max_tokens),
+        ],
+        timeout_s=timeout_s,
+    )

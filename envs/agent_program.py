@@ -65,7 +65,11 @@ class AgentResult:
     """The task as the agent posed it, for inspect and the viewer."""
 
     def total(self) -> float:
-        return float(sum(m["reward"] for m in self.milestones)) if self.reward is None else float(self.reward)
+        return (
+            float(sum(m["reward"] for m in self.milestones))
+            if self.reward is None
+            else float(self.reward)
+        )
 
 
 def is_agent_program(obj) -> bool:
@@ -82,17 +86,27 @@ def result_of(value) -> AgentResult:
     elif isinstance(value, dict):
         unknown = set(value) - {"milestones", "reward", "task"}
         if unknown:
-            raise TypeError(f"an agent program's dict result takes milestones, reward, task; not {sorted(unknown)}")
+            raise TypeError(
+                f"an agent program's dict result takes milestones, reward, task; not {sorted(unknown)}"
+            )
         out = AgentResult(**value)
     else:
-        raise TypeError(f"an agent program returns a number, an AgentResult or a dict, not {type(value).__name__}")
+        raise TypeError(
+            f"an agent program returns a number, an AgentResult or a dict, not {type(value).__name__}"
+        )
     seen = set()
     for m in out.milestones:
-        if not isinstance(m, dict) or not isinstance(m.get("name"), str) or \
-                isinstance(m.get("reward"), bool) or not isinstance(m.get("reward"), (int, float)):
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("name"), str)
+            or isinstance(m.get("reward"), bool)
+            or not isinstance(m.get("reward"), (int, float))
+        ):
             raise TypeError(f"a milestone is {{'name': str, 'reward': number}}, not {m!r}")
         if m["name"] in seen:
-            raise TypeError(f"milestone {m['name']!r} reached twice (each is paid once per episode)")
+            raise TypeError(
+                f"milestone {m['name']!r} reached twice (each is paid once per episode)"
+            )
         seen.add(m["name"])
     total = out.total()
     if total != total:
@@ -104,6 +118,7 @@ def run_program(program, task: AgentTask, kwargs: dict) -> AgentResult:
     """Run one episode of `program` (a coroutine function runs in its own event loop)."""
     value = program(task, **kwargs)
     if inspect.isawaitable(value):
+
         async def wait():
             return await value
 

@@ -19,14 +19,15 @@ template can render.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import gymnasium as gym
 
 from envs.sandbox import Limits, SandboxError, backend_status, open_sandbox, options_problem
-from rewards.milestones import Milestone, MilestoneLedger, solved, step_reward
 from envs.tool_calls import ToolCall, ToolCallError, argument_problem, parse_tool_calls
+from rewards.milestones import Milestone, MilestoneLedger, solved, step_reward
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,11 @@ class ToolSpec:
     def to_openai(self) -> dict:
         return {
             "type": "function",
-            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.parameters,
+            },
         }
 
 
@@ -162,24 +167,34 @@ class ToolEnv(gym.Env):
     def step(self, action: str):
         if self._done:
             raise RuntimeError("step() called on a finished episode; call reset() first")
-        if isinstance(action, (bytes, bytearray)):  # what a model wrote, as bytes: undecodable bytes become U+FFFD
+        if isinstance(
+            action, (bytes, bytearray)
+        ):  # what a model wrote, as bytes: undecodable bytes become U+FFFD
             action = bytes(action).decode("utf-8", errors="replace")
         if not isinstance(action, str):
-            raise TypeError(f"an action is the text of a model turn (str), got {type(action).__name__}")
+            raise TypeError(
+                f"an action is the text of a model turn (str), got {type(action).__name__}"
+            )
         self._turn += 1
         self._events, self._sandbox_events, self._images, self._failures = [], [], [], []
         infra_error = ""
         calls, errors = parse_tool_calls(action)
         messages: list[dict[str, Any]] = []
         for err in errors:
-            messages.append({"role": "tool", "content": f"error: malformed tool call: {err.message}"})
+            messages.append(
+                {"role": "tool", "content": f"error: malformed tool call: {err.message}"}
+            )
             self._failures.append("malformed_call")
         functions = self.tool_functions()
         specs = {t.name: t for t in self.tools}
         for call in calls:
             fn = functions.get(call.name)
             spec = specs.get(call.name)
-            wrong = argument_problem(call.name, spec.parameters, call.arguments) if spec and self.check_arguments else None
+            wrong = (
+                argument_problem(call.name, spec.parameters, call.arguments)
+                if spec and self.check_arguments
+                else None
+            )
             if fn is None:
                 self._failures.append("unknown_tool")
                 result = f"error: unknown tool {call.name!r}; available: {', '.join(functions)}"
@@ -192,7 +207,10 @@ class ToolEnv(gym.Env):
                 except ToolFailure as exc:
                     self._failures.append("tool_error")
                     result = f"error: {exc}"
-                except (SandboxError, InfraError) as exc:  # the environment's failure, not the policy's
+                except (
+                    SandboxError,
+                    InfraError,
+                ) as exc:  # the environment's failure, not the policy's
                     infra_error = f"{call.name}: {exc}"
                     result = f"error: the tool could not run ({exc})"
                 except Exception as exc:  # model-written arguments must never crash the worker
@@ -202,7 +220,9 @@ class ToolEnv(gym.Env):
             if self._done or infra_error:
                 break
         if not calls and not errors:
-            messages.append({"role": "user", "content": "No tool call found. Call one of the tools."})
+            messages.append(
+                {"role": "user", "content": "No tool call found. Call one of the tools."}
+            )
             self._failures.append("no_tool_call")
         terminated = self._done
         truncated = not terminated and self._turn >= self.max_turns
@@ -211,9 +231,15 @@ class ToolEnv(gym.Env):
         observation = "\n".join(m["content"] for m in messages)
         # what went wrong in this turn, one entry per problem (rollout.trajectory.TURN_FAILURES); the
         # tool errors are the calls that went wrong (not a turn without one, not a limit a call hit)
-        n_errors = sum(f in ("malformed_call", "unknown_tool", "tool_error") for f in self._failures)
-        info = {"messages": messages, "milestones": list(self._events), "tool_errors": n_errors,
-                "failures": list(self._failures)}
+        n_errors = sum(
+            f in ("malformed_call", "unknown_tool", "tool_error") for f in self._failures
+        )
+        info = {
+            "messages": messages,
+            "milestones": list(self._events),
+            "tool_errors": n_errors,
+            "failures": list(self._failures),
+        }
         if infra_error:
             info["infra_error"] = infra_error
         if self._sandbox_events:
@@ -237,7 +263,9 @@ class SandboxedEnv(ToolEnv):
     """A ToolEnv whose tools run model-written code: each episode gets a fresh sandbox and workspace
     (`new_sandbox()` in `_reset_task`), closed at the next reset or by `close()`."""
 
-    def __init__(self, max_turns: int, backend: str = "bwrap", timeout_s: float = 10.0, **sandbox_options):
+    def __init__(
+        self, max_turns: int, backend: str = "bwrap", timeout_s: float = 10.0, **sandbox_options
+    ):
         super().__init__()
         self.max_turns = max_turns
         self.backend, self.sandbox_options = backend, sandbox_options
@@ -252,9 +280,13 @@ class SandboxedEnv(ToolEnv):
         if problem:
             return problem
         named = set(inspect.signature(cls).parameters) - {"sandbox_options"}
-        if "timeout_s" in kwargs and not (isinstance(kwargs["timeout_s"], (int, float)) and kwargs["timeout_s"] > 0):
+        if "timeout_s" in kwargs and not (
+            isinstance(kwargs["timeout_s"], (int, float)) and kwargs["timeout_s"] > 0
+        ):
             return f"timeout_s must be a number of seconds > 0, not {kwargs['timeout_s']!r}"
-        problem = options_problem(kwargs.get("backend", "bwrap"), {k: v for k, v in kwargs.items() if k not in named})
+        problem = options_problem(
+            kwargs.get("backend", "bwrap"), {k: v for k, v in kwargs.items() if k not in named}
+        )
         return f"{problem} (the environment's own: {', '.join(sorted(named))})" if problem else None
 
     @classmethod
@@ -282,4 +314,12 @@ class InfraError(RuntimeError):
     """The environment's machinery failed (not the policy): the episode ends as an infra error."""
 
 
-__all__ = ["ToolEnv", "SandboxedEnv", "ToolSpec", "ToolFailure", "InfraError", "ToolCall", "ToolCallError"]
+__all__ = [
+    "ToolEnv",
+    "SandboxedEnv",
+    "ToolSpec",
+    "ToolFailure",
+    "InfraError",
+    "ToolCall",
+    "ToolCallError",
+]

@@ -45,7 +45,9 @@ def evaluate(expression: str) -> int | float:
     if not isinstance(expression, str) or len(expression) > 200:
         raise ToolFailure("expression must be a string of at most 200 characters")
     try:
-        tree = ast.parse(expression.strip(), mode="eval")  # " 2 * 3" is what a person would accept too
+        tree = ast.parse(
+            expression.strip(), mode="eval"
+        )  # " 2 * 3" is what a person would accept too
     except SyntaxError:
         raise ToolFailure(f"cannot parse expression {expression!r}") from None
 
@@ -66,7 +68,9 @@ def evaluate(expression: str) -> int | float:
             if abs(v) > _MAX_ABS:
                 raise ToolFailure("result too large")
             return v
-        raise ToolFailure(f"unsupported syntax in {expression!r}: only numbers and + - * / // % ( )")
+        raise ToolFailure(
+            f"unsupported syntax in {expression!r}: only numbers and + - * / // % ( )"
+        )
 
     value = ev(tree)
     if isinstance(value, float) and value.is_integer():
@@ -81,7 +85,9 @@ class CalculatorEnv(ToolEnv):
             "Evaluate an arithmetic expression with + - * / // % and parentheses.",
             {
                 "type": "object",
-                "properties": {"expression": {"type": "string", "description": "e.g. 12 * (3 + 4)"}},
+                "properties": {
+                    "expression": {"type": "string", "description": "e.g. 12 * (3 + 4)"}
+                },
                 "required": ["expression"],
             },
         ),
@@ -97,7 +103,9 @@ class CalculatorEnv(ToolEnv):
     ]
 
     milestones = (
-        Milestone("product", 0.25, "a calculator result equals a * b, the first intermediate value"),
+        Milestone(
+            "product", 0.25, "a calculator result equals a * b, the first intermediate value"
+        ),
         Milestone("solved", 1.0, "the submitted answer is right"),
     )
 

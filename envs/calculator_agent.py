@@ -23,14 +23,21 @@ def calculator_agent(task: AgentTask, max_turns: int = 4, max_tokens: int = 64) 
     messages: list[dict] = [{"role": "user", "content": problem}]
     milestones: list[dict] = []
     for _ in range(max_turns):
-        reply = client.chat.completions.create(model=task.model, messages=messages, tools=info["tools"],
-                                               max_tokens=max_tokens).choices[0].message
+        reply = (
+            client.chat.completions.create(
+                model=task.model, messages=messages, tools=info["tools"], max_tokens=max_tokens
+            )
+            .choices[0]
+            .message
+        )
         sent = {"role": "assistant", "content": reply.content}
         if reply.tool_calls:
             sent["tool_calls"] = [tc.model_dump() for tc in reply.tool_calls]
         messages.append(sent)
         if not reply.tool_calls:
-            messages.append({"role": "user", "content": "No tool call found. Call one of the tools."})
+            messages.append(
+                {"role": "user", "content": "No tool call found. Call one of the tools."}
+            )
             continue
         ended = False
         for tc in reply.tool_calls:
@@ -40,7 +47,10 @@ def calculator_agent(task: AgentTask, max_turns: int = 4, max_tokens: int = 64) 
                 arguments = {}
             # the environment checks the call as it would a model's text, and answers it
             obs, _, terminated, truncated, step = env.step(
-                format_tool_call(tc.function.name, **(arguments if isinstance(arguments, dict) else {})))
+                format_tool_call(
+                    tc.function.name, **(arguments if isinstance(arguments, dict) else {})
+                )
+            )
             milestones += [{"name": m["name"], "reward": m["reward"]} for m in step["milestones"]]
             messages.append({"role": "tool", "tool_call_id": tc.id, "content": obs})
             ended = terminated or truncated

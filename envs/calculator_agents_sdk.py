@@ -15,8 +15,17 @@ from envs.calculator import CalculatorEnv
 from envs.tool_calls import format_tool_call
 
 
-async def calculator_agents_sdk(task: AgentTask, max_turns: int = 4, max_tokens: int = 64) -> AgentResult:
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+async def calculator_agents_sdk(
+    task: AgentTask, max_turns: int = 4, max_tokens: int = 64
+) -> AgentResult:
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
     from agents.exceptions import MaxTurnsExceeded
 
     set_tracing_disabled(True)
@@ -39,9 +48,15 @@ async def calculator_agents_sdk(task: AgentTask, max_turns: int = 4, max_tokens:
         """Submit the final answer; ends the episode."""
         return step("submit", answer=answer)
 
-    agent = Agent(name="calculator", instructions=None, tools=[calculator, submit],
-                  model=OpenAIChatCompletionsModel(model=task.model, openai_client=task.async_client(max_retries=0)),
-                  model_settings=ModelSettings(max_tokens=max_tokens))
+    agent = Agent(
+        name="calculator",
+        instructions=None,
+        tools=[calculator, submit],
+        model=OpenAIChatCompletionsModel(
+            model=task.model, openai_client=task.async_client(max_retries=0)
+        ),
+        model_settings=ModelSettings(max_tokens=max_tokens),
+    )
     try:
         await Runner.run(agent, problem, max_turns=max_turns)
     except MaxTurnsExceeded:

@@ -23,8 +23,13 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     args = p.parse_args()
     env = os.environ
-    task = AgentTask(env.get("LONGHORIZON_EPISODE_ID", "cli"), int(env["LONGHORIZON_SEED"]), env["OPENAI_BASE_URL"],
-                     env.get("OPENAI_MODEL", "policy"), env.get("OPENAI_API_KEY", "unused"))
+    task = AgentTask(
+        env.get("LONGHORIZON_EPISODE_ID", "cli"),
+        int(env["LONGHORIZON_SEED"]),
+        env["OPENAI_BASE_URL"],
+        env.get("OPENAI_MODEL", "policy"),
+        env.get("OPENAI_API_KEY", "unused"),
+    )
     result = calculator_agent(task, max_turns=args.max_turns, max_tokens=args.max_tokens)
     print(json.dumps(dataclasses.asdict(result)))
 

@@ -17,8 +17,11 @@ from envs.base import ToolEnv
 from envs.tool_calls import parse_tool_calls
 from rewards.milestones import Milestone
 
-PROMPTS = ["Reply with a number of at least {n} digits.", "Write {n} digits and nothing else.",
-           "Give me a number with {n} digits or more."]
+PROMPTS = [
+    "Reply with a number of at least {n} digits.",
+    "Write {n} digits and nothing else.",
+    "Give me a number with {n} digits or more.",
+]
 
 
 def digit_share(text: str) -> float:
@@ -29,8 +32,14 @@ def digit_share(text: str) -> float:
 
 class DigitsEnv(ToolEnv):
     tools = []
-    milestones = (Milestone("digits", None, "paid when the reply ends: the share of its non-space characters that "
-                                            "are digits (0 to 1)"),)
+    milestones = (
+        Milestone(
+            "digits",
+            None,
+            "paid when the reply ends: the share of its non-space characters that "
+            "are digits (0 to 1)",
+        ),
+    )
     max_turns = 1
 
     def __init__(self, expert_slips: float = 0.0):
@@ -40,7 +49,9 @@ class DigitsEnv(ToolEnv):
     @classmethod
     def kwargs_problem(cls, kwargs: dict) -> str | None:
         slips = kwargs.get("expert_slips", 0.0)
-        if not (isinstance(slips, (int, float)) and not isinstance(slips, bool) and 0 <= slips <= 1):
+        if not (
+            isinstance(slips, (int, float)) and not isinstance(slips, bool) and 0 <= slips <= 1
+        ):
             return f"expert_slips must be a share from 0 to 1, not {slips!r}"
         return None
 
@@ -64,8 +75,16 @@ class DigitsEnv(ToolEnv):
         self._turn += 1
         score = digit_share(action)
         events = [{"name": "digits", "reward": score}]
-        calls, errors = parse_tool_calls(action)  # there are no tools: any call, well formed or not, is an error
-        return "", score, True, False, {"messages": [], "milestones": events, "tool_errors": len(calls) + len(errors)}
+        calls, errors = parse_tool_calls(
+            action
+        )  # there are no tools: any call, well formed or not, is an error
+        return (
+            "",
+            score,
+            True,
+            False,
+            {"messages": [], "milestones": events, "tool_errors": len(calls) + len(errors)},
+        )
 
     def expert_turns(self) -> list[str]:
         return ["1234567890 ok" if self.slips else "1234567890"]

@@ -33,8 +33,18 @@ class EnvWorker:
     def _fail(self, slot: int, where: str, exc: BaseException) -> tuple:
         self.failures += 1
         self.close(slot)
-        return "", 0.0, False, True, {"infra_error": f"{where}: {type(exc).__name__}: {exc}", "messages": [],
-                                      "milestones": [], "tool_errors": 0}
+        return (
+            "",
+            0.0,
+            False,
+            True,
+            {
+                "infra_error": f"{where}: {type(exc).__name__}: {exc}",
+                "messages": [],
+                "milestones": [],
+                "tool_errors": 0,
+            },
+        )
 
     def reset(self, slot: int, seed: int) -> tuple[str, dict]:
         """`(observation, info)`; `info["infra_error"]` instead when the environment could not start."""
@@ -64,7 +74,7 @@ class EnvWorker:
 
     def close(self, slot: int | None = None) -> None:
         """Close one slot's environment (its sandbox and workspace), or all of them."""
-        for s in ([slot] if slot is not None else list(self.slots)):
+        for s in [slot] if slot is not None else list(self.slots):
             env = self.slots.pop(s, None)
             if env is not None:
                 try:

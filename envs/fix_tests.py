@@ -55,32 +55,69 @@ BANK = {
     ),
 }
 MODULE, TESTS = "textkit.py", "test_textkit.py"
-_PROTECTED = {TESTS, "conftest.py", "pytest.ini", "pyproject.toml", "setup.cfg", "tox.ini", "sitecustomize.py",
-              "usercustomize.py"}
+_PROTECTED = {
+    TESTS,
+    "conftest.py",
+    "pytest.ini",
+    "pyproject.toml",
+    "setup.cfg",
+    "tox.ini",
+    "sitecustomize.py",
+    "usercustomize.py",
+}
 _DURATION = re.compile(r" in \d+\.\d+s( \(\d+:\d\d:\d\d\))?(?=( =*)?$)", re.MULTILINE)
 _RESULT = re.compile(r"^(PASSED|FAILED|ERROR) test_textkit\.py::(test_\w+)", re.MULTILINE)
 
 
 class FixTestsEnv(SandboxedEnv):
     tools = [
-        ToolSpec("read_file", "Read a file of the project.",
-                 {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}),
-        ToolSpec("write_file", "Replace a file of the project with new content.",
-                 {"type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
-                  "required": ["path", "content"]}),
-        ToolSpec("run_tests", "Run the unit tests with pytest; returns which pass.", {"type": "object", "properties": {}}),
-        ToolSpec("submit", "Declare the fix done; ends the episode.", {"type": "object", "properties": {}}),
+        ToolSpec(
+            "read_file",
+            "Read a file of the project.",
+            {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]},
+        ),
+        ToolSpec(
+            "write_file",
+            "Replace a file of the project with new content.",
+            {
+                "type": "object",
+                "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+                "required": ["path", "content"],
+            },
+        ),
+        ToolSpec(
+            "run_tests",
+            "Run the unit tests with pytest; returns which pass.",
+            {"type": "object", "properties": {}},
+        ),
+        ToolSpec(
+            "submit",
+            "Declare the fix done; ends the episode.",
+            {"type": "object", "properties": {}},
+        ),
     ]
 
     @classmethod
-    def succeeded(cls, milestones, reward) -> bool:  # every broken test passes: the pass:* rewards add up to 1
+    def succeeded(
+        cls, milestones, reward
+    ) -> bool:  # every broken test passes: the pass:* rewards add up to 1
         return sum(m["reward"] for m in milestones if m["name"].startswith("pass:")) >= 1.0 - 1e-9
 
     milestones = (
-        Milestone("pass:*", None, "a test that started out failing passes (1 / number of broken tests each)"),
+        Milestone(
+            "pass:*",
+            None,
+            "a test that started out failing passes (1 / number of broken tests each)",
+        ),
     )
 
-    def __init__(self, max_turns: int = 10, backend: str = "bwrap", timeout_s: float = 30.0, **sandbox_options):
+    def __init__(
+        self,
+        max_turns: int = 10,
+        backend: str = "bwrap",
+        timeout_s: float = 30.0,
+        **sandbox_options,
+    ):
         super().__init__(max_turns, backend, timeout_s, **sandbox_options)
 
     def _reset_task(self) -> str:
@@ -92,16 +129,23 @@ class FixTestsEnv(SandboxedEnv):
         module = "\n\n".join(BANK[f][1] if f in self.broken else BANK[f][0] for f in self.functions)
         self.sandbox.workspace.write_text(MODULE, module)
         self.test_source = f"from textkit import {', '.join(self.functions)}\n\n\n" + "\n\n".join(
-            f"def test_{f}():\n{BANK[f][2]}" for f in self.functions)
+            f"def test_{f}():\n{BANK[f][2]}" for f in self.functions
+        )
         self.sandbox.workspace.write_text(TESTS, self.test_source)
         self.passing: dict[str, bool] = {}
-        return (f"The project in the workspace has a module {MODULE} ({', '.join(self.functions)}) and its tests "
-                f"in {TESTS}; some tests fail. "
-                f"Fix {MODULE} (not the tests) so that every test passes, then call submit.")
+        return (
+            f"The project in the workspace has a module {MODULE} ({', '.join(self.functions)}) and its tests "
+            f"in {TESTS}; some tests fail. "
+            f"Fix {MODULE} (not the tests) so that every test passes, then call submit."
+        )
 
     def tool_functions(self):
-        return {"read_file": self._read_file, "write_file": self._write_file, "run_tests": self._run_tests,
-                "submit": self._submit}
+        return {
+            "read_file": self._read_file,
+            "write_file": self._write_file,
+            "run_tests": self._run_tests,
+            "submit": self._submit,
+        }
 
     def _read_file(self, path: str) -> str:
         try:
@@ -130,7 +174,9 @@ class FixTestsEnv(SandboxedEnv):
                 p.unlink()
         (ws.path / TESTS).unlink(missing_ok=True)
         ws.write_text(TESTS, self.test_source)
-        result = self.sandbox.run(["python", "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", TESTS])
+        result = self.sandbox.run(
+            ["python", "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", TESTS]
+        )
         self.record_sandbox(result)
         outcome = {f"test_{f}": False for f in self.functions}
         for status, name in _RESULT.findall(result.stdout):
@@ -155,5 +201,10 @@ class FixTestsEnv(SandboxedEnv):
 
     def expert_turns(self) -> list[str]:
         fixed = "\n\n".join(BANK[f][0] for f in self.functions)
-        return [call("read_file", path=MODULE), call("run_tests"), call("write_file", path=MODULE, content=fixed),
-                call("run_tests"), call("submit")]
+        return [
+            call("read_file", path=MODULE),
+            call("run_tests"),
+            call("write_file", path=MODULE, content=fixed),
+            call("run_tests"),
+            call("submit"),
+        ]

@@ -24,10 +24,22 @@ from envs.tool_calls import format_tool_call as call
 from rewards.milestones import Milestone
 
 SERVICES = ("auth", "billing", "search", "checkout", "gateway", "storage", "mailer")
-ERRORS = ("connection pool exhausted", "disk full on /var/data", "upstream timeout after 30 s", "out of memory",
-          "TLS certificate expired", "too many open files")
-_INFO = ("request served in {ms} ms", "health check ok", "cache hit ratio {pct}%", "session started",
-         "config reloaded", "{n} jobs queued")
+ERRORS = (
+    "connection pool exhausted",
+    "disk full on /var/data",
+    "upstream timeout after 30 s",
+    "out of memory",
+    "TLS certificate expired",
+    "too many open files",
+)
+_INFO = (
+    "request served in {ms} ms",
+    "health check ok",
+    "cache hit ratio {pct}%",
+    "session started",
+    "config reloaded",
+    "{n} jobs queued",
+)
 MAX_LINES_PER_READ = 40
 MIN_WORDS, MAX_WORDS = 3, 60
 
@@ -38,15 +50,35 @@ def _clock(seconds: int) -> str:
 
 class IncidentEnv(ToolEnv):
     tools = [
-        ToolSpec("read_log", "Show lines of the log, numbered from 1.",
-                 {"type": "object", "properties": {
-                     "start": {"type": "integer", "description": "first line (1-based)"},
-                     "count": {"type": "integer", "description": f"how many lines (at most {MAX_LINES_PER_READ})"}},
-                  "required": []}),
-        ToolSpec("grep", "Show the log lines that contain a text (case-insensitive).",
-                 {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}),
-        ToolSpec("submit", f"Submit the incident report ({MIN_WORDS} to {MAX_WORDS} words); ends the episode.",
-                 {"type": "object", "properties": {"report": {"type": "string"}}, "required": ["report"]}),
+        ToolSpec(
+            "read_log",
+            "Show lines of the log, numbered from 1.",
+            {
+                "type": "object",
+                "properties": {
+                    "start": {"type": "integer", "description": "first line (1-based)"},
+                    "count": {
+                        "type": "integer",
+                        "description": f"how many lines (at most {MAX_LINES_PER_READ})",
+                    },
+                },
+                "required": [],
+            },
+        ),
+        ToolSpec(
+            "grep",
+            "Show the log lines that contain a text (case-insensitive).",
+            {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]},
+        ),
+        ToolSpec(
+            "submit",
+            f"Submit the incident report ({MIN_WORDS} to {MAX_WORDS} words); ends the episode.",
+            {
+                "type": "object",
+                "properties": {"report": {"type": "string"}},
+                "required": ["report"],
+            },
+        ),
     ]
 
     milestones = (
@@ -89,11 +121,17 @@ class IncidentEnv(ToolEnv):
             other = SERVICES[int(rng.integers(len(SERVICES)))]
             level = "WARN" if rng.random() < 0.08 else "INFO"
             msg = "slow response" if level == "WARN" else _INFO[int(rng.integers(len(_INFO)))]
-            msg = msg.format(ms=int(rng.integers(3, 900)), pct=int(rng.integers(40, 99)), n=int(rng.integers(1, 50)))
+            msg = msg.format(
+                ms=int(rng.integers(3, 900)),
+                pct=int(rng.integers(40, 99)),
+                n=int(rng.integers(1, 50)),
+            )
             self.log.append(f"2026-03-14 {_clock(t)} {level} {other}: {msg}")
-        return (f"Our services wrote {len(self.log)} log lines today; read them with read_log or search them with grep. "
-                f"Find the incident and submit a short report ({MAX_WORDS} words at most): which service failed, "
-                "with what error, and since when.")
+        return (
+            f"Our services wrote {len(self.log)} log lines today; read them with read_log or search them with grep. "
+            f"Find the incident and submit a short report ({MAX_WORDS} words at most): which service failed, "
+            "with what error, and since when."
+        )
 
     def judge_reference(self) -> str:
         return f"The {self.service} service failed with '{self.error}', starting at {self.since}."
@@ -107,7 +145,12 @@ class IncidentEnv(ToolEnv):
         return "\n".join(f"{i + 1}: {self.log[i]}" for i in indices)
 
     def _read_log(self, start: int = 1, count: int = 20) -> str:
-        if isinstance(start, bool) or not isinstance(start, int) or isinstance(count, bool) or not isinstance(count, int):
+        if (
+            isinstance(start, bool)
+            or not isinstance(start, int)
+            or isinstance(count, bool)
+            or not isinstance(count, int)
+        ):
             raise ToolFailure("start and count must be integers")
         if not 1 <= start <= len(self.log):
             raise ToolFailure(f"start must be from 1 to {len(self.log)}")
@@ -121,14 +164,18 @@ class IncidentEnv(ToolEnv):
         if not hits:
             return "no line contains it"
         shown = self._show(hits[:MAX_LINES_PER_READ])
-        return shown + (f"\n({len(hits) - MAX_LINES_PER_READ} more)" if len(hits) > MAX_LINES_PER_READ else "")
+        return shown + (
+            f"\n({len(hits) - MAX_LINES_PER_READ} more)" if len(hits) > MAX_LINES_PER_READ else ""
+        )
 
     def _submit(self, report) -> str:
         if not isinstance(report, str):
             raise ToolFailure("report must be a string")
         words = len(report.split())
         if not MIN_WORDS <= words <= MAX_WORDS:
-            raise ToolFailure(f"the report has {words} words; it must have {MIN_WORDS} to {MAX_WORDS}")
+            raise ToolFailure(
+                f"the report has {words} words; it must have {MIN_WORDS} to {MAX_WORDS}"
+            )
         self.finish()
         self.reach("reported", 0.2, self._events)
         return "report received"
@@ -138,6 +185,9 @@ class IncidentEnv(ToolEnv):
         n = len(self.error_lines)
         return [
             "Look for errors.\n" + call("grep", text="ERROR"),
-            call("submit", report=f"Incident: the {self.service} service fails with '{self.error}' since "
-                                  f"{self.since} ({n} errors in the log)."),
+            call(
+                "submit",
+                report=f"Incident: the {self.service} service fails with '{self.error}' since "
+                f"{self.since} ({n} errors in the log).",
+            ),
         ]

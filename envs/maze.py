@@ -24,9 +24,15 @@ MOVES = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
 
 class MazeEnv(ToolEnv):
     tools = [
-        ToolSpec("move", "Move one cell: up, down, left or right.",
-                 {"type": "object", "properties": {"direction": {"type": "string", "enum": list(MOVES)}},
-                  "required": ["direction"]}),
+        ToolSpec(
+            "move",
+            "Move one cell: up, down, left or right.",
+            {
+                "type": "object",
+                "properties": {"direction": {"type": "string", "enum": list(MOVES)}},
+                "required": ["direction"],
+            },
+        ),
     ]
 
     @classmethod
@@ -34,8 +40,12 @@ class MazeEnv(ToolEnv):
         return any(m["name"] == "exit" for m in milestones)
 
     milestones = (
-        Milestone("waypoint_*", 0.25, "stepped on the cell one (waypoint_1) or two (waypoint_2) thirds along the "
-                                      "shortest path"),
+        Milestone(
+            "waypoint_*",
+            0.25,
+            "stepped on the cell one (waypoint_1) or two (waypoint_2) thirds along the "
+            "shortest path",
+        ),
         Milestone("exit", 0.5, "reached the exit (ends the episode)"),
     )
 
@@ -51,8 +61,12 @@ class MazeEnv(ToolEnv):
         seen, stack = {(0, 0)}, [(0, 0)]
         while stack:  # randomized depth-first carving: one path between any two cells
             cell = stack[-1]
-            nbrs = [(d, (cell[0] + dr, cell[1] + dc)) for d, (dr, dc) in MOVES.items()
-                    if (cell[0] + dr, cell[1] + dc) in self.open and (cell[0] + dr, cell[1] + dc) not in seen]
+            nbrs = [
+                (d, (cell[0] + dr, cell[1] + dc))
+                for d, (dr, dc) in MOVES.items()
+                if (cell[0] + dr, cell[1] + dc) in self.open
+                and (cell[0] + dr, cell[1] + dc) not in seen
+            ]
             if not nbrs:
                 stack.pop()
                 continue
@@ -66,8 +80,10 @@ class MazeEnv(ToolEnv):
         self.waypoints = [path[len(path) // 3], path[2 * len(path) // 3]]
         self.visited = {self.pos}
         self.show_image(self.render())
-        return (f"You are in a {n}x{n} maze at the top-left cell (row 0, column 0); the exit is the bottom-right "
-                f"cell. Blue cells are waypoints. Move with the move tool. {self._where()}")
+        return (
+            f"You are in a {n}x{n} maze at the top-left cell (row 0, column 0); the exit is the bottom-right "
+            f"cell. Blue cells are waypoints. Move with the move tool. {self._where()}"
+        )
 
     def shortest_path(self, start, goal) -> list[tuple]:
         prev, queue = {start: None}, deque([start])
@@ -84,7 +100,11 @@ class MazeEnv(ToolEnv):
         return path[::-1]
 
     def _where(self) -> str:
-        dirs = [d for d, (dr, dc) in MOVES.items() if (self.pos[0] + dr, self.pos[1] + dc) in self.open[self.pos]]
+        dirs = [
+            d
+            for d, (dr, dc) in MOVES.items()
+            if (self.pos[0] + dr, self.pos[1] + dc) in self.open[self.pos]
+        ]
         return f"Position (row {self.pos[0]}, column {self.pos[1]}); open: {', '.join(dirs)}."
 
     def render(self) -> np.ndarray:
@@ -100,11 +120,11 @@ class MazeEnv(ToolEnv):
                 color = (40, 200, 60)
             if (r, c) == self.pos:
                 color = (230, 30, 30)
-            img[r * p + 1:(r + 1) * p, c * p + 1:(c + 1) * p] = color
+            img[r * p + 1 : (r + 1) * p, c * p + 1 : (c + 1) * p] = color
             if (r + 1, c) in nbrs:  # knock the wall down between open neighbours
-                img[(r + 1) * p, c * p + 1:(c + 1) * p] = 255
+                img[(r + 1) * p, c * p + 1 : (c + 1) * p] = 255
             if (r, c + 1) in nbrs:
-                img[r * p + 1:(r + 1) * p, (c + 1) * p] = 255
+                img[r * p + 1 : (r + 1) * p, (c + 1) * p] = 255
         return img
 
     def tool_functions(self):
@@ -127,11 +147,16 @@ class MazeEnv(ToolEnv):
             self.finish()
         # the picture of this turn's final position replaces the previous ones
         self._images[:] = [self.render()]
-        return f"moved {direction}. " + ("You reached the exit." if nxt == self.exit else self._where())
+        return f"moved {direction}. " + (
+            "You reached the exit." if nxt == self.exit else self._where()
+        )
 
     def expert_turns(self) -> list[str]:
         path = self.shortest_path(self.pos, self.exit)
-        steps = [next(d for d, (dr, dc) in MOVES.items() if (a[0] + dr, a[1] + dc) == b) for a, b in zip(path, path[1:])]
+        steps = [
+            next(d for d, (dr, dc) in MOVES.items() if (a[0] + dr, a[1] + dc) == b)
+            for a, b in zip(path, path[1:])
+        ]
         third = max(1, len(steps) // 3)
-        chunks = [steps[i:i + third] for i in range(0, len(steps), third)]
+        chunks = [steps[i : i + third] for i in range(0, len(steps), third)]
         return ["".join(call("move", direction=d) for d in chunk) for chunk in chunks]

@@ -18,9 +18,46 @@ from envs.base import ToolEnv, ToolFailure, ToolSpec
 from envs.tool_calls import format_tool_call as call
 from rewards.milestones import Milestone
 
-_SYLLABLES = ["ka", "lo", "mi", "ren", "tu", "sa", "vo", "ne", "qui", "dar", "pel", "zo", "an", "tri", "mu", "es"]
-_NAMES = ["Amber", "Basalt", "Cobalt", "Dune", "Ember", "Fjord", "Garnet", "Harbor", "Indigo", "Juniper", "Krypton",
-          "Lagoon", "Marble", "Nimbus", "Onyx", "Pewter", "Quartz", "Russet", "Sable", "Tundra"]
+_SYLLABLES = [
+    "ka",
+    "lo",
+    "mi",
+    "ren",
+    "tu",
+    "sa",
+    "vo",
+    "ne",
+    "qui",
+    "dar",
+    "pel",
+    "zo",
+    "an",
+    "tri",
+    "mu",
+    "es",
+]
+_NAMES = [
+    "Amber",
+    "Basalt",
+    "Cobalt",
+    "Dune",
+    "Ember",
+    "Fjord",
+    "Garnet",
+    "Harbor",
+    "Indigo",
+    "Juniper",
+    "Krypton",
+    "Lagoon",
+    "Marble",
+    "Nimbus",
+    "Onyx",
+    "Pewter",
+    "Quartz",
+    "Russet",
+    "Sable",
+    "Tundra",
+]
 PAGE_WORDS = 100
 
 
@@ -32,13 +69,29 @@ def _vocabulary(n: int = 2000) -> np.ndarray:
 
 class NeedleEnv(ToolEnv):
     tools = [
-        ToolSpec("search", "Find documents containing a phrase (case-insensitive); returns up to 5 ids with snippets.",
-                 {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}),
-        ToolSpec("read", "Read one page (100 words) of a document.",
-                 {"type": "object", "properties": {"doc_id": {"type": "integer"}, "page": {"type": "integer"}},
-                  "required": ["doc_id"]}),
-        ToolSpec("submit", "Submit the answer; ends the episode.",
-                 {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}),
+        ToolSpec(
+            "search",
+            "Find documents containing a phrase (case-insensitive); returns up to 5 ids with snippets.",
+            {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+        ),
+        ToolSpec(
+            "read",
+            "Read one page (100 words) of a document.",
+            {
+                "type": "object",
+                "properties": {"doc_id": {"type": "integer"}, "page": {"type": "integer"}},
+                "required": ["doc_id"],
+            },
+        ),
+        ToolSpec(
+            "submit",
+            "Submit the answer; ends the episode.",
+            {
+                "type": "object",
+                "properties": {"answer": {"type": "string"}},
+                "required": ["answer"],
+            },
+        ),
     ]
 
     milestones = (
@@ -46,11 +99,18 @@ class NeedleEnv(ToolEnv):
         Milestone("solved", 1.0, "submitted the right code"),
     )
 
-    def __init__(self, corpus_tokens: int = 20_000, doc_words: int = 400, vaults: int = 6, max_turns: int = 8):
+    def __init__(
+        self, corpus_tokens: int = 20_000, doc_words: int = 400, vaults: int = 6, max_turns: int = 8
+    ):
         super().__init__()
         if corpus_tokens < doc_words or vaults < 1 or vaults > len(_NAMES):
             raise ValueError("need corpus_tokens >= doc_words and 1 <= vaults <= 20")
-        self.corpus_tokens, self.doc_words, self.vaults, self.max_turns = corpus_tokens, doc_words, vaults, max_turns
+        self.corpus_tokens, self.doc_words, self.vaults, self.max_turns = (
+            corpus_tokens,
+            doc_words,
+            vaults,
+            max_turns,
+        )
         self.vocab = _vocabulary()
 
     def _reset_task(self) -> str:
@@ -73,8 +133,10 @@ class NeedleEnv(ToolEnv):
         self.needle_page = (d, w // PAGE_WORDS)
         # a sentence cut by a page break is on two pages: reading either counts as finding it
         self.needle_pages = {(d, w // PAGE_WORDS), (d, (w + 6) // PAGE_WORDS)}
-        return (f"A corpus of {n_docs} documents ({self.corpus_tokens:,} words) is searchable. "
-                f"What code opens the vault {self.asked}? Search, read, then submit the code.")
+        return (
+            f"A corpus of {n_docs} documents ({self.corpus_tokens:,} words) is searchable. "
+            f"What code opens the vault {self.asked}? Search, read, then submit the code."
+        )
 
     def tool_functions(self):
         return {"search": self._search, "read": self._read, "submit": self._submit}
@@ -87,7 +149,9 @@ class NeedleEnv(ToolEnv):
         for i, text in enumerate(self.lower):
             at = text.find(q)
             if at >= 0:
-                hits.append(f"doc {i}, page {text.count(' ', 0, at) // PAGE_WORDS}: ...{self.docs[i][max(0, at - 40):at + 60]}...")
+                hits.append(
+                    f"doc {i}, page {text.count(' ', 0, at) // PAGE_WORDS}: ...{self.docs[i][max(0, at - 40) : at + 60]}..."
+                )
                 if len(hits) == 5:
                     break
         return "\n".join(hits) if hits else "no document contains that"
@@ -105,7 +169,9 @@ class NeedleEnv(ToolEnv):
             raise ToolFailure(f"document {doc_id} has pages 0..{n_pages - 1}")
         if (doc_id, page) in self.needle_pages:
             self.reach("found", 0.25, self._events)
-        return f"doc {doc_id} page {page}/{n_pages - 1}: " + " ".join(words[page * PAGE_WORDS:(page + 1) * PAGE_WORDS])
+        return f"doc {doc_id} page {page}/{n_pages - 1}: " + " ".join(
+            words[page * PAGE_WORDS : (page + 1) * PAGE_WORDS]
+        )
 
     def _submit(self, answer) -> str:
         self.finish()
@@ -116,5 +182,8 @@ class NeedleEnv(ToolEnv):
 
     def expert_turns(self) -> list[str]:
         d, page = self.needle_page
-        return [call("search", query=f"vault {self.asked} opens"), call("read", doc_id=d, page=page),
-                call("submit", answer=self.codes[self.asked])]
+        return [
+            call("search", query=f"vault {self.asked} opens"),
+            call("read", doc_id=d, page=page),
+            call("submit", answer=self.codes[self.asked]),
+        ]

@@ -33,20 +33,70 @@ from envs.base import SandboxedEnv, ToolFailure, ToolSpec
 from envs.tool_calls import format_tool_call as call
 from rewards.milestones import Milestone
 
-_BASE = ["auth", "billing", "search", "checkout", "gateway", "storage", "mailer", "ledger", "catalog", "pricing",
-         "inventory", "shipping", "profile", "session", "media", "feed", "notify", "export", "quota", "audit",
-         "backup", "cache", "queue", "scheduler", "metrics", "tracing", "config", "secrets", "payments", "orders",
-         "cart", "reviews"]
+_BASE = [
+    "auth",
+    "billing",
+    "search",
+    "checkout",
+    "gateway",
+    "storage",
+    "mailer",
+    "ledger",
+    "catalog",
+    "pricing",
+    "inventory",
+    "shipping",
+    "profile",
+    "session",
+    "media",
+    "feed",
+    "notify",
+    "export",
+    "quota",
+    "audit",
+    "backup",
+    "cache",
+    "queue",
+    "scheduler",
+    "metrics",
+    "tracing",
+    "config",
+    "secrets",
+    "payments",
+    "orders",
+    "cart",
+    "reviews",
+]
 SERVICES = _BASE + [f"{b}-worker" for b in _BASE]
 """The pool a task draws its services from (64: the longest horizon)."""
 SLACK = 4
 """Turns an episode has beyond the `horizon` + 1 calls a solution takes (its `max_turns` by default)."""
 
-_ERRORS = ["connection pool exhausted", "disk full on /var/data", "upstream timeout after 30 s", "out of memory",
-           "TLS certificate expired", "too many open files", "replica lag above 60 s", "deadlock detected"]
-_INFO = ["request served in {n} ms", "health check ok", "cache hit ratio {n}%", "session started", "config reloaded",
-         "{n} jobs queued", "flushed {n} records"]
-_WARN = ["slow request: {n} ms", "retrying call (attempt {k})", "queue depth {n}", "GC pause {n} ms"]
+_ERRORS = [
+    "connection pool exhausted",
+    "disk full on /var/data",
+    "upstream timeout after 30 s",
+    "out of memory",
+    "TLS certificate expired",
+    "too many open files",
+    "replica lag above 60 s",
+    "deadlock detected",
+]
+_INFO = [
+    "request served in {n} ms",
+    "health check ok",
+    "cache hit ratio {n}%",
+    "session started",
+    "config reloaded",
+    "{n} jobs queued",
+    "flushed {n} records",
+]
+_WARN = [
+    "slow request: {n} ms",
+    "retrying call (attempt {k})",
+    "queue depth {n}",
+    "GC pause {n} ms",
+]
 
 
 def _clock(seconds: int) -> str:
@@ -55,20 +105,48 @@ def _clock(seconds: int) -> str:
 
 class OncallEnv(SandboxedEnv):
     tools = [
-        ToolSpec("check", "Show a service's ERROR lines (grep over its log) and the next service downstream.",
-                 {"type": "object", "properties": {"service": {"type": "string"}}, "required": ["service"]}),
-        ToolSpec("report", "Report the failing services, comma-separated; ends the episode.",
-                 {"type": "object", "properties": {"failing": {"type": "string"}}, "required": ["failing"]}),
+        ToolSpec(
+            "check",
+            "Show a service's ERROR lines (grep over its log) and the next service downstream.",
+            {
+                "type": "object",
+                "properties": {"service": {"type": "string"}},
+                "required": ["service"],
+            },
+        ),
+        ToolSpec(
+            "report",
+            "Report the failing services, comma-separated; ends the episode.",
+            {
+                "type": "object",
+                "properties": {"failing": {"type": "string"}},
+                "required": ["failing"],
+            },
+        ),
     ]
 
     milestones = (
-        Milestone("found:*", None, "a check showed a failing service's errors (0.25 / failing services each)"),
-        Milestone("named:*", None, "the report names a failing service and no healthy one (0.25 / failing services each)"),
+        Milestone(
+            "found:*",
+            None,
+            "a check showed a failing service's errors (0.25 / failing services each)",
+        ),
+        Milestone(
+            "named:*",
+            None,
+            "the report names a failing service and no healthy one (0.25 / failing services each)",
+        ),
         Milestone("solved", 0.5, "the report names exactly the failing services"),
     )
 
-    def __init__(self, horizon: int | list = 12, max_turns: int = 0, backend: str = "bwrap", timeout_s: float = 10.0,
-                 **sandbox_options):
+    def __init__(
+        self,
+        horizon: int | list = 12,
+        max_turns: int = 0,
+        backend: str = "bwrap",
+        timeout_s: float = 10.0,
+        **sandbox_options,
+    ):
         horizons = list(horizon) if isinstance(horizon, (list, tuple)) else [horizon]
         super().__init__(max_turns or max(horizons) + SLACK, backend, timeout_s, **sandbox_options)
         self.horizons, self.fixed_turns = horizons, max_turns
@@ -77,7 +155,9 @@ class OncallEnv(SandboxedEnv):
     def kwargs_problem(cls, kwargs: dict) -> str | None:
         h = kwargs.get("horizon", 12)
         hs = h if isinstance(h, list) else [h]
-        if not hs or not all(isinstance(x, int) and not isinstance(x, bool) and 2 <= x <= len(SERVICES) for x in hs):
+        if not hs or not all(
+            isinstance(x, int) and not isinstance(x, bool) and 2 <= x <= len(SERVICES) for x in hs
+        ):
             return f"horizon must be an integer (or a list of them) from 2 to {len(SERVICES)}, not {h!r}"
         turns = kwargs.get("max_turns", 0)
         if not (isinstance(turns, int) and not isinstance(turns, bool) and turns >= 0):
@@ -87,22 +167,36 @@ class OncallEnv(SandboxedEnv):
     def _reset_task(self) -> str:
         rng = self.np_random
         self.horizon = self.horizons[int(rng.integers(len(self.horizons)))]
-        self.max_turns = self.fixed_turns or self.horizon + SLACK  # a few turns of slack on the solution's
-        self.services = [SERVICES[i] for i in rng.choice(len(SERVICES), size=self.horizon, replace=False)]
+        self.max_turns = (
+            self.fixed_turns or self.horizon + SLACK
+        )  # a few turns of slack on the solution's
+        self.services = [
+            SERVICES[i] for i in rng.choice(len(SERVICES), size=self.horizon, replace=False)
+        ]
         # failing: one in each quarter of the chain at least, so the report needs early findings too
         quarters = [range(q * self.horizon // 4, (q + 1) * self.horizon // 4) for q in range(4)]
         picks = {int(rng.choice(list(q))) for q in quarters if len(q)}
         extra = int(rng.integers(0, max(1, self.horizon // 8) + 1))
-        picks |= {int(i) for i in rng.choice(self.horizon, size=min(extra, self.horizon), replace=False)}
-        picks = picks if len(picks) < self.horizon else set(sorted(picks)[:-1])  # one healthy service at least
+        picks |= {
+            int(i) for i in rng.choice(self.horizon, size=min(extra, self.horizon), replace=False)
+        }
+        picks = (
+            picks if len(picks) < self.horizon else set(sorted(picks)[:-1])
+        )  # one healthy service at least
         self.failing = [self.services[i] for i in sorted(picks)]
         self.new_sandbox()
         for i, name in enumerate(self.services):
-            self.sandbox.workspace.write_text(f"logs/{name}.log", self._log(rng, name in self.failing))
-            self.sandbox.workspace.write_text(f"routes/{name}", (self.services[i + 1] if i + 1 < self.horizon else "") + "\n")
-        return (f"Incident: requests fail somewhere along a chain of {self.horizon} services that starts at "
-                f"{self.services[0]}. Check every service, following the chain downstream, then report every "
-                f"failing service.")
+            self.sandbox.workspace.write_text(
+                f"logs/{name}.log", self._log(rng, name in self.failing)
+            )
+            self.sandbox.workspace.write_text(
+                f"routes/{name}", (self.services[i + 1] if i + 1 < self.horizon else "") + "\n"
+            )
+        return (
+            f"Incident: requests fail somewhere along a chain of {self.horizon} services that starts at "
+            f"{self.services[0]}. Check every service, following the chain downstream, then report every "
+            f"failing service."
+        )
 
     def _log(self, rng, failing: bool) -> str:
         """A service's log: INFO and WARN lines, and for a failing service one error repeated from
@@ -117,7 +211,10 @@ class OncallEnv(SandboxedEnv):
                 lines.append(f"{_clock(t)} ERROR {error}")
             elif rng.random() < 0.2:
                 warn = _WARN[int(rng.integers(len(_WARN)))]
-                lines.append(f"{_clock(t)} WARN " + warn.format(n=int(rng.integers(100, 9000)), k=int(rng.integers(2, 5))))
+                lines.append(
+                    f"{_clock(t)} WARN "
+                    + warn.format(n=int(rng.integers(100, 9000)), k=int(rng.integers(2, 5)))
+                )
             else:
                 info = _INFO[int(rng.integers(len(_INFO)))]
                 lines.append(f"{_clock(t)} INFO " + info.format(n=int(rng.integers(1, 999))))
@@ -138,7 +235,11 @@ class OncallEnv(SandboxedEnv):
             raise ToolFailure(result.observation(400))
         lines = result.stdout.strip().splitlines()
         count = int(lines[0]) if lines and lines[0].isdigit() else 0
-        nxt = lines[-1].removeprefix("next:").strip() if lines and lines[-1].startswith("next:") else ""
+        nxt = (
+            lines[-1].removeprefix("next:").strip()
+            if lines and lines[-1].startswith("next:")
+            else ""
+        )
         downstream = f" Next: {nxt}." if nxt else " End of the chain."
         if not count:
             return f"ok {name}: no ERROR lines.{downstream}"
@@ -162,7 +263,9 @@ class OncallEnv(SandboxedEnv):
 
     # --- the scripted expert ---
     def expert_turns(self) -> list[str]:
-        return [call("check", service=s) for s in self.services] + [call("report", failing=", ".join(self.failing))]
+        return [call("check", service=s) for s in self.services] + [
+            call("report", failing=", ".join(self.failing))
+        ]
 
     def expert_summary(self, done: int) -> str:
         done = min(done, self.horizon)

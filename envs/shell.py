@@ -21,15 +21,48 @@ from envs.base import SandboxedEnv, ToolSpec
 from envs.tool_calls import format_tool_call as call
 from rewards.milestones import Milestone
 
-_WORDS = ["disk", "cache", "worker", "request", "token", "shard", "socket", "queue", "lease", "batch", "retry", "node"]
-_VERBS = ["started", "failed", "timed out", "recovered", "stalled", "flushed", "rejected", "completed"]
+_WORDS = [
+    "disk",
+    "cache",
+    "worker",
+    "request",
+    "token",
+    "shard",
+    "socket",
+    "queue",
+    "lease",
+    "batch",
+    "retry",
+    "node",
+]
+_VERBS = [
+    "started",
+    "failed",
+    "timed out",
+    "recovered",
+    "stalled",
+    "flushed",
+    "rejected",
+    "completed",
+]
 
 
 class ShellEnv(SandboxedEnv):
     tools = [
-        ToolSpec("bash", "Run a shell command in the workspace (a sandbox without network); returns exit code and output.",
-                 {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}),
-        ToolSpec("submit", "Declare the task done; ends the episode.", {"type": "object", "properties": {}}),
+        ToolSpec(
+            "bash",
+            "Run a shell command in the workspace (a sandbox without network); returns exit code and output.",
+            {
+                "type": "object",
+                "properties": {"command": {"type": "string"}},
+                "required": ["command"],
+            },
+        ),
+        ToolSpec(
+            "submit",
+            "Declare the task done; ends the episode.",
+            {"type": "object", "properties": {}},
+        ),
     ]
 
     milestones = (
@@ -38,7 +71,9 @@ class ShellEnv(SandboxedEnv):
         Milestone("solved", 0.25, "submitted with both files right"),
     )
 
-    def __init__(self, max_turns: int = 8, backend: str = "bwrap", timeout_s: float = 10.0, **sandbox_options):
+    def __init__(
+        self, max_turns: int = 8, backend: str = "bwrap", timeout_s: float = 10.0, **sandbox_options
+    ):
         super().__init__(max_turns, backend, timeout_s, **sandbox_options)
 
     def _reset_task(self) -> str:
@@ -55,9 +90,11 @@ class ShellEnv(SandboxedEnv):
             self.sandbox.workspace.write_text(f"logs/service-{f}.log", "\n".join(lines) + "\n")
             lines_all += lines
         self.expected = sorted(line for line in lines_all if f" {self.level} " in line)
-        return (f"The directory logs/ holds service logs. Write every line with level {self.level} from all of "
-                f"them, sorted, to report/matches.txt, and the number of such lines to report/count.txt. "
-                f"Then call submit.")
+        return (
+            f"The directory logs/ holds service logs. Write every line with level {self.level} from all of "
+            f"them, sorted, to report/matches.txt, and the number of such lines to report/count.txt. "
+            f"Then call submit."
+        )
 
     def tool_functions(self):
         return {"bash": self._bash, "submit": self._submit}
@@ -93,12 +130,22 @@ class ShellEnv(SandboxedEnv):
         if ok_matches and ok_count:
             self.reach("solved", 0.25, self._events)
             return "accepted"
-        return "rejected: " + ", ".join(n for n, ok in (("report/matches.txt", ok_matches), ("report/count.txt", ok_count)) if not ok)
+        return "rejected: " + ", ".join(
+            n
+            for n, ok in (("report/matches.txt", ok_matches), ("report/count.txt", ok_count))
+            if not ok
+        )
 
     def expert_turns(self) -> list[str]:
         return [
             call("bash", command="ls logs && mkdir -p report"),
-            call("bash", command=f"grep -h ' {self.level} ' logs/*.log | LC_ALL=C sort > report/matches.txt"),
-            call("bash", command="wc -l < report/matches.txt | tr -d ' ' > report/count.txt && cat report/count.txt"),
+            call(
+                "bash",
+                command=f"grep -h ' {self.level} ' logs/*.log | LC_ALL=C sort > report/matches.txt",
+            ),
+            call(
+                "bash",
+                command="wc -l < report/matches.txt | tr -d ' ' > report/count.txt && cat report/count.txt",
+            ),
             call("submit"),
         ]

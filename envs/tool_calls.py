@@ -46,7 +46,13 @@ def _load_obj(text: str):
 
 def format_tool_call(name: str, **arguments) -> str:
     """One tool call as a model writes it (scripted experts, demonstrations, tests)."""
-    return OPEN + "\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n" + CLOSE
+    return (
+        OPEN
+        + "\n"
+        + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+        + "\n"
+        + CLOSE
+    )
 
 
 def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[ToolCallError]]:
@@ -72,8 +78,15 @@ def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[ToolCallError]]:
     return calls, errors
 
 
-_TYPES = {"string": "string", "integer": "integer", "number": "number", "boolean": "true or false",
-          "array": "list", "object": "object", "null": "null"}
+_TYPES = {
+    "string": "string",
+    "integer": "integer",
+    "number": "number",
+    "boolean": "true or false",
+    "array": "list",
+    "object": "object",
+    "null": "null",
+}
 
 
 def _is(value, kind: str) -> bool:
@@ -89,8 +102,12 @@ def _is(value, kind: str) -> bool:
                 return False
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
         return ok and (kind == "number" or float(value).is_integer())
-    return {"boolean": lambda v: isinstance(v, bool), "array": lambda v: isinstance(v, list),
-            "object": lambda v: isinstance(v, dict), "null": lambda v: v is None}.get(kind, lambda v: True)(value)
+    return {
+        "boolean": lambda v: isinstance(v, bool),
+        "array": lambda v: isinstance(v, list),
+        "object": lambda v: isinstance(v, dict),
+        "null": lambda v: v is None,
+    }.get(kind, lambda v: True)(value)
 
 
 def signature(name: str, parameters: dict) -> str:
@@ -99,7 +116,11 @@ def signature(name: str, parameters: dict) -> str:
     args = []
     for arg, spec in props.items():
         kind = spec.get("type", "any") if isinstance(spec, dict) else "any"
-        kind = " or ".join(_TYPES.get(k, str(k)) for k in kind) if isinstance(kind, list) else _TYPES.get(kind, str(kind))
+        kind = (
+            " or ".join(_TYPES.get(k, str(k)) for k in kind)
+            if isinstance(kind, list)
+            else _TYPES.get(kind, str(kind))
+        )
         if isinstance(spec, dict) and spec.get("enum"):
             kind = " | ".join(json.dumps(v) for v in spec["enum"])
         args.append(f"{arg}{'' if arg in required else '?'}: {kind}")
@@ -122,7 +143,9 @@ def argument_problem(name: str, parameters: dict, arguments: dict) -> str | None
         if kinds and not any(_is(value, k) for k in kinds):
             problems.append(f"{arg} must be {' or '.join(_TYPES.get(k, str(k)) for k in kinds)}")
         elif spec.get("enum") and value not in spec["enum"]:
-            problems.append(f"{arg} must be one of {', '.join(json.dumps(v) for v in spec['enum'])}")
+            problems.append(
+                f"{arg} must be one of {', '.join(json.dumps(v) for v in spec['enum'])}"
+            )
     if not problems:
         return None
     return f"{'; '.join(problems)}. Call it as {signature(name, parameters)}"

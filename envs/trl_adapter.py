@@ -27,12 +27,19 @@ but TRL never closes the instances), images, agent programs (they are not tool e
 from __future__ import annotations
 
 import inspect
-from typing import Callable
+from collections.abc import Callable
 
 import envs
 from envs.tool_calls import format_tool_call
 
-_TYPES = {"string": str, "number": float, "integer": int, "boolean": bool, "array": list, "object": dict}
+_TYPES = {
+    "string": str,
+    "number": float,
+    "integer": int,
+    "boolean": bool,
+    "array": list,
+    "object": dict,
+}
 
 
 def _tool_method(spec) -> Callable:
@@ -49,7 +56,11 @@ def _tool_method(spec) -> Callable:
     for name, s in props.items():
         kind = _TYPES.get(s.get("type"), str)
         default = inspect.Parameter.empty if name in required else None
-        params.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=kind, default=default))
+        params.append(
+            inspect.Parameter(
+                name, inspect.Parameter.KEYWORD_ONLY, annotation=kind, default=default
+            )
+        )
         annotations[name] = kind
     annotations["return"] = str
     method.__name__ = method.__qualname__ = spec.name
@@ -78,7 +89,9 @@ def trl_environment(env_id: str, **env_kwargs) -> type:
     def _call(self, name: str, arguments: dict) -> str:
         if self.done:
             return "error: the episode is over"
-        observation, reward, terminated, truncated, _ = self.env.step(format_tool_call(name, **arguments))
+        observation, reward, terminated, truncated, _ = self.env.step(
+            format_tool_call(name, **arguments)
+        )
         self.reward += reward
         self.done = terminated or truncated
         return observation
@@ -86,8 +99,13 @@ def trl_environment(env_id: str, **env_kwargs) -> type:
     def get_reward(self) -> float:
         return self.reward
 
-    body = {"__init__": __init__, "reset": reset, "_call": _call, "get_reward": get_reward,
-            "__doc__": f"{env_id} for TRL's GRPOTrainer (envs/trl_adapter.py)"}
+    body = {
+        "__init__": __init__,
+        "reset": reset,
+        "_call": _call,
+        "get_reward": get_reward,
+        "__doc__": f"{env_id} for TRL's GRPOTrainer (envs/trl_adapter.py)",
+    }
     body.update({s.name: _tool_method(s) for s in specs})
     return type(cls.__name__ + "ForTRL", (), body)
 

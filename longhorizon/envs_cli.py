@@ -1,10 +1,10 @@
 """The `envs` and `sandbox` subcommands of `longhorizon` (wired in by `longhorizon.cli`).
 
-    longhorizon envs list [--json]
-    longhorizon envs show ID [--json]
-    longhorizon envs check ID [--seed N] [--policy DIR] [key=value ...]
-    longhorizon envs play ID [--seed N] [key=value ...]    # you type the turns
-    longhorizon sandbox run [--backend B] [--timeout S] [--memory MB] [--workspace DIR] -- CMD ...
+longhorizon envs list [--json]
+longhorizon envs show ID [--json]
+longhorizon envs check ID [--seed N] [--policy DIR] [key=value ...]
+longhorizon envs play ID [--seed N] [key=value ...]    # you type the turns
+longhorizon sandbox run [--backend B] [--timeout S] [--memory MB] [--workspace DIR] -- CMD ...
 """
 
 from __future__ import annotations
@@ -29,7 +29,9 @@ def _kwargs(pairs: list[str]) -> dict:
         try:
             out[key] = load_yaml(value)
         except yaml.YAMLError as exc:
-            raise ValueError(f"environment argument {short(pair)}: the value is not YAML ({' '.join(str(exc).split())})") from None
+            raise ValueError(
+                f"environment argument {short(pair)}: the value is not YAML ({' '.join(str(exc).split())})"
+            ) from None
     return out
 
 
@@ -51,7 +53,9 @@ def _make(env_id: str, pairs: list[str]):
 def _list(args) -> int:
     import envs
 
-    rows = [{"id": s.id, "entry_point": s.entry_point, "kwargs": s.kwargs} for s in envs.list_specs()]
+    rows = [
+        {"id": s.id, "entry_point": s.entry_point, "kwargs": s.kwargs} for s in envs.list_specs()
+    ]
     if args.json:
         print(json.dumps(rows, indent=2))
     else:
@@ -67,12 +71,21 @@ def _show_program(args) -> int:
     import envs
 
     fn = envs.env_class(args.env_id)
-    params = [f"{p.name}={p.default!r}" for p in list(inspect.signature(fn).parameters.values())[1:]]
-    info = {"id": args.env_id, "agent_program": envs.spec(args.env_id).entry_point, "kwargs": params,
-            "description": inspect.getdoc(sys.modules[fn.__module__]) or ""}
-    print(json.dumps(info, indent=2) if args.json else
-          f"{args.env_id}  (agent program {info['agent_program']}({', '.join(['task'] + params)}))\n\n"
-          f"{info['description']}\n\nrun by a rollout worker against its OpenAI-compatible endpoint (envs/agent_program.py)")
+    params = [
+        f"{p.name}={p.default!r}" for p in list(inspect.signature(fn).parameters.values())[1:]
+    ]
+    info = {
+        "id": args.env_id,
+        "agent_program": envs.spec(args.env_id).entry_point,
+        "kwargs": params,
+        "description": inspect.getdoc(sys.modules[fn.__module__]) or "",
+    }
+    print(
+        json.dumps(info, indent=2)
+        if args.json
+        else f"{args.env_id}  (agent program {info['agent_program']}({', '.join(['task'] + params)}))\n\n"
+        f"{info['description']}\n\nrun by a rollout worker against its OpenAI-compatible endpoint (envs/agent_program.py)"
+    )
     return 0
 
 
@@ -83,11 +96,17 @@ def _show(args) -> int:
         return _show_program(args)
     env = _make(args.env_id, args.kwargs)
     doc = (sys.modules[type(env).__module__].__doc__ or "").strip()
-    info = {"id": args.env_id, "class": f"{type(env).__module__}:{type(env).__name__}", "max_turns": env.max_turns,
-            "tools": [t.to_openai()["function"] for t in env.tools],
-            "milestones": [{"name": m.name, "reward": m.reward, "description": m.description}
-                           for m in getattr(env, "milestones", ())],
-            "description": doc}
+    info = {
+        "id": args.env_id,
+        "class": f"{type(env).__module__}:{type(env).__name__}",
+        "max_turns": env.max_turns,
+        "tools": [t.to_openai()["function"] for t in env.tools],
+        "milestones": [
+            {"name": m.name, "reward": m.reward, "description": m.description}
+            for m in getattr(env, "milestones", ())
+        ],
+        "description": doc,
+    }
     if args.json:
         print(json.dumps(info, indent=2))
     else:
@@ -116,7 +135,11 @@ def _check_program(args) -> int:
     kwargs = _kwargs(args.kwargs)
     problem = envs.config_problem(args.env_id, kwargs) or envs.host_problem(args.env_id, kwargs)
     if problem:
-        raise ValueError(problem[1] if isinstance(problem, tuple) else f"{args.env_id} cannot run on this machine: {problem}")
+        raise ValueError(
+            problem[1]
+            if isinstance(problem, tuple)
+            else f"{args.env_id} cannot run on this machine: {problem}"
+        )
     if args.policy:
         from transformers import AutoTokenizer
 
@@ -131,16 +154,20 @@ def _check_program(args) -> int:
         print(str(exc), file=sys.stderr)
         return 1
     split = sum(n > 1 for n in report["samples"])
-    print(f"{args.env_id}: ok — an agent program; calls per episode {report['calls']}, rewards {report['rewards']}"
-          + (f"; {split} of 3 episodes rewrote their history (trained as one sample per sequence)" if split else
-             "; every episode one token sequence"))
+    print(
+        f"{args.env_id}: ok — an agent program; calls per episode {report['calls']}, rewards {report['rewards']}"
+        + (
+            f"; {split} of 3 episodes rewrote their history (trained as one sample per sequence)"
+            if split
+            else "; every episode one token sequence"
+        )
+    )
     return 0
 
 
 def _check(args) -> int:
-    from envs.check import EnvCheckError, check_env
-
     import envs
+    from envs.check import EnvCheckError, check_env
 
     if envs.is_agent_program(envs.env_class(args.env_id)):
         return _check_program(args)
@@ -150,8 +177,12 @@ def _check(args) -> int:
     except EnvCheckError as exc:
         print(str(exc), file=sys.stderr)
         return 1
-    expert = (f"expert reward {report['expert_reward']} with milestones "
-              f"{', '.join(report['expert_milestones']) or 'none'}" if not args.no_expert else "expert not checked")
+    expert = (
+        f"expert reward {report['expert_reward']} with milestones "
+        f"{', '.join(report['expert_milestones']) or 'none'}"
+        if not args.no_expert
+        else "expert not checked"
+    )
     print(f"{args.env_id}: ok — tools {', '.join(report['tools'])}; {expert}")
     return 0
 
@@ -178,8 +209,10 @@ def _play(args) -> int:
     console = SafeConsole()
     env = _make(args.env_id, args.kwargs)
     obs, info = env.reset(seed=args.seed)
-    console.print(f"[bold]{args.env_id}[/] seed {args.seed}. Type a turn: `tool key=value ...`, `tool {{json}}`, "
-                  "or raw text with <tool_call> blocks; `quit` ends.")
+    console.print(
+        f"[bold]{args.env_id}[/] seed {args.seed}. Type a turn: `tool key=value ...`, `tool {{json}}`, "
+        "or raw text with <tool_call> blocks; `quit` ends."
+    )
     console.print("tools: " + ", ".join(t.name for t in env.tools))
     console.print("[cyan]task[/]:", end=" ")
     console.print(obs, markup=False, highlight=False)
@@ -211,8 +244,13 @@ def _play(args) -> int:
             ended = "terminated" if terminated else "truncated"
             break
     # the episode's summary however it ended (the environment, quit, or the end of input)
-    console.print(Text(f"episode {ended} after {turns} turn(s); total reward {total:g}; milestones "
-                       f"{', '.join(reached) or 'none'}", style="bold"))
+    console.print(
+        Text(
+            f"episode {ended} after {turns} turn(s); total reward {total:g}; milestones "
+            f"{', '.join(reached) or 'none'}",
+            style="bold",
+        )
+    )
     if hasattr(env, "close"):
         env.close()
     return 0
@@ -223,15 +261,23 @@ def _sandbox_run(args) -> int:
 
     cmd = args.cmd[1:] if args.cmd and args.cmd[0] == "--" else args.cmd
     if not cmd:
-        print("error: give the command after --, e.g. longhorizon sandbox run -- echo hi", file=sys.stderr)
+        print(
+            "error: give the command after --, e.g. longhorizon sandbox run -- echo hi",
+            file=sys.stderr,
+        )
         return 2
     try:
         limits = Limits.within(args.timeout, memory_mb=args.memory)
         with open_sandbox(args.backend, workspace=args.workspace, limits=limits) as sb:
             result = sb.run(cmd)
             cgroup = getattr(sb, "cgroup", None)
-            scope = ("the container" if args.backend == "docker" else cgroup.scope if cgroup is not None
-                     else "each process (RLIMIT_AS)")
+            scope = (
+                "the container"
+                if args.backend == "docker"
+                else cgroup.scope
+                if cgroup is not None
+                else "each process (RLIMIT_AS)"
+            )
     except (SandboxError, ValueError) as exc:
         print(f"error: {message(exc)}", file=sys.stderr)
         return 2
@@ -241,6 +287,7 @@ def _sandbox_run(args) -> int:
 
 def _guarded(fn):
     """Bad ids and arguments end with one clear line, not a traceback."""
+
     def run(args) -> int:
         try:
             return fn(args)
@@ -257,9 +304,11 @@ def add_parsers(sub) -> None:
     e = esub.add_parser("list", help="registered environments, plugins included")
     e.add_argument("--json", action="store_true")
     e.set_defaults(fn=_guarded(_list))
-    for name, fn, help_ in (("show", _show, "an environment's description and tools"),
-                            ("check", _check, "run check_env and the scripted expert's episode"),
-                            ("play", _play, "type the turns yourself")):
+    for name, fn, help_ in (
+        ("show", _show, "an environment's description and tools"),
+        ("check", _check, "run check_env and the scripted expert's episode"),
+        ("play", _play, "type the turns yourself"),
+    ):
         e = esub.add_parser(name, help=help_)
         e.add_argument("env_id")
         e.add_argument("kwargs", nargs="*", help="constructor arguments as key=value")
@@ -268,9 +317,14 @@ def add_parsers(sub) -> None:
         else:
             e.add_argument("--seed", type=int, default=0)
         if name == "check":
-            e.add_argument("--no-expert", action="store_true", help="an environment without a scripted expert")
-            e.add_argument("--policy", help="an agent program's check: the tokenizer (chat template) of this "
-                                            "checkpoint (default: the tiny policy's)")
+            e.add_argument(
+                "--no-expert", action="store_true", help="an environment without a scripted expert"
+            )
+            e.add_argument(
+                "--policy",
+                help="an agent program's check: the tokenizer (chat template) of this "
+                "checkpoint (default: the tiny policy's)",
+            )
         e.set_defaults(fn=_guarded(fn))
 
     p = sub.add_parser("sandbox", help="run a command in a sandbox")
@@ -278,10 +332,16 @@ def add_parsers(sub) -> None:
     s = ssub.add_parser("run", help="run CMD in a sandbox and print a JSON result")
     s.add_argument("--backend", default="bwrap", help="bwrap (default), docker or none")
     s.add_argument("--timeout", type=float, default=10.0, help="wall-clock seconds (default 10)")
-    s.add_argument("--memory", type=int, default=512,
-                   help="memory limit in MiB (default 512): for the whole sandbox where a cgroup can be made (cgroup "
-                        "v2, else v1's memory controller; the result's memory_scope says which), else for each process "
-                        "(RLIMIT_AS), which a fork-heavy command can pass")
-    s.add_argument("--workspace", help="directory to use as the workspace (default: a fresh temporary one)")
+    s.add_argument(
+        "--memory",
+        type=int,
+        default=512,
+        help="memory limit in MiB (default 512): for the whole sandbox where a cgroup can be made (cgroup "
+        "v2, else v1's memory controller; the result's memory_scope says which), else for each process "
+        "(RLIMIT_AS), which a fork-heavy command can pass",
+    )
+    s.add_argument(
+        "--workspace", help="directory to use as the workspace (default: a fresh temporary one)"
+    )
     s.add_argument("cmd", nargs="*", help="-- CMD ARGS...")
     s.set_defaults(fn=_sandbox_run)

@@ -27,8 +27,16 @@ from rich.text import Text
 from rl.store import TrajectoryStore, stored_failure, stored_turns
 from rollout.trajectory import FAILURE_KINDS, STOP_REASONS, TURN_FAILURES, Turn, first_difference
 
-SUMMARY_COLUMNS = ["episode_id", "iteration", "reward", "policy_versions", "num_turns",
-                   "num_generated", "milestones", "stop_reason"]
+SUMMARY_COLUMNS = [
+    "episode_id",
+    "iteration",
+    "reward",
+    "policy_versions",
+    "num_turns",
+    "num_generated",
+    "milestones",
+    "stop_reason",
+]
 
 
 def load_metrics(run_dir: Path) -> list[dict]:
@@ -52,25 +60,35 @@ def summary(run_dir: str | Path) -> dict:
     run_dir = Path(run_dir)
     store = TrajectoryStore(run_dir)
     if not store.shards():
-        raise FileNotFoundError(f"{run_dir} holds no trajectory shards (expected {store.dir}/*.parquet)")
+        raise FileNotFoundError(
+            f"{run_dir} holds no trajectory shards (expected {store.dir}/*.parquet)"
+        )
     per_iter: dict[int, list[dict]] = defaultdict(list)
     versions: set[int] = set()
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # reported in the summary instead
-        rows = list(store.rows(SUMMARY_COLUMNS, strict=False))  # corrupt shards are listed, not fatal
+        rows = list(
+            store.rows(SUMMARY_COLUMNS, strict=False)
+        )  # corrupt shards are listed, not fatal
     for row in rows:
         per_iter[row["iteration"]].append(row)
         versions.update(row["policy_versions"])
     iters = sorted(per_iter)
     # staleness: how many versions older than the learner's weights an episode's oldest token was
     # when it was trained on (0 in synchronous runs; bounded by max_staleness in asynchronous ones)
-    trained = {r["episode_id"]: r["policy_version"] for r in store.learner_records(["episode_id", "policy_version"])}
+    trained = {
+        r["episode_id"]: r["policy_version"]
+        for r in store.learner_records(["episode_id", "policy_version"])
+    }
     staleness = []
     for i in iters:
-        ages = [trained[r["episode_id"]] - min(r["policy_versions"]) for r in per_iter[i]
-                if r["episode_id"] in trained and r["policy_versions"]]
+        ages = [
+            trained[r["episode_id"]] - min(r["policy_versions"])
+            for r in per_iter[i]
+            if r["episode_id"] in trained and r["policy_versions"]
+        ]
         staleness.append(max(ages) if ages else None)
     milestone_rates = []
     for i in iters:
@@ -86,10 +104,14 @@ def summary(run_dir: str | Path) -> dict:
         "episodes": sum(len(v) for v in per_iter.values()),
         "mean_reward": [sum(r["reward"] for r in per_iter[i]) / len(per_iter[i]) for i in iters],
         "milestone_rates": milestone_rates,
-        "mean_generated_tokens": [sum(r["num_generated"] for r in per_iter[i]) / len(per_iter[i]) for i in iters],
+        "mean_generated_tokens": [
+            sum(r["num_generated"] for r in per_iter[i]) / len(per_iter[i]) for i in iters
+        ],
         "policy_versions": sorted(versions),
         "staleness_max": staleness,
-        "infra_errors": [sum(1 for r in per_iter[i] if r["stop_reason"] == "infra_error") for i in iters],
+        "infra_errors": [
+            sum(1 for r in per_iter[i] if r["stop_reason"] == "infra_error") for i in iters
+        ],
         "shards": [str(p) for p in store.shards()],
         "corrupt_shards": dict(store.corrupt),
     }
@@ -98,17 +120,39 @@ def summary(run_dir: str | Path) -> dict:
 def print_summary(run_dir: str | Path, console: Console) -> None:
     s = summary(run_dir)
     metrics = {m["iteration"]: m for m in load_metrics(Path(run_dir))}
-    table = Table(title=f"{s['run_dir']}: {s['episodes']} episodes, policy versions {s['policy_versions']}")
-    for col in ("iter", "reward", "milestones", "gen tokens", "loss", "→ version", "staleness", "infra err",
-                "sync ms"):
+    table = Table(
+        title=f"{s['run_dir']}: {s['episodes']} episodes, policy versions {s['policy_versions']}"
+    )
+    for col in (
+        "iter",
+        "reward",
+        "milestones",
+        "gen tokens",
+        "loss",
+        "→ version",
+        "staleness",
+        "infra err",
+        "sync ms",
+    ):
         table.add_column(col, justify="right")
-    for i, reward, rates, gen, stale, infra in zip(s["iteration_ids"], s["mean_reward"], s["milestone_rates"],
-                                                  s["mean_generated_tokens"], s["staleness_max"], s["infra_errors"]):
+    for i, reward, rates, gen, stale, infra in zip(
+        s["iteration_ids"],
+        s["mean_reward"],
+        s["milestone_rates"],
+        s["mean_generated_tokens"],
+        s["staleness_max"],
+        s["infra_errors"],
+    ):
         m = metrics.get(i, {})
         table.add_row(
-            str(i), f"{reward:.3f}", " ".join(f"{k} {v:.0%}" for k, v in rates.items()) or "-", f"{gen:.0f}",
-            f"{m['loss']:+.4f}" if "loss" in m else "-", str(m.get("policy_version", "-")),
-            "-" if stale is None else str(stale), str(infra),
+            str(i),
+            f"{reward:.3f}",
+            " ".join(f"{k} {v:.0%}" for k, v in rates.items()) or "-",
+            f"{gen:.0f}",
+            f"{m['loss']:+.4f}" if "loss" in m else "-",
+            str(m.get("policy_version", "-")),
+            "-" if stale is None else str(stale),
+            str(infra),
             f"{m['sync_s'] * 1e3:.0f}" if "sync_s" in m else "-",
         )
     console.print(table)
@@ -131,17 +175,35 @@ def print_episode(run_dir: str | Path, episode_id: str, console: Console) -> Non
     # Everything the model or the environment wrote is shown as plain Text, never parsed as rich
     # markup: a generated "[/b]" would otherwise raise MarkupError (or restyle the page).
     t = find_episode(run_dir, episode_id)
-    console.print(Text.assemble((t.episode_id, "bold"), f" env {t.env_id} seed {t.seed} group {t.group_id}  "
-                                f"reward {t.reward:.3f}  stop {t.stop_reason}  tokens {len(t.token_ids)} "
-                                f"({t.num_generated} generated)  "
-                                + (f"{len(t.sample_starts)} {'context segments' if t.context in ('window', 'compact') else 'samples'}  "
-                                   if t.sample_starts else "")
-                                + (f"context {t.context}  " if t.context not in ("", "full") else ""), _kind(t.failure)))
+    console.print(
+        Text.assemble(
+            (t.episode_id, "bold"),
+            f" env {t.env_id} seed {t.seed} group {t.group_id}  "
+            f"reward {t.reward:.3f}  stop {t.stop_reason}  tokens {len(t.token_ids)} "
+            f"({t.num_generated} generated)  "
+            + (
+                f"{len(t.sample_starts)} {'context segments' if t.context in ('window', 'compact') else 'samples'}  "
+                if t.sample_starts
+                else ""
+            )
+            + (f"context {t.context}  " if t.context not in ("", "full") else ""),
+            _kind(t.failure),
+        )
+    )
     if t.reward_parts:  # a rubric's parts, each on its own (rewards/rubric.py)
-        console.print(Text("reward parts: " + "  ".join(f"{k} {v:.3f}" for k, v in t.reward_parts.items())))
+        console.print(
+            Text("reward parts: " + "  ".join(f"{k} {v:.3f}" for k, v in t.reward_parts.items()))
+        )
     if t.infra_error:
         console.print(Text.assemble(("infrastructure error: ", "red"), t.infra_error))
-    console.print(Panel(Text(t.task or "(not recorded)"), title="task", title_align="left", border_style="magenta"))
+    console.print(
+        Panel(
+            Text(t.task or "(not recorded)"),
+            title="task",
+            title_align="left",
+            border_style="magenta",
+        )
+    )
     by_turn = defaultdict(list)
     for m in t.milestones:
         by_turn[m["turn"]].append(f"{m['name']} +{m['reward']:g}")
@@ -149,19 +211,45 @@ def print_episode(run_dir: str | Path, episode_id: str, console: Console) -> Non
     for i, turn in enumerate(t.turns):
         if i in openers:
             console.print(Text(opener_note(t, i, openers[i]), style="yellow"))
-        if turn.kind == "summary":  # a compaction turn (rollout/context.py): the policy's own summary
-            console.print(Panel(Text(turn.text or "(empty)"), title=Text(
-                f"turn {i} · summary (compaction turn) · v{turn.policy_version} · {turn.gen_end - turn.gen_start} tokens · "
-                f"{turn.finish_reason}"), title_align="left", border_style="yellow"))
+        if (
+            turn.kind == "summary"
+        ):  # a compaction turn (rollout/context.py): the policy's own summary
+            console.print(
+                Panel(
+                    Text(turn.text or "(empty)"),
+                    title=Text(
+                        f"turn {i} · summary (compaction turn) · v{turn.policy_version} · {turn.gen_end - turn.gen_start} tokens · "
+                        f"{turn.finish_reason}"
+                    ),
+                    title_align="left",
+                    border_style="yellow",
+                )
+            )
             continue
         # what went wrong first: a narrow (piped) console cuts a long title at its end
-        title = (f"turn {i}" + (f" · {', '.join(turn.failures)}" if turn.failures else "")
-                 + f" · v{turn.policy_version} · {turn.gen_end - turn.gen_start} tokens · "
-                 f"{turn.tool_calls} tool result(s), {turn.tool_errors} error(s) · {turn.finish_reason}")
-        console.print(Panel(Text(turn.text or "(empty)"), title=Text(title), title_align="left", border_style="cyan"))
+        title = (
+            f"turn {i}"
+            + (f" · {', '.join(turn.failures)}" if turn.failures else "")
+            + f" · v{turn.policy_version} · {turn.gen_end - turn.gen_start} tokens · "
+            f"{turn.tool_calls} tool result(s), {turn.tool_errors} error(s) · {turn.finish_reason}"
+        )
+        console.print(
+            Panel(
+                Text(turn.text or "(empty)"),
+                title=Text(title),
+                title_align="left",
+                border_style="cyan",
+            )
+        )
         if turn.observation:
-            console.print(Panel(Text(turn.observation), title="observation", title_align="left",
-                                border_style="red" if turn.failures else "dim"))
+            console.print(
+                Panel(
+                    Text(turn.observation),
+                    title="observation",
+                    title_align="left",
+                    border_style="red" if turn.failures else "dim",
+                )
+            )
         if by_turn.get(i):
             console.print(Text(f"  milestones: {', '.join(by_turn[i])}", style="green"))
         for event in turn.sandbox_events:
@@ -172,12 +260,19 @@ def opener_note(t, turn: int, k: int) -> str:
     """What starts sample `k` of a split episode, said where its first turn is shown."""
     n, tokens = len(t.sample_starts), t.turns[turn].gen_start - t.sample_starts[k]
     if t.context in ("window", "compact"):
-        how = ("the task, the policy's summary and its last turns" if t.context == "compact"
-               else "the task, a stub for the turns no longer shown and the last turns")
-        return (f"context segment {k + 1} of {n}: the context was rebuilt from {how} ({tokens} tokens, "
-                f"from token {t.sample_starts[k]}); trained as a sequence of its own")
-    return (f"sample {k + 1} of {n}: the history was rewritten before this call; its prompt was rendered anew "
-            f"({tokens} tokens) and is trained as a sequence of its own")
+        how = (
+            "the task, the policy's summary and its last turns"
+            if t.context == "compact"
+            else "the task, a stub for the turns no longer shown and the last turns"
+        )
+        return (
+            f"context segment {k + 1} of {n}: the context was rebuilt from {how} ({tokens} tokens, "
+            f"from token {t.sample_starts[k]}); trained as a sequence of its own"
+        )
+    return (
+        f"sample {k + 1} of {n}: the history was rewritten before this call; its prompt was rendered anew "
+        f"({tokens} tokens) and is trained as a sequence of its own"
+    )
 
 
 def _kind(failure: str) -> Text:
@@ -210,13 +305,26 @@ def compare_group(eps: list, advantages: dict) -> tuple[str, list[dict]]:
     best, rows = eps[0], []
     for t in eps:
         first = first_difference(t.token_ids, best.token_ids)
-        turn = None if first is None else next((i for i, tu in enumerate(t.turns) if first < tu.obs_end),
-                                               max(len(t.turns) - 1, 0))
-        rows.append({"episode_id": t.episode_id, "reward": t.reward, "failure": t.failure,
-                     "advantage": advantages.get(t.episode_id), "stop_reason": t.stop_reason,
-                     "milestones": [m["name"] for m in t.milestones],
-                     "turns": [_calls(tu) for tu in t.turns],
-                     "diverges_at_turn": turn, "diverges_at_token": first})
+        turn = (
+            None
+            if first is None
+            else next(
+                (i for i, tu in enumerate(t.turns) if first < tu.obs_end), max(len(t.turns) - 1, 0)
+            )
+        )
+        rows.append(
+            {
+                "episode_id": t.episode_id,
+                "reward": t.reward,
+                "failure": t.failure,
+                "advantage": advantages.get(t.episode_id),
+                "stop_reason": t.stop_reason,
+                "milestones": [m["name"] for m in t.milestones],
+                "turns": [_calls(tu) for tu in t.turns],
+                "diverges_at_turn": turn,
+                "diverges_at_token": first,
+            }
+        )
     return best.episode_id, rows
 
 
@@ -225,86 +333,177 @@ def group_view(run_dir: str | Path, group_id: int) -> dict:
     reward, the advantage the learner gave it, how it ended, the tools it called turn by turn, and
     the turn where its generated tokens first differ from the group's best episode."""
     store = TrajectoryStore(run_dir)
-    ids = [r["episode_id"] for r in store.rows(["episode_id", "group_id"], strict=False) if r["group_id"] == group_id]
+    ids = [
+        r["episode_id"]
+        for r in store.rows(["episode_id", "group_id"], strict=False)
+        if r["group_id"] == group_id
+    ]
     if not ids:
         raise KeyError(f"no group {group_id} in {run_dir}")
     eps = list(store.episodes(ids))
-    best_id, rows = compare_group(eps, {t.episode_id: mean_advantage(t, store.learner_record(t.episode_id))
-                                        for t in eps})
+    best_id, rows = compare_group(
+        eps, {t.episode_id: mean_advantage(t, store.learner_record(t.episode_id)) for t in eps}
+    )
     best = next(t for t in eps if t.episode_id == best_id)
-    return {"group_id": group_id, "iteration": best.iteration, "env_id": best.env_id, "seed": best.seed,
-            "task": best.task, "best": best_id, "episodes": rows}
+    return {
+        "group_id": group_id,
+        "iteration": best.iteration,
+        "env_id": best.env_id,
+        "seed": best.seed,
+        "task": best.task,
+        "best": best_id,
+        "episodes": rows,
+    }
 
 
 def print_group(view: dict, console: Console) -> None:
-    console.print(Text(f"group {view['group_id']} · iteration {view['iteration']} · {view['env_id']} seed "
-                       f"{view['seed']} · best {view['best']}", style="bold"))
-    console.print(Panel(Text(view["task"] or "(not recorded)"), title="task", title_align="left",
-                        border_style="magenta", width=min(console.width, 120)))  # a wide (piped) console
+    console.print(
+        Text(
+            f"group {view['group_id']} · iteration {view['iteration']} · {view['env_id']} seed "
+            f"{view['seed']} · best {view['best']}",
+            style="bold",
+        )
+    )
+    console.print(
+        Panel(
+            Text(view["task"] or "(not recorded)"),
+            title="task",
+            title_align="left",
+            border_style="magenta",
+            width=min(console.width, 120),
+        )
+    )  # a wide (piped) console
     width = max((len(e["turns"]) for e in view["episodes"]), default=0)
     table = Table(title="episodes, best first; turns show the tools called (or what went wrong)")
     for col in ("episode", "reward", "advantage", "failure", "milestones", "diverges"):
-        table.add_column(col, justify="right" if col in ("reward", "advantage") else "left", no_wrap=True)
+        table.add_column(
+            col, justify="right" if col in ("reward", "advantage") else "left", no_wrap=True
+        )
     for i in range(width):
         table.add_column(f"turn {i}", no_wrap=True)
     for e in view["episodes"]:
         turn = e["diverges_at_turn"]
-        diverges = "(best)" if e["episode_id"] == view["best"] else "same tokens" if turn is None else f"turn {turn}"
+        diverges = (
+            "(best)"
+            if e["episode_id"] == view["best"]
+            else "same tokens"
+            if turn is None
+            else f"turn {turn}"
+        )
         cells = []
         for i, calls in enumerate(e["turns"] + [""] * (width - len(e["turns"]))):
             style = "bold" if turn is not None and i == turn else ""
-            cells.append(Text(calls, style=style + (" red" if calls in TURN_FAILURES or "[" in calls else "")))
-        table.add_row(e["episode_id"], f"{e['reward']:.3f}",
-                      "-" if e["advantage"] is None else f"{e['advantage']:+.3f}",
-                      _kind(e["failure"]),
-                      ", ".join(e["milestones"]) or "-", diverges, *cells)
+            cells.append(
+                Text(
+                    calls, style=style + (" red" if calls in TURN_FAILURES or "[" in calls else "")
+                )
+            )
+        table.add_row(
+            e["episode_id"],
+            f"{e['reward']:.3f}",
+            "-" if e["advantage"] is None else f"{e['advantage']:+.3f}",
+            _kind(e["failure"]),
+            ", ".join(e["milestones"]) or "-",
+            diverges,
+            *cells,
+        )
     console.print(table)
 
 
-LIST_COLUMNS = ["episode_id", "iteration", "group_id", "env_id", "reward", "policy_versions", "num_turns",
-                "num_generated", "stop_reason", "infra_error", "failure", "turns", "milestones"]
+LIST_COLUMNS = [
+    "episode_id",
+    "iteration",
+    "group_id",
+    "env_id",
+    "reward",
+    "policy_versions",
+    "num_turns",
+    "num_generated",
+    "stop_reason",
+    "infra_error",
+    "failure",
+    "turns",
+    "milestones",
+]
 
 
-def episode_list(run_dir: str | Path, *, env: str | None = None, min_reward: float | None = None,
-                 max_reward: float | None = None, version: int | None = None, min_generated: int | None = None,
-                 max_generated: int | None = None, stop: str | None = None, failure: str | None = None,
-                 min_tool_errors: int | None = None) -> list[dict]:
+def episode_list(
+    run_dir: str | Path,
+    *,
+    env: str | None = None,
+    min_reward: float | None = None,
+    max_reward: float | None = None,
+    version: int | None = None,
+    min_generated: int | None = None,
+    max_generated: int | None = None,
+    stop: str | None = None,
+    failure: str | None = None,
+    min_tool_errors: int | None = None,
+) -> list[dict]:
     """Episodes matching every given filter (a few columns only: no token ids are read), each
     with its failure kind and tool-error count."""
     if stop is not None and stop not in STOP_REASONS:
-        raise ValueError(f"--stop {stop!r} is not a stop reason; they are: "
-                         + "; ".join(f"{k} ({v})" for k, v in STOP_REASONS.items()))
+        raise ValueError(
+            f"--stop {stop!r} is not a stop reason; they are: "
+            + "; ".join(f"{k} ({v})" for k, v in STOP_REASONS.items())
+        )
     if failure is not None and failure not in FAILURE_KINDS:
-        raise ValueError(f"--failure {failure!r} is not a failure kind; they are: {', '.join(FAILURE_KINDS)}")
+        raise ValueError(
+            f"--failure {failure!r} is not a failure kind; they are: {', '.join(FAILURE_KINDS)}"
+        )
     out = []
     for row in TrajectoryStore(run_dir).rows(LIST_COLUMNS, strict=False):
         turns = stored_turns(row.pop("turns"))
         row["failure"] = stored_failure(row, turns, json.loads(row.pop("milestones")))
         row["tool_errors"] = sum(t.tool_errors for t in turns)
-        if ((env is None or row["env_id"] == env)
-                and (failure is None or row["failure"] == failure)
-                and (min_tool_errors is None or row["tool_errors"] >= min_tool_errors)
-                and (min_reward is None or row["reward"] >= min_reward)
-                and (max_reward is None or row["reward"] <= max_reward)
-                and (version is None or version in row["policy_versions"])
-                and (min_generated is None or row["num_generated"] >= min_generated)
-                and (max_generated is None or row["num_generated"] <= max_generated)
-                and (stop is None or row["stop_reason"] == stop)):
+        if (
+            (env is None or row["env_id"] == env)
+            and (failure is None or row["failure"] == failure)
+            and (min_tool_errors is None or row["tool_errors"] >= min_tool_errors)
+            and (min_reward is None or row["reward"] >= min_reward)
+            and (max_reward is None or row["reward"] <= max_reward)
+            and (version is None or version in row["policy_versions"])
+            and (min_generated is None or row["num_generated"] >= min_generated)
+            and (max_generated is None or row["num_generated"] <= max_generated)
+            and (stop is None or row["stop_reason"] == stop)
+        ):
             out.append(row)
     return out
 
 
 def print_episode_list(rows: list[dict], console: Console, limit: int = 50) -> None:
-    table = Table(title=f"{len(rows)} episode(s)" + (f", first {limit} shown" if len(rows) > limit else ""))
+    table = Table(
+        title=f"{len(rows)} episode(s)" + (f", first {limit} shown" if len(rows) > limit else "")
+    )
     numeric = ("iter", "group", "reward", "turns", "generated", "tool err")
-    for col in ("episode", "iter", "group", "env", "reward", "versions", "turns", "generated", "tool err", "stop",
-                "failure"):
+    for col in (
+        "episode",
+        "iter",
+        "group",
+        "env",
+        "reward",
+        "versions",
+        "turns",
+        "generated",
+        "tool err",
+        "stop",
+        "failure",
+    ):
         table.add_column(col, justify="right" if col in numeric else "left", no_wrap=True)
     for r in rows[:limit]:
-        table.add_row(r["episode_id"], str(r["iteration"]), str(r["group_id"]), r["env_id"], f"{r['reward']:.3f}",
-                      ",".join(map(str, r["policy_versions"])), str(r["num_turns"]), str(r["num_generated"]),
-                      str(r["tool_errors"]), r["stop_reason"],
-                      _kind(r["failure"]))
+        table.add_row(
+            r["episode_id"],
+            str(r["iteration"]),
+            str(r["group_id"]),
+            r["env_id"],
+            f"{r['reward']:.3f}",
+            ",".join(map(str, r["policy_versions"])),
+            str(r["num_turns"]),
+            str(r["num_generated"]),
+            str(r["tool_errors"]),
+            r["stop_reason"],
+            _kind(r["failure"]),
+        )
     console.print(table)
 
 
@@ -312,7 +511,9 @@ def run_tokenizer(run_dir: Path):
     """The run's tokenizer (newest checkpoint, else policy-init), or None."""
     from transformers import AutoTokenizer
 
-    candidates = sorted((run_dir / "checkpoints").glob("version-*"), reverse=True) + [run_dir / "policy-init"]
+    candidates = sorted((run_dir / "checkpoints").glob("version-*"), reverse=True) + [
+        run_dir / "policy-init"
+    ]
     for c in candidates:
         if (c / "tokenizer.json").exists():
             return AutoTokenizer.from_pretrained(c)
@@ -330,37 +531,72 @@ def token_rows(run_dir: str | Path, episode_id: str, start: int = 0, count: int 
     ids = t.token_ids[start:end]
     pieces = tok.convert_ids_to_tokens(ids) if tok is not None else [str(i) for i in ids]
     # the policy version of each generated token is its turn's
-    version_at = {p: turn.policy_version for turn in t.turns for p in range(turn.gen_start, turn.gen_end)}
+    version_at = {
+        p: turn.policy_version for turn in t.turns for p in range(turn.gen_start, turn.gen_end)
+    }
     rows = []
     for k, (tid, piece) in enumerate(zip(ids, pieces)):
         p = start + k
         gen = bool(t.loss_mask[p])
-        row = {"pos": p, "id": tid, "text": str(piece).replace("Ġ", " ").replace("Ċ", "\n"),
-               "role": "generated" if gen else ("prompt" if t.in_prompt(p) else "observation"),
-               "version": version_at.get(p) if gen else None,
-               "rollout_logprob": t.rollout_logprobs[p] if gen else None,
-               "learner_logprob": None, "ratio": None, "advantage": None}
+        row = {
+            "pos": p,
+            "id": tid,
+            "text": str(piece).replace("Ġ", " ").replace("Ċ", "\n"),
+            "role": "generated" if gen else ("prompt" if t.in_prompt(p) else "observation"),
+            "version": version_at.get(p) if gen else None,
+            "rollout_logprob": t.rollout_logprobs[p] if gen else None,
+            "learner_logprob": None,
+            "ratio": None,
+            "advantage": None,
+        }
         if learner is not None and gen:
             row["learner_logprob"] = learner["learner_logprobs"][p]
             row["ratio"] = math.exp(row["learner_logprob"] - row["rollout_logprob"])
             row["advantage"] = learner["advantages"][p]
         rows.append(row)
-    return {"episode_id": episode_id, "tokens": len(t.token_ids), "start": start, "end": end,
-            "learner_version": learner["policy_version"] if learner else None, "rows": rows}
+    return {
+        "episode_id": episode_id,
+        "tokens": len(t.token_ids),
+        "start": start,
+        "end": end,
+        "learner_version": learner["policy_version"] if learner else None,
+        "rows": rows,
+    }
 
 
 def print_tokens(page: dict, console: Console) -> None:
-    title = (f"{page['episode_id']}: tokens {page['start']}–{page['end'] - 1} of {page['tokens']}"
-             + (f"; learner log-probs of version {page['learner_version']}" if page["learner_version"] is not None
-                else "; no learner record (not trained on)"))
+    title = (
+        f"{page['episode_id']}: tokens {page['start']}–{page['end'] - 1} of {page['tokens']}"
+        + (
+            f"; learner log-probs of version {page['learner_version']}"
+            if page["learner_version"] is not None
+            else "; no learner record (not trained on)"
+        )
+    )
     table = Table(title=title)
-    for col in ("pos", "role", "token", "version", "rollout lp", "learner lp", "ratio", "advantage"):
+    for col in (
+        "pos",
+        "role",
+        "token",
+        "version",
+        "rollout lp",
+        "learner lp",
+        "ratio",
+        "advantage",
+    ):
         table.add_column(col, justify="left" if col in ("role", "token") else "right")
     fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
     style = {"prompt": "dim", "observation": "cyan", "generated": ""}
     for r in page["rows"]:
-        table.add_row(str(r["pos"]), r["role"], repr(r["text"])[1:-1], fmt(r["version"], "d"),
-                      fmt(r["rollout_logprob"], ".4f"),
-                      fmt(r["learner_logprob"], ".4f"), fmt(r["ratio"], ".4f"), fmt(r["advantage"], "+.4f"),
-                      style=style[r["role"]])
+        table.add_row(
+            str(r["pos"]),
+            r["role"],
+            repr(r["text"])[1:-1],
+            fmt(r["version"], "d"),
+            fmt(r["rollout_logprob"], ".4f"),
+            fmt(r["learner_logprob"], ".4f"),
+            fmt(r["ratio"], ".4f"),
+            fmt(r["advantage"], "+.4f"),
+            style=style[r["role"]],
+        )
     console.print(table)

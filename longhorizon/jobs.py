@@ -35,7 +35,8 @@ TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 # The interpreter itself is the fallback (a system-wide install).
 FIND_HEAD_PYTHON = (
     "PY=\"$(sed -n 's|^.* \\(/[^ ]*\\)/lib/python[0-9.]*/site-packages/ray/_raylet\\.so$|\\1/bin/python|p' "
-    "/proc/$PPID/maps | head -n 1)\"; [ -x \"$PY\" ] || PY=\"$(readlink /proc/$PPID/exe)\"; ")
+    '/proc/$PPID/maps | head -n 1)"; [ -x "$PY" ] || PY="$(readlink /proc/$PPID/exe)"; '
+)
 
 
 def _client(address: str):
@@ -54,27 +55,42 @@ def stage(cfg) -> Path:
     out = Path(tempfile.mkdtemp(prefix="lh-job-"))
     for pkg in PACKAGES:
         if (REPO / pkg).is_dir():
-            shutil.copytree(REPO / pkg, out / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+            shutil.copytree(
+                REPO / pkg, out / pkg, ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+            )
     dump_config(cfg, out / "job.yaml")
     return out
 
 
-def submit(config_path: str | Path, address: str, *, overrides: list[str] | None = None, run_dir: str | None = None,
-           python: str | None = None) -> tuple[str, str]:
+def submit(
+    config_path: str | Path,
+    address: str,
+    *,
+    overrides: list[str] | None = None,
+    run_dir: str | None = None,
+    python: str | None = None,
+) -> tuple[str, str]:
     """Submit a training job; returns (job id, run directory on the head)."""
     from rl.config import load_config
 
     name = Path(config_path).stem
     run_dir = run_dir or f"~/longhorizon-runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    cfg = load_config(config_path, list(overrides or []))  # a bad config fails before anything ships
+    cfg = load_config(
+        config_path, list(overrides or [])
+    )  # a bad config fails before anything ships
     client = _client(address)
     staged = stage(cfg)
     try:
         prefix, py = ("", shlex.quote(python)) if python else (FIND_HEAD_PYTHON, '"$PY"')
-        entrypoint = f"{prefix}{py} -m longhorizon.cli train job.yaml --run-dir {run_dir} ray.address=auto"
-        job_id = client.submit_job(entrypoint=entrypoint, runtime_env={"working_dir": str(staged)},
-                                   submission_id=f"longhorizon-{name}-{time.strftime('%Y%m%d-%H%M%S')}",
-                                   metadata={"longhorizon_config": name, "run_dir": run_dir})
+        entrypoint = (
+            f"{prefix}{py} -m longhorizon.cli train job.yaml --run-dir {run_dir} ray.address=auto"
+        )
+        job_id = client.submit_job(
+            entrypoint=entrypoint,
+            runtime_env={"working_dir": str(staged)},
+            submission_id=f"longhorizon-{name}-{time.strftime('%Y%m%d-%H%M%S')}",
+            metadata={"longhorizon_config": name, "run_dir": run_dir},
+        )
     finally:
         shutil.rmtree(staged, ignore_errors=True)  # uploaded by now
     return job_id, run_dir

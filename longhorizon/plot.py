@@ -18,14 +18,26 @@ from rl.loggers import numeric_series
 # metric, so counts, bytes and rewards never share a scale.
 PANELS = [
     ("reward", ["mean_reward"], "mean episode reward"),
-    ("heldout", ["eval/success", "eval/ci95_low", "eval/ci95_high"], "held-out success (95% interval)"),
+    (
+        "heldout",
+        ["eval/success", "eval/ci95_low", "eval/ci95_high"],
+        "held-out success (95% interval)",
+    ),
     ("milestones", "milestone_rate/", "fraction of episodes reaching each milestone"),
     ("failures", "failure/", "share of episodes by how they ended"),
     ("loss", ["loss", "value_loss"], "learner loss"),
-    ("logprob_gap", ["rollout_logprob_diff_mean", "rollout_logprob_diff_max"], "|learner − engine| log-prob"),
+    (
+        "logprob_gap",
+        ["rollout_logprob_diff_mean", "rollout_logprob_diff_max"],
+        "|learner − engine| log-prob",
+    ),
     ("sync", ["sync_s", "sync_publish_s", "sync_load_s_max"], "weight sync seconds"),
     ("throughput", ["gen_tokens_per_s"], "generated tokens / s"),
-    ("staleness", ["staleness_max", "staleness_token_mean"], "policy versions behind the trained weights"),
+    (
+        "staleness",
+        ["staleness_max", "staleness_token_mean"],
+        "policy versions behind the trained weights",
+    ),
 ]
 
 
@@ -35,7 +47,11 @@ def pages(keys: list[str]) -> list[tuple[str, list[str], str]]:
     `other` every key left, each drawn on its own axes."""
     used, out = {"policy_version", "iteration"}, []
     for name, want, title in PANELS:
-        mine = sorted(k for k in keys if k.startswith(want)) if isinstance(want, str) else [k for k in want if k in keys]
+        mine = (
+            sorted(k for k in keys if k.startswith(want))
+            if isinstance(want, str)
+            else [k for k in want if k in keys]
+        )
         used.update(mine)
         if mine or isinstance(want, str):
             out.append((name, mine, title))
@@ -44,7 +60,9 @@ def pages(keys: list[str]) -> list[tuple[str, list[str], str]]:
     if seconds:
         out.append(("seconds", seconds, "seconds per iteration"))
     if len(seconds) < len(rest):
-        out.append(("other", [k for k in rest if k not in seconds], "other metrics, each on its own scale"))
+        out.append(
+            ("other", [k for k in rest if k not in seconds], "other metrics, each on its own scale")
+        )
     return out
 
 
@@ -77,7 +95,9 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
         if name == "other":  # small multiples: one scale per metric
             cols = 4
             nrows = (len(keys) + cols - 1) // cols
-            fig, grid = plt.subplots(nrows, cols, figsize=(3.2 * cols, 2.1 * nrows), dpi=100, squeeze=False)
+            fig, grid = plt.subplots(
+                nrows, cols, figsize=(3.2 * cols, 2.1 * nrows), dpi=100, squeeze=False
+            )
             for ax, k in zip(grid.flat, keys):
                 xs, ys = zip(*series[k])
                 ax.plot(xs, ys, marker=".", linewidth=1)
@@ -85,7 +105,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
                 ax.tick_params(labelsize=7)
                 ax.xaxis.set_major_locator(MaxNLocator(integer=True))
                 ax.grid(alpha=0.3)
-            for ax in list(grid.flat)[len(keys):]:
+            for ax in list(grid.flat)[len(keys) :]:
                 ax.axis("off")
             fig.suptitle(f"{title} · {run_dir.name}", fontsize=10)
             save(fig, name)
@@ -96,22 +116,37 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
         ax.set_xlabel("iteration")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-        if name == "failures" and keys:  # shares that add up to one: stacked, the most common at the bottom
+        if (
+            name == "failures" and keys
+        ):  # shares that add up to one: stacked, the most common at the bottom
             keys = sorted(keys, key=lambda k: -sum(y for _, y in series[k]))
             xs = [x for x, _ in series[keys[0]]]
-            ax.stackplot(xs, *[[y for _, y in series[k]] for k in keys], labels=[k.removeprefix(prefix) for k in keys],
-                         alpha=0.85)
+            ax.stackplot(
+                xs,
+                *[[y for _, y in series[k]] for k in keys],
+                labels=[k.removeprefix(prefix) for k in keys],
+                alpha=0.85,
+            )
             ax.set_ylim(0, 1)
         else:
             for k in keys:
                 xs, ys = zip(*series[k])
                 ax.plot(xs, ys, marker="o", label=k.removeprefix(prefix))
         if not keys:
-            ax.text(0.5, 0.5, "none reached in this run" if name == "milestones" else "nothing recorded",
-                    ha="center", va="center", transform=ax.transAxes, color="gray")
+            ax.text(
+                0.5,
+                0.5,
+                "none reached in this run" if name == "milestones" else "nothing recorded",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+                color="gray",
+            )
             ax.set_xlim(rows[0]["iteration"] - 0.5, rows[-1]["iteration"] + 0.5)
         elif len(keys) > 1 or prefix:
             ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
-        ax.set_ylabel("share of episodes" if prefix else "seconds" if name in ("seconds", "sync") else "")
+        ax.set_ylabel(
+            "share of episodes" if prefix else "seconds" if name in ("seconds", "sync") else ""
+        )
         save(fig, name)
     return written

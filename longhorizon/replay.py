@@ -29,9 +29,9 @@ judge engine; only what it never asked (another rubric, other episodes) starts o
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import envs
 from rollout.trajectory import Trajectory
@@ -55,17 +55,26 @@ def _short(x, n: int = 200) -> str:
     return s if len(s) <= n else s[:n] + "…"
 
 
-def replay_episode(traj: Trajectory, env_kwargs: dict | None = None, make_env: Callable | None = None,
-                   tokenizer=None, rollout=None) -> ReplayResult:
+def replay_episode(
+    traj: Trajectory,
+    env_kwargs: dict | None = None,
+    make_env: Callable | None = None,
+    tokenizer=None,
+    rollout=None,
+) -> ReplayResult:
     """`rollout`: the run's `RolloutConfig` (with `tokenizer`, what a context-managed episode needs)."""
     if make_env is None and envs.is_agent_program(envs.env_class(traj.env_id)):
         return replay_agent(traj, env_kwargs, tokenizer)
     if traj.infra_error and len(traj.turns) <= 1:  # the failing turn has no record: nothing to step
-        return ReplayResult(traj.episode_id, True, 0, not_replayed=f"it never ran: {traj.infra_error}")
+        return ReplayResult(
+            traj.episode_id, True, 0, not_replayed=f"it never ran: {traj.infra_error}"
+        )
     if segmented(traj) and not traj.infra_error:
         if tokenizer is None or rollout is None:
-            raise ValueError(f"replaying {traj.episode_id} (context {traj.context}, {len(traj.sample_starts)} segments) "
-                             "needs the run's tokenizer and rollout settings")
+            raise ValueError(
+                f"replaying {traj.episode_id} (context {traj.context}, {len(traj.sample_starts)} segments) "
+                "needs the run's tokenizer and rollout settings"
+            )
         make = make_env or (lambda: envs.make(traj.env_id, **(env_kwargs or {})))
         return replay_segments(traj, lambda: as_recorded(make(), traj), tokenizer, rollout)
     env = make_env() if make_env is not None else envs.make(traj.env_id, **(env_kwargs or {}))
@@ -89,7 +98,11 @@ def as_recorded(env, traj: Trajectory):
 
 def _replay(env, traj: Trajectory) -> ReplayResult:
     fail = lambda turn, what, rec, got: ReplayResult(  # noqa: E731
-        traj.episode_id, False, turn, f"turn {turn}: {what} differs: recorded {_short(rec)}, replayed {_short(got)}")
+        traj.episode_id,
+        False,
+        turn,
+        f"turn {turn}: {what} differs: recorded {_short(rec)}, replayed {_short(got)}",
+    )
     env = as_recorded(env, traj)
     obs, _ = env.reset(seed=traj.seed)
     if traj.task and obs != traj.task:
@@ -98,7 +111,9 @@ def _replay(env, traj: Trajectory) -> ReplayResult:
     for m in traj.milestones:
         recorded.setdefault(m["turn"], []).append((m["name"], m["reward"]))
     total = 0.0
-    last = len(traj.turns) - (1 if traj.infra_error and traj.turns else 0)  # the failing turn has no record
+    last = len(traj.turns) - (
+        1 if traj.infra_error and traj.turns else 0
+    )  # the failing turn has no record
     for i, turn in enumerate(traj.turns[:last]):
         obs, reward, _, _, info = env.step(turn.text)
         total += reward
@@ -126,51 +141,106 @@ def replay_segments(traj: Trajectory, make_env: Callable, tokenizer, rollout) ->
     from rollout.trajectory import EpisodeTask, first_difference
 
     calls = []
-    for turn in traj.turns:  # what the engine was given and what it answered: the turn's sampled ids
+    for (
+        turn
+    ) in traj.turns:  # what the engine was given and what it answered: the turn's sampled ids
         start = max(s for s, _ in traj.sample_spans() if s <= turn.gen_start)
-        ids = [x for x, m in zip(traj.token_ids[turn.gen_start:turn.gen_end], traj.loss_mask[turn.gen_start:turn.gen_end]) if m]
-        calls.append((list(traj.token_ids[start:turn.gen_start]),
-                      Generation(ids, [lp for lp, m in zip(traj.rollout_logprobs[turn.gen_start:turn.gen_end],
-                                                            traj.loss_mask[turn.gen_start:turn.gen_end]) if m],
-                                 turn.finish_reason)))
+        ids = [
+            x
+            for x, m in zip(
+                traj.token_ids[turn.gen_start : turn.gen_end],
+                traj.loss_mask[turn.gen_start : turn.gen_end],
+            )
+            if m
+        ]
+        calls.append(
+            (
+                list(traj.token_ids[start : turn.gen_start]),
+                Generation(
+                    ids,
+                    [
+                        lp
+                        for lp, m in zip(
+                            traj.rollout_logprobs[turn.gen_start : turn.gen_end],
+                            traj.loss_mask[turn.gen_start : turn.gen_end],
+                        )
+                        if m
+                    ],
+                    turn.finish_reason,
+                ),
+            )
+        )
     engine = RecordedEngine(calls, tokenizer.decode)
     loop = rollout.loop(max_episode_tokens=rollout.episode_tokens_at(traj.iteration))
     task = EpisodeTask(traj.episode_id, traj.group_id, traj.seed, traj.iteration)
     try:
-        (again,) = run_episodes(engine, ChatFormat(tokenizer), make_env, traj.env_id, [task], **loop)
+        (again,) = run_episodes(
+            engine, ChatFormat(tokenizer), make_env, traj.env_id, [task], **loop
+        )
     except Exception as exc:
         if engine.departure:
             n = engine.answered
-            segment = sum(s <= traj.turns[n].gen_start for s in traj.sample_starts) if n < len(traj.turns) else "-"
-            return ReplayResult(traj.episode_id, False, n, f"turn {n} (segment {segment}): {engine.departure}")
-        return ReplayResult(traj.episode_id, False, engine.answered, f"the loop failed on replay: {type(exc).__name__}: {exc}")
+            segment = (
+                sum(s <= traj.turns[n].gen_start for s in traj.sample_starts)
+                if n < len(traj.turns)
+                else "-"
+            )
+            return ReplayResult(
+                traj.episode_id, False, n, f"turn {n} (segment {segment}): {engine.departure}"
+            )
+        return ReplayResult(
+            traj.episode_id,
+            False,
+            engine.answered,
+            f"the loop failed on replay: {type(exc).__name__}: {exc}",
+        )
     at = first_difference(traj.token_ids, again.token_ids)
     if at is not None:
         segment = sum(s <= at for s in traj.sample_starts) or 1
         turn = next((i for i, u in enumerate(traj.turns) if at < u.obs_end), len(traj.turns))
-        return ReplayResult(traj.episode_id, False, turn,
-                            f"token {at} (segment {segment}, turn {turn}) differs: recorded "
-                            f"{tokenizer.decode(traj.token_ids[at:at + 12])!r}, replayed {tokenizer.decode(again.token_ids[at:at + 12])!r}")
+        return ReplayResult(
+            traj.episode_id,
+            False,
+            turn,
+            f"token {at} (segment {segment}, turn {turn}) differs: recorded "
+            f"{tokenizer.decode(traj.token_ids[at : at + 12])!r}, replayed {tokenizer.decode(again.token_ids[at : at + 12])!r}",
+        )
     rec, got = ([(m["name"], m["reward"], m["turn"]) for m in t.milestones] for t in (traj, again))
-    for what, a, b in (("segment starts", traj.sample_starts, again.sample_starts), ("loss mask", traj.loss_mask, again.loss_mask),
-                       ("milestones", rec, got), ("stop reason", traj.stop_reason, again.stop_reason)):
+    for what, a, b in (
+        ("segment starts", traj.sample_starts, again.sample_starts),
+        ("loss mask", traj.loss_mask, again.loss_mask),
+        ("milestones", rec, got),
+        ("stop reason", traj.stop_reason, again.stop_reason),
+    ):
         if a != b:
-            return ReplayResult(traj.episode_id, False, len(traj.turns), f"{what} differ: recorded {_short(a)}, replayed {_short(b)}")
+            return ReplayResult(
+                traj.episode_id,
+                False,
+                len(traj.turns),
+                f"{what} differ: recorded {_short(a)}, replayed {_short(b)}",
+            )
     if abs(traj.reward - again.reward) > 1e-9 and not traj.reward_parts:
-        return ReplayResult(traj.episode_id, False, len(traj.turns), f"total reward differs: recorded {traj.reward!r}, replayed {again.reward!r}")
+        return ReplayResult(
+            traj.episode_id,
+            False,
+            len(traj.turns),
+            f"total reward differs: recorded {traj.reward!r}, replayed {again.reward!r}",
+        )
     return ReplayResult(traj.episode_id, True, len(traj.turns))
 
 
 def replay_agent(traj: Trajectory, env_kwargs: dict | None, tokenizer) -> ReplayResult:
     """The agent program run again on the recorded completions (see the module doc)."""
-    from rollout.program_episodes import run_agent_episodes
     from rollout.chat import ChatFormat
     from rollout.openai_api import OpenAIServer
+    from rollout.program_episodes import run_agent_episodes
     from rollout.recorded import RecordedEngine, recorded_calls
     from rollout.trajectory import EpisodeTask
 
     if not traj.turns:
-        return ReplayResult(traj.episode_id, True, 0, not_replayed=f"it made no call: {traj.infra_error}")
+        return ReplayResult(
+            traj.episode_id, True, 0, not_replayed=f"it made no call: {traj.infra_error}"
+        )
     if tokenizer is None:
         raise ValueError(f"replaying {traj.env_id} (an agent program) needs the run's tokenizer")
     fail = lambda n, why: ReplayResult(traj.episode_id, False, n, why)  # noqa: E731
@@ -179,7 +249,9 @@ def replay_agent(traj: Trajectory, env_kwargs: dict | None, tokenizer) -> Replay
     server.start()
     try:
         task = EpisodeTask(traj.episode_id, traj.group_id, traj.seed, traj.iteration)
-        again = run_agent_episodes(server, traj.env_id, env_kwargs or {}, [task], ChatFormat(tokenizer), "replay")[0]
+        again = run_agent_episodes(
+            server, traj.env_id, env_kwargs or {}, [task], ChatFormat(tokenizer), "replay"
+        )[0]
     finally:
         server.stop()
     n, calls = engine.answered, len(traj.turns)
@@ -223,7 +295,9 @@ def rubric_of(spec: str, run_dir: str | Path | None = None):
             raise ValueError(f"{path}: not YAML: {' '.join(str(exc).split())}") from None
         parts = raw.get("parts") if isinstance(raw, dict) else raw
         if not isinstance(parts, list) or not parts:
-            raise ValueError(f"{path}: a rubric is a list of parts (or `parts: [...]`), each {{fn, weight, name, kwargs}}")
+            raise ValueError(
+                f"{path}: a rubric is a list of parts (or `parts: [...]`), each {{fn, weight, name, kwargs}}"
+            )
         return build(parts)
     return build([{"fn": spec}])
 
@@ -238,11 +312,19 @@ def judge_scores(rubric, trajectories, run_dir: str | Path | None) -> tuple[dict
     cfg = load_config(config) if config.is_file() else RunConfig()
     cache = Path(run_dir) / "judge_cache.jsonl" if run_dir else None
     j = cfg.reward.judge
-    scorer = JudgeScorer(cfg.reward.judge_path(), cache, name=j.model, seed=cfg.seed, max_model_len=j.max_model_len,
-                         kv_cache_gib=j.kv_cache_gib)
+    scorer = JudgeScorer(
+        cfg.reward.judge_path(),
+        cache,
+        name=j.model,
+        seed=cfg.seed,
+        max_model_len=j.max_model_len,
+        kv_cache_gib=j.kv_cache_gib,
+    )
     alone = [p for p in rubric.judges if p.fn.mode != "rank"]
     trajectories = [t for t in trajectories if ran(t)]
-    scores = iter(scorer.score([r for t in trajectories for r in judge_requests(rubric, t, cfg.env.kwargs)]))
+    scores = iter(
+        scorer.score([r for t in trajectories for r in judge_requests(rubric, t, cfg.env.kwargs)])
+    )
     out = {t.episode_id: {p.name: next(scores) for p in alone} for t in trajectories}
     # rank parts: each group of the episodes given, as the run asked (the whole group only with --all)
     groups = ranked_groups(trajectories)
@@ -254,7 +336,9 @@ def judge_scores(rubric, trajectories, run_dir: str | Path | None) -> tuple[dict
     return out, {k: scorer.stats[k] for k in ("requests", "cache_hits")}
 
 
-def rescore(trajectories, spec: str, run_dir: str | Path | None = None, stats: dict | None = None) -> list[dict]:
+def rescore(
+    trajectories, spec: str, run_dir: str | Path | None = None, stats: dict | None = None
+) -> list[dict]:
     """Each episode's recorded and rescored reward and parts; `stats` (if given) gets the judge's
     request and cache-hit counts."""
     from rollout.judge_actor import ran
@@ -266,12 +350,27 @@ def rescore(trajectories, spec: str, run_dir: str | Path | None = None, stats: d
     out = []
     for t in trajectories:
         if not ran(t):  # an environment's failure: nothing to score (the run did not either)
-            out.append({"episode_id": t.episode_id, "recorded": t.reward, "rescored": None, "parts": {},
-                        "recorded_parts": t.reward_parts, "not_scored": t.infra_error})
+            out.append(
+                {
+                    "episode_id": t.episode_id,
+                    "recorded": t.reward,
+                    "rescored": None,
+                    "parts": {},
+                    "recorded_parts": t.reward_parts,
+                    "not_scored": t.infra_error,
+                }
+            )
             continue
         total, parts = rubric.score(t, judged.get(t.episode_id))
-        out.append({"episode_id": t.episode_id, "recorded": t.reward, "rescored": total, "parts": parts,
-                    "recorded_parts": t.reward_parts})
+        out.append(
+            {
+                "episode_id": t.episode_id,
+                "recorded": t.reward,
+                "rescored": total,
+                "parts": parts,
+                "recorded_parts": t.reward_parts,
+            }
+        )
     return out
 
 
@@ -292,7 +391,9 @@ def run_rollout(run_dir: str | Path):
 def agent_tokenizer(run_dir: str | Path, trajectories) -> object | None:
     """The run's tokenizer when one of `trajectories` is an agent program's (its calls are rendered
     again on replay) or has several context segments (they are rebuilt), else None (nothing loaded)."""
-    if not any(envs.is_agent_program(envs.env_class(t.env_id)) or segmented(t) for t in trajectories):
+    if not any(
+        envs.is_agent_program(envs.env_class(t.env_id)) or segmented(t) for t in trajectories
+    ):
         return None
     from transformers import AutoTokenizer
 

@@ -46,10 +46,14 @@ def policy_of(target: str):
         ckpts = sorted((src / "checkpoints").glob("version-*/config.json"))
         policy = ckpts[-1].parent if ckpts else initial_policy(cfg, src)
     if not (policy / "config.json").exists():
-        raise FileNotFoundError(f"{target}: neither a run directory nor a checkpoint (no config.json at {policy})")
+        raise FileNotFoundError(
+            f"{target}: neither a run directory nor a checkpoint (no config.json at {policy})"
+        )
     if (policy / "adapters.safetensors").exists():  # an engine would load it as model weights
-        raise ValueError(f"{policy} holds adapters.safetensors beside the model (a LoRA checkpoint written before "
-                         f"adapters moved to adapters/): move it to {policy / 'adapters'}/ to load the checkpoint")
+        raise ValueError(
+            f"{policy} holds adapters.safetensors beside the model (a LoRA checkpoint written before "
+            f"adapters moved to adapters/): move it to {policy / 'adapters'}/ to load the checkpoint"
+        )
     if cfg is None:  # a bare checkpoint: the engine that serves its kind
         from policy.checkpoint import is_policy_checkpoint
 
@@ -65,10 +69,14 @@ def serve(args) -> int:
     try:
         policy, rollout, _ = policy_of(args.target)
         if key and not key.strip():
-            raise ValueError("the API key is blank (only whitespace): give a real token, or none on loopback")
+            raise ValueError(
+                "the API key is blank (only whitespace): give a real token, or none on loopback"
+            )
         if args.host not in LOOPBACK and not key:
-            raise ValueError(f"--host {args.host} is not loopback: give --api-key (or LONGHORIZON_API_KEY), the bearer "
-                             "token every request must then carry")
+            raise ValueError(
+                f"--host {args.host} is not loopback: give --api-key (or LONGHORIZON_API_KEY), the bearer "
+                "token every request must then carry"
+            )
         if args.max_request_tokens < 1 or not args.request_timeout > 0:
             raise ValueError("--max-request-tokens must be >= 1 and --request-timeout > 0")
         if not 0 <= args.port <= 65535:
@@ -84,21 +92,40 @@ def serve(args) -> int:
 
     # made on, and driven by, a thread of its own (rollout/engines/shared.py): requests join its running
     # batch, and a client that leaves has its prompts aborted
-    engine = SharedEngine(lambda: make_engine(rollout.engine, str(policy), seed=args.seed,
-                                              max_model_len=rollout.max_model_len, kv_cache_gib=rollout.kv_cache_gib,
-                                              enforce_eager=rollout.enforce_eager, max_batch=rollout.max_batch,
-                                              dtype=rollout.engine_dtype()))
+    engine = SharedEngine(
+        lambda: make_engine(
+            rollout.engine,
+            str(policy),
+            seed=args.seed,
+            max_model_len=rollout.max_model_len,
+            kv_cache_gib=rollout.kv_cache_gib,
+            enforce_eager=rollout.enforce_eager,
+            max_batch=rollout.max_batch,
+            dtype=rollout.engine_dtype(),
+        )
+    )
     name = args.model or policy.name
-    server = OpenAIServer(engine, AutoTokenizer.from_pretrained(str(policy)), name, max_model_len=rollout.max_model_len,
-                          default_max_tokens=rollout.max_new_tokens, api_key=key, own_thread=False,
-                          max_request_tokens=args.max_request_tokens, request_timeout_s=args.request_timeout)
+    server = OpenAIServer(
+        engine,
+        AutoTokenizer.from_pretrained(str(policy)),
+        name,
+        max_model_len=rollout.max_model_len,
+        default_max_tokens=rollout.max_new_tokens,
+        api_key=key,
+        own_thread=False,
+        max_request_tokens=args.max_request_tokens,
+        request_timeout_s=args.request_timeout,
+    )
     try:
         url = server.start(args.host, args.port)
     except (OSError, RuntimeError) as exc:
         print(f"error: {message(exc)}", file=sys.stderr)
         return 2
-    print(f"serving {policy} as {name!r} at {url}/v1 (one session per agent: {url}/sessions/ID/v1); Ctrl-C stops",
-          file=sys.stderr, flush=True)
+    print(
+        f"serving {policy} as {name!r} at {url}/v1 (one session per agent: {url}/sessions/ID/v1); Ctrl-C stops",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
         while True:
             time.sleep(3600)
@@ -111,15 +138,35 @@ def serve(args) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("serve", help="a trained policy behind an OpenAI-compatible chat API (/v1/chat/completions)")
+    p = sub.add_parser(
+        "serve", help="a trained policy behind an OpenAI-compatible chat API (/v1/chat/completions)"
+    )
     p.add_argument("target", metavar="RUN_DIR|CHECKPOINT")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (not loopback: --api-key required)")
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (not loopback: --api-key required)"
+    )
     p.add_argument("--port", type=int, default=8000, help="0: any free port (printed)")
-    p.add_argument("--api-key", default="", help="bearer token every request must carry (default: LONGHORIZON_API_KEY)")
-    p.add_argument("--model", default="", help="the model name the API reports (default: the checkpoint's folder name)")
+    p.add_argument(
+        "--api-key",
+        default="",
+        help="bearer token every request must carry (default: LONGHORIZON_API_KEY)",
+    )
+    p.add_argument(
+        "--model",
+        default="",
+        help="the model name the API reports (default: the checkpoint's folder name)",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-request-tokens", type=int, default=1 << 15,
-                   help="the most tokens one request may ask for (n × max_tokens); more is a 400")
-    p.add_argument("--request-timeout", type=float, default=600.0,
-                   help="seconds a request may generate before it is cancelled (a 504)")
+    p.add_argument(
+        "--max-request-tokens",
+        type=int,
+        default=1 << 15,
+        help="the most tokens one request may ask for (n × max_tokens); more is a 400",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a request may generate before it is cancelled (a 504)",
+    )
     p.set_defaults(fn=serve)

@@ -34,5 +34,7 @@ class SafeConsole(Console):
     control segments, the cursor moves rich makes itself, are kept)."""
 
     def _render_buffer(self, buffer) -> str:
-        return super()._render_buffer(Segment(visible(text) if not control else text, style, control)
-                                      for text, style, control in buffer)
+        return super()._render_buffer(
+            Segment(visible(text) if not control else text, style, control)
+            for text, style, control in buffer
+        )

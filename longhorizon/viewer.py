@@ -35,7 +35,14 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from longhorizon.inspect import compare_group, load_metrics, mean_advantage, opener_note, run_tokenizer, summary
+from longhorizon.inspect import (
+    compare_group,
+    load_metrics,
+    mean_advantage,
+    opener_note,
+    run_tokenizer,
+    summary,
+)
 from rl.store import TrajectoryStore
 from rollout.trajectory import FAILURE_KINDS
 
@@ -49,8 +56,18 @@ def _num(x, kind=int):
 def _turn(turn) -> dict:
     """A turn as the page reads it: numbers as numbers, text as text, whatever the record held."""
     d = vars(turn)
-    out = {k: _num(d.get(k)) for k in ("gen_start", "gen_end", "obs_end", "tool_calls", "tool_errors",
-                                       "policy_version", "seed")}
+    out = {
+        k: _num(d.get(k))
+        for k in (
+            "gen_start",
+            "gen_end",
+            "obs_end",
+            "tool_calls",
+            "tool_errors",
+            "policy_version",
+            "seed",
+        )
+    }
     out.update({k: str(d.get(k) or "") for k in ("text", "observation", "finish_reason", "kind")})
     out.update({k: [str(x) for x in (d.get(k) or [])] for k in ("sandbox_events", "failures")})
     return out
@@ -58,8 +75,12 @@ def _turn(turn) -> dict:
 
 def _milestone(m) -> dict:
     m = m if isinstance(m, dict) else {}
-    return {"name": str(m.get("name", "")), "reward": _num(m.get("reward"), float), "turn": _num(m.get("turn")),
-            "token": _num(m.get("token"))}
+    return {
+        "name": str(m.get("name", "")),
+        "reward": _num(m.get("reward"), float),
+        "turn": _num(m.get("turn")),
+        "token": _num(m.get("token")),
+    }
 
 
 def embed(data) -> str:
@@ -69,19 +90,39 @@ def embed(data) -> str:
 
 def episode_payload(t, tok, max_tokens: int, learner: dict | None = None) -> dict:
     n = min(len(t.token_ids), max_tokens)
-    pieces = (tok.convert_ids_to_tokens(t.token_ids[:n]) if tok is not None else [str(i) for i in t.token_ids[:n]])
-    pieces = [p.replace("Ġ", " ").replace("Ċ", "\n") if isinstance(p, str) else str(p) for p in pieces]
+    pieces = (
+        tok.convert_ids_to_tokens(t.token_ids[:n])
+        if tok is not None
+        else [str(i) for i in t.token_ids[:n]]
+    )
+    pieces = [
+        p.replace("Ġ", " ").replace("Ċ", "\n") if isinstance(p, str) else str(p) for p in pieces
+    ]
     return {
-        "id": t.episode_id, "iteration": t.iteration, "group": t.group_id, "env": t.env_id, "seed": t.seed,
-        "reward": t.reward, "reward_parts": t.reward_parts, "stop": t.stop_reason, "infra_error": t.infra_error,
+        "id": t.episode_id,
+        "iteration": t.iteration,
+        "group": t.group_id,
+        "env": t.env_id,
+        "seed": t.seed,
+        "reward": t.reward,
+        "reward_parts": t.reward_parts,
+        "stop": t.stop_reason,
+        "infra_error": t.infra_error,
         "task": t.task,
-        "failure": t.failure, "versions": sorted({turn.policy_version for turn in t.turns}),
-        "n_tokens": len(t.token_ids), "n_generated": t.num_generated, "cut": n < len(t.token_ids),
-        "tokens": pieces, "mask": t.loss_mask[:n], "logprobs": [round(x, 4) for x in t.rollout_logprobs[:n]],
+        "failure": t.failure,
+        "versions": sorted({turn.policy_version for turn in t.turns}),
+        "n_tokens": len(t.token_ids),
+        "n_generated": t.num_generated,
+        "cut": n < len(t.token_ids),
+        "tokens": pieces,
+        "mask": t.loss_mask[:n],
+        "logprobs": [round(x, 4) for x in t.rollout_logprobs[:n]],
         "turns": [_turn(turn) for turn in t.turns],
         # a split episode (context segments, rollout/context.py; an agent program's rewritten history):
         # where its samples start, the turns that open them, and what each one is
-        "samples": t.sample_starts, "sample_turns": t.sample_openers(), "context": t.context,
+        "samples": t.sample_starts,
+        "sample_turns": t.sample_openers(),
+        "context": t.context,
         "sample_notes": {i: opener_note(t, i, k) for i, k in t.sample_openers().items()},
         "milestones": [_milestone(m) for m in t.milestones],
         # the learner's pre-update log-probs and the advantages it trained with, when it trained on it
@@ -98,11 +139,19 @@ def time_split(rows: list[dict]) -> list[dict]:
         if "iteration_s" not in r:
             continue
         parts = {k: float(r.get(k) or 0.0) for k in ("rollout_s", "train_s", "sync_s")}
-        out.append({"iteration": r["iteration"], **parts, "other_s": max(0.0, r["iteration_s"] - sum(parts.values()))})
+        out.append(
+            {
+                "iteration": r["iteration"],
+                **parts,
+                "other_s": max(0.0, r["iteration_s"] - sum(parts.values())),
+            }
+        )
     return out
 
 
-def write_html(run_dir: str | Path, out: str | Path, max_episodes: int = 500, max_tokens: int = 100_000) -> Path:
+def write_html(
+    run_dir: str | Path, out: str | Path, max_episodes: int = 500, max_tokens: int = 100_000
+) -> Path:
     run_dir = Path(run_dir)
     s = summary(run_dir)
     tok = run_tokenizer(run_dir)
@@ -118,23 +167,41 @@ def write_html(run_dir: str | Path, out: str | Path, max_episodes: int = 500, ma
         by_group[t.group_id].append(t)
     groups = {}
     for gid, eps in by_group.items():
-        best, rows = compare_group(eps, {t.episode_id: mean_advantage(t, learner.get(t.episode_id)) for t in eps})
+        best, rows = compare_group(
+            eps, {t.episode_id: mean_advantage(t, learner.get(t.episode_id)) for t in eps}
+        )
         groups[gid] = {"best": best, "episodes": rows}
+
     def point(iteration: int, r: dict) -> dict:
-        return {"iteration": iteration, "success": r["eval/success"], "lo": r.get("eval/ci95_low"),
-                "hi": r.get("eval/ci95_high")}
+        return {
+            "iteration": iteration,
+            "success": r["eval/success"],
+            "lo": r.get("eval/ci95_low"),
+            "hi": r.get("eval/ci95_high"),
+        }
 
     held_out = [point(r["iteration"], r) for r in load_metrics(run_dir) if "eval/success" in r]
-    initial = run_dir / "eval-initial.json"  # before the first iteration (after any warm start): drawn at -1
+    initial = (
+        run_dir / "eval-initial.json"
+    )  # before the first iteration (after any warm start): drawn at -1
     try:
         first = json.loads(initial.read_text()) if initial.exists() else {}
     except json.JSONDecodeError:
         first = {}
     if "eval/success" in first:
         held_out.insert(0, point(-1, first))
-    data = {"summary": s, "episodes": payloads, "episodes_cut": len(ids) > max_episodes, "groups": groups,
-            "held_out": held_out, "failure_kinds": FAILURE_KINDS, "time_split": time_split(load_metrics(run_dir))}
-    page = _TEMPLATE.replace("__TITLE__", html.escape(str(run_dir))).replace("__DATA__", embed(data))
+    data = {
+        "summary": s,
+        "episodes": payloads,
+        "episodes_cut": len(ids) > max_episodes,
+        "groups": groups,
+        "held_out": held_out,
+        "failure_kinds": FAILURE_KINDS,
+        "time_split": time_split(load_metrics(run_dir)),
+    }
+    page = _TEMPLATE.replace("__TITLE__", html.escape(str(run_dir))).replace(
+        "__DATA__", embed(data)
+    )
     out = Path(out)
     out.write_text(page, encoding="utf-8")
     return out

@@ -10,7 +10,6 @@ from typing import Literal
 
 from typed_yaml import load_dataclass, require
 
-
 SUB_CHUNK = 16
 """KDA's chunks are cut into sub-chunks of this many steps (see policy/kda.py)."""
 
@@ -143,21 +142,36 @@ class ModelArgs:
         kinds[-1] = "mla"
         return kinds
 
-    def validate(self, source: str = "policy config") -> "ModelArgs":
+    def validate(self, source: str = "policy config") -> ModelArgs:
         m = self.moe
         checks = [
             ("n_layers", self.n_layers >= 1, "must be >= 1"),
             ("mla_every", self.mla_every >= 1, "must be >= 1"),
-            ("n_dense_layers", 0 <= self.n_dense_layers <= self.n_layers, "must be in [0, n_layers]"),
+            (
+                "n_dense_layers",
+                0 <= self.n_dense_layers <= self.n_layers,
+                "must be in [0, n_layers]",
+            ),
             ("moe.top_k", 1 <= m.top_k <= m.n_routed_experts, "must be in [1, n_routed_experts]"),
-            ("moe.n_groups", m.n_routed_experts % m.n_groups == 0, "must divide moe.n_routed_experts"),
+            (
+                "moe.n_groups",
+                m.n_routed_experts % m.n_groups == 0,
+                "must divide moe.n_routed_experts",
+            ),
             ("moe.topk_groups", 1 <= m.topk_groups <= m.n_groups, "must be in [1, moe.n_groups]"),
-            ("moe.top_k", m.top_k <= m.topk_groups * (m.n_routed_experts // m.n_groups),
-             "exceeds the experts in moe.topk_groups groups"),
+            (
+                "moe.top_k",
+                m.top_k <= m.topk_groups * (m.n_routed_experts // m.n_groups),
+                "exceeds the experts in moe.topk_groups groups",
+            ),
             ("attn_res_block", self.attn_res_block >= 1, "must be >= 1"),
             ("kda.g_min", self.kda.g_min < 0, "must be < 0"),
-            ("kda.chunk_size", self.kda.chunk_size >= 1 and (self.kda.chunk_size <= SUB_CHUNK or self.kda.chunk_size % SUB_CHUNK == 0),
-             f"must be <= {SUB_CHUNK} or a multiple of {SUB_CHUNK}"),
+            (
+                "kda.chunk_size",
+                self.kda.chunk_size >= 1
+                and (self.kda.chunk_size <= SUB_CHUNK or self.kda.chunk_size % SUB_CHUNK == 0),
+                f"must be <= {SUB_CHUNK} or a multiple of {SUB_CHUNK}",
+            ),
         ]
         require(checks, source)
         return self

@@ -54,7 +54,7 @@ class QuantileHistogram:
         pos = ((d - self.lo) / (self.hi - self.lo) * bins).floor().clamp(0, bins - 1).long()
         self.counts_EB.scatter_add_(1, pos.T, torch.ones_like(pos.T, dtype=torch.float64))
 
-    def merge(self, other: "QuantileHistogram") -> "QuantileHistogram":
+    def merge(self, other: QuantileHistogram) -> QuantileHistogram:
         self.counts_EB += other.counts_EB
         return self
 
@@ -62,10 +62,18 @@ class QuantileHistogram:
         n_e, bins = self.counts_EB.shape
         q = self.k / n_e
         cdf = self.counts_EB.cumsum(1) / self.counts_EB.sum(1, keepdim=True).clamp(min=1)
-        j = torch.searchsorted(cdf, torch.full((n_e, 1), q, dtype=cdf.dtype)).clamp(max=bins - 1)[:, 0]
-        prev = torch.where(j > 0, cdf.gather(1, (j - 1).clamp(min=0)[:, None])[:, 0], torch.zeros_like(j, dtype=cdf.dtype))
+        j = torch.searchsorted(cdf, torch.full((n_e, 1), q, dtype=cdf.dtype)).clamp(max=bins - 1)[
+            :, 0
+        ]
+        prev = torch.where(
+            j > 0,
+            cdf.gather(1, (j - 1).clamp(min=0)[:, None])[:, 0],
+            torch.zeros_like(j, dtype=cdf.dtype),
+        )
         here = cdf.gather(1, j[:, None])[:, 0]
-        frac = ((q - prev) / (here - prev).clamp(min=1e-12)).clamp(0, 1)  # interpolate inside the bin
+        frac = ((q - prev) / (here - prev).clamp(min=1e-12)).clamp(
+            0, 1
+        )  # interpolate inside the bin
         width = (self.hi - self.lo) / bins
         b_hat = (self.lo + (j.double() + frac) * width).float()
         return b_hat - b_hat.mean()

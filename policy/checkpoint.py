@@ -23,10 +23,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from typed_yaml import build_dataclass
-
 from policy.args import ModelArgs
 from policy.model import Policy
+from typed_yaml import build_dataclass
 
 MODEL_TYPE = "longhorizon_policy"
 
@@ -42,9 +41,16 @@ def save_policy(model: Policy, out_dir: str | Path, state: dict | None = None) -
     (a sharded learner's gathered full state)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = {"model_type": MODEL_TYPE, "architectures": ["LonghorizonPolicy"], **dataclasses.asdict(model.args)}
+    config = {
+        "model_type": MODEL_TYPE,
+        "architectures": ["LonghorizonPolicy"],
+        **dataclasses.asdict(model.args),
+    }
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    state = {k: v.detach().contiguous() for k, v in (state if state is not None else model.state_dict()).items()}
+    state = {
+        k: v.detach().contiguous()
+        for k, v in (state if state is not None else model.state_dict()).items()
+    }
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
@@ -55,7 +61,9 @@ def load_policy(path: str | Path, dtype: torch.dtype | None = None) -> Policy:
     if raw.pop("model_type", None) != MODEL_TYPE:
         raise ValueError(f"{path}/config.json is not a {MODEL_TYPE} checkpoint")
     raw.pop("architectures", None)
-    args = build_dataclass(ModelArgs, raw, "", f"{path}/config.json").validate(f"{path}/config.json")
+    args = build_dataclass(ModelArgs, raw, "", f"{path}/config.json").validate(
+        f"{path}/config.json"
+    )
     state = load_file(str(path / "model.safetensors"))
     model = Policy(args)
     ref_dtype = next(iter(state.values())).dtype
@@ -63,7 +71,9 @@ def load_policy(path: str | Path, dtype: torch.dtype | None = None) -> Policy:
     keep_fp32(model)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ValueError(f"{path}: checkpoint does not match the config: missing {missing}, unexpected {unexpected}")
+        raise ValueError(
+            f"{path}: checkpoint does not match the config: missing {missing}, unexpected {unexpected}"
+        )
     return model
 
 

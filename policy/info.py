@@ -25,12 +25,16 @@ def policy_info(args: ModelArgs) -> dict:
     per_expert = 0
     if moe_layers:
         m = moe_layers[0].mlp
-        per_expert = (m.w_gate_EFL.numel() + m.w_up_EFL.numel() + m.w_down_ELF.numel()) // args.moe.n_routed_experts
+        per_expert = (
+            m.w_gate_EFL.numel() + m.w_up_EFL.numel() + m.w_down_ELF.numel()
+        ) // args.moe.n_routed_experts
     inactive = len(moe_layers) * (args.moe.n_routed_experts - args.moe.top_k) * per_expert
     active = total - inactive - model.embed.weight.numel()
     n_kda, n_mla = kinds.count("kda"), kinds.count("mla")
     k = args.kda
-    state = n_kda * (k.n_heads * k.head_dim * k.head_dim * 4 + 3 * k.n_heads * k.head_dim * (k.conv_size - 1) * 2)
+    state = n_kda * (
+        k.n_heads * k.head_dim * k.head_dim * 4 + 3 * k.n_heads * k.head_dim * (k.conv_size - 1) * 2
+    )
     return {
         "name": args.name,
         "layers": args.n_layers,
@@ -42,7 +46,9 @@ def policy_info(args: ModelArgs) -> dict:
         "total_params": total,
         "active_params": active,
         "params_per_routed_expert": per_expert,
-        "vision_params": sum(p.numel() for p in model.vision.parameters()) if model.vision is not None else 0,
+        "vision_params": sum(p.numel() for p in model.vision.parameters())
+        if model.vision is not None
+        else 0,
         "cache_bytes_per_token": n_mla * (args.mla.kv_lora_rank + args.mla.qk_rope_head_dim) * 2,
         "state_bytes_per_sequence": state,
     }

@@ -55,7 +55,10 @@ def kda_recurrent(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV=None):
     for t in range(T):
         S = S * g[:, t].exp()[..., None]
         pred_BHV = torch.einsum("bhk,bhkv->bhv", k[:, t], S)
-        S = S + beta[:, t, :, None, None] * k[:, t, :, :, None] * (v[:, t] - pred_BHV)[:, :, None, :]
+        S = (
+            S
+            + beta[:, t, :, None, None] * k[:, t, :, :, None] * (v[:, t] - pred_BHV)[:, :, None, :]
+        )
         outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], S))
     return torch.stack(outs, 1), S
 
@@ -92,7 +95,12 @@ def _chunks(x_BTH_, C: int) -> torch.Tensor:
     (q = k = v = 0, β = 0, g = 0)."""
     B, T, H = x_BTH_.shape[:3]
     x = x_BTH_.reshape(B, T, H, -1)
-    x = F.pad(x, (0, 0, 0, 0, 0, (-T) % C)).reshape(B, -1, C, H, x.shape[-1]).permute(1, 0, 3, 2, 4).contiguous()
+    x = (
+        F.pad(x, (0, 0, 0, 0, 0, (-T) % C))
+        .reshape(B, -1, C, H, x.shape[-1])
+        .permute(1, 0, 3, 2, 4)
+        .contiguous()
+    )
     return x if x_BTH_.dim() == 4 else x.squeeze(-1)
 
 
@@ -116,7 +124,11 @@ def _products(x, k, G, s: int, pairwise: bool) -> torch.Tensor:
     xs, ks, Gs = (t.unflatten(-2, (m, s)) for t in (x, k, G))  # (..., m, s, K)
     if pairwise:
         incl = torch.ones(s, s, dtype=torch.bool, device=G.device).tril()
-        decay = (Gs[..., :, None, :] - Gs[..., None, :, :]).masked_fill(~incl[:, :, None], -math.inf).exp()
+        decay = (
+            (Gs[..., :, None, :] - Gs[..., None, :, :])
+            .masked_fill(~incl[:, :, None], -math.inf)
+            .exp()
+        )
         D = torch.einsum("...tk,...ik,...tik->...ti", xs, ks, decay)
     else:
         Gm = Gs[..., s // 2 : s // 2 + 1, :]
@@ -130,7 +142,9 @@ def _products(x, k, G, s: int, pairwise: bool) -> torch.Tensor:
         if b < m - 1:
             Ge = Gs[..., b, -1:, :]
             rows = x[..., (b + 1) * s :, :] * (G[..., (b + 1) * s :, :] - Ge).exp()
-            parts.append(rows @ (ks[..., b, :, :] * (Ge - Gs[..., b, :, :]).exp()).transpose(-1, -2))
+            parts.append(
+                rows @ (ks[..., b, :, :] * (Ge - Gs[..., b, :, :]).exp()).transpose(-1, -2)
+            )
         cols.append(torch.cat(parts, -2))
     return torch.cat(cols, -1)
 
@@ -142,12 +156,21 @@ def _intra(q, k, v, g, beta, s: int, pairwise: bool):
     C, K = q.shape[-2:]
     G = g.cumsum(-2)
     kk, qk = _products(torch.stack([k, q]), k, G, s, pairwise).unbind(0)
-    A = (kk * beta[..., None]).tril(-1)  # unitriangular: the solve takes I + A's unit diagonal as read
-    X = torch.linalg.solve_triangular(A, beta[..., None] * torch.cat([k * G.exp(), v], -1), upper=False,
-                                      unitriangular=True)
+    A = (kk * beta[..., None]).tril(
+        -1
+    )  # unitriangular: the solve takes I + A's unit diagonal as read
+    X = torch.linalg.solve_triangular(
+        A, beta[..., None] * torch.cat([k * G.exp(), v], -1), upper=False, unitriangular=True
+    )
     G_last = G[..., -1:, :]
-    return (X[..., :K], X[..., K:], q * G.exp(), qk.tril(), G_last.squeeze(-2).exp(),
-            (k * (G_last - G).exp()).transpose(-1, -2))
+    return (
+        X[..., :K],
+        X[..., K:],
+        q * G.exp(),
+        qk.tril(),
+        G_last.squeeze(-2).exp(),
+        (k * (G_last - G).exp()).transpose(-1, -2),
+    )
 
 
 def _transition(W, carry, K_out):
@@ -160,7 +183,11 @@ def _scan(M, b, S):
     N = M.shape[0]
     out = S.new_empty(N + 1, *S.shape)
     out[0] = S
-    M3, b3, out3 = M.flatten(1, 2), b.flatten(1, 2), out.flatten(1, 2)  # (·, B·H, ·, ·): one bmm a step
+    M3, b3, out3 = (
+        M.flatten(1, 2),
+        b.flatten(1, 2),
+        out.flatten(1, 2),
+    )  # (·, B·H, ·, ·): one bmm a step
     for n in range(N):
         torch.baddbmm(b3[n], M3[n], out3[n], out=out3[n + 1])
     return out
@@ -184,7 +211,9 @@ class _KDAChunked(torch.autograd.Function):
         segments = _segments(T, C, B * H * max(K, v.shape[-1]))
         outs, starts, S = [], [], S0
         for t0, t1 in segments:
-            W, U, Qg, QK, carry, K_out = _intra(*_segment((q, k, v, g, beta), t0, t1, C, S0.dtype), s, pairwise)
+            W, U, Qg, QK, carry, K_out = _intra(
+                *_segment((q, k, v, g, beta), t0, t1, C, S0.dtype), s, pairwise
+            )
             S_all = _scan(_transition(W, carry, K_out), K_out @ U, S)
             S_in = S_all[:-1]
             outs.append(_unchunk(Qg @ S_in + QK @ (U - W @ S_in), t1 - t0))
@@ -208,17 +237,29 @@ class _KDAChunked(torch.autograd.Function):
                 leaves = [t.requires_grad_() for t in _segment(inputs, t0, t1, C, starts.dtype)]
                 outs = W, U, Qg, QK, carry, K_out = _intra(*leaves, s, pairwise)
             M = _transition(W, carry, K_out)
-            S = _scan(M, K_out @ U, starts[i])[:-1]  # the chunks' states again, from the segment's start
+            S = _scan(M, K_out @ U, starts[i])[
+                :-1
+            ]  # the chunks' states again, from the segment's start
             dO = _chunks(dO_BTHV[:, t0:t1], C)
             c = Qg.transpose(-1, -2) @ dO - W.transpose(-1, -2) @ (QK.transpose(-1, -2) @ dO)
-            dS_all = _scan(M.transpose(-1, -2).flip(0), c.flip(0), dS).flip(0)  # dS_n = M_nᵀ dS_{n+1} + c_n
+            dS_all = _scan(M.transpose(-1, -2).flip(0), c.flip(0), dS).flip(
+                0
+            )  # dS_n = M_nᵀ dS_{n+1} + c_n
             dS_next, dS = dS_all[1:], dS_all[0]
             V_new = U - W @ S
             dV_new = QK.transpose(-1, -2) @ dO + K_out.transpose(-1, -2) @ dS_next
-            douts = (-dV_new @ S.transpose(-1, -2), dV_new, dO @ S.transpose(-1, -2), dO @ V_new.transpose(-1, -2),
-                     (dS_next * S).sum(-1), dS_next @ V_new.transpose(-1, -2))
+            douts = (
+                -dV_new @ S.transpose(-1, -2),
+                dV_new,
+                dO @ S.transpose(-1, -2),
+                dO @ V_new.transpose(-1, -2),
+                (dS_next * S).sum(-1),
+                dS_next @ V_new.transpose(-1, -2),
+            )
             for grad, leaf_grad in zip(grads, torch.autograd.grad(outs, leaves, douts)):
-                grad[:, t0:t1] = _unchunk(leaf_grad, t1 - t0)  # in the input's dtype (bf16: rounded once)
+                grad[:, t0:t1] = _unchunk(
+                    leaf_grad, t1 - t0
+                )  # in the input's dtype (bf16: rounded once)
         return (*grads, dS if ctx.needs_input_grad[5] else None, None, None, None)
 
 
@@ -228,8 +269,16 @@ def _segment(inputs, t0: int, t1: int, C: int, dt: torch.dtype) -> list[torch.Te
     return [_chunks(t[:, t0:t1], C).to(dt) for t in inputs]
 
 
-def kda_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV=None, chunk_size: int = 16,
-                step_bound: float | None = None):
+def kda_chunked(
+    q_BTHK,
+    k_BTHK,
+    v_BTHV,
+    g_BTHK,
+    beta_BTH,
+    S_BHKV=None,
+    chunk_size: int = 16,
+    step_bound: float | None = None,
+):
     """Chunk-parallel form; equals `kda_recurrent` to float tolerance. Returns (o_BTHV, S_BHKV).
 
     `chunk_size` ≤ 16 or a multiple of 16 (sub-chunks of 16). `step_bound`: the largest |g| a step
@@ -243,13 +292,19 @@ def kda_chunked(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, S_BHKV=None, chunk_siz
     gradients come back in their dtype. The decay g and β should stay fp32 (the decay's cumulative
     sums over a chunk would lose their small steps in bf16), as `KDA.inputs` gives them."""
     if chunk_size < 1 or (chunk_size > SUB_CHUNK and chunk_size % SUB_CHUNK):
-        raise ValueError(f"chunk_size {chunk_size}: must be <= {SUB_CHUNK} or a multiple of {SUB_CHUNK}")
+        raise ValueError(
+            f"chunk_size {chunk_size}: must be <= {SUB_CHUNK} or a multiple of {SUB_CHUNK}"
+        )
     q, k, v, g, beta = q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH
     dt = torch.float32
     for t in (q, k, v, g, beta):
         dt = torch.promote_types(dt, t.dtype)
     B, T, H, K = q.shape
-    S = torch.zeros(B, H, K, v.shape[-1], dtype=dt, device=q.device) if S_BHKV is None else S_BHKV.to(dt)
+    S = (
+        torch.zeros(B, H, K, v.shape[-1], dtype=dt, device=q.device)
+        if S_BHKV is None
+        else S_BHKV.to(dt)
+    )
     s = min(chunk_size, SUB_CHUNK)
     static = factorisable(chunk_size, step_bound)
     pairwise = (not static) if static is not None else _diag_span(g, s) > _MAX_EXP
@@ -277,13 +332,17 @@ class KDAState:
     S: torch.Tensor | None = None
 
 
-def safe_gate_bias(A_log_H: torch.Tensor, head_dim: int, g_min: float, decay=(0.90, 0.99)) -> torch.Tensor:
+def safe_gate_bias(
+    A_log_H: torch.Tensor, head_dim: int, g_min: float, decay=(0.90, 0.99)
+) -> torch.Tensor:
     """dt_bias (H·K) for the safe gate g = g_min·σ(e^{A_log}·(f + dt_bias)) such that with f = 0 each
     channel's per-step decay e^g is drawn log-uniformly in `decay` (as Mamba draws its dt): a layer
     that remembers from the start. A zero bias would give e^{g_min/2} ≈ 0.08 per step, nearly
     memoryless."""
     H = A_log_H.shape[0]
-    lo, hi = (math.log(-math.log(d)) for d in (decay[1], decay[0]))  # -log(decay) between these, log-uniform
+    lo, hi = (
+        math.log(-math.log(d)) for d in (decay[1], decay[0])
+    )  # -log(decay) between these, log-uniform
     minus_g = torch.empty(H, head_dim, dtype=torch.float64).uniform_(lo, hi).exp()
     p = (minus_g / -g_min).clamp(1e-12, 1 - 1e-12)  # σ(·) = g / g_min
     return (torch.log(p / (1 - p)) / A_log_H.double().exp()[:, None]).reshape(-1).to(A_log_H.dtype)
@@ -311,7 +370,9 @@ class KDA(nn.Module):
         self.A_log = nn.Parameter(torch.empty(H))  # kept fp32, no weight decay (see policy/README)
         self.dt_bias = nn.Parameter(torch.empty(HK))
         if a.gate_rank:
-            self.g_proj = nn.Sequential(nn.Linear(dim, a.gate_rank, bias=False), nn.Linear(a.gate_rank, HK, bias=False))
+            self.g_proj = nn.Sequential(
+                nn.Linear(dim, a.gate_rank, bias=False), nn.Linear(a.gate_rank, HK, bias=False)
+            )
         else:
             self.g_proj = nn.Linear(dim, HK, bias=False)
         self.o_norm = RMSNorm(K, eps)
@@ -324,14 +385,18 @@ class KDA(nn.Module):
         with torch.no_grad():
             self.A_log.copy_(torch.empty_like(self.A_log).uniform_(1, 16).log())
             if self.a.gate == "safe":
-                self.dt_bias.copy_(safe_gate_bias(self.A_log.float(), self.a.head_dim, self.a.g_min))
+                self.dt_bias.copy_(
+                    safe_gate_bias(self.A_log.float(), self.a.head_dim, self.a.g_min)
+                )
             else:  # Kimi Linear's: softplus(f + 0), scaled by e^{A_log}
                 self.dt_bias.zero_()
 
     def decay(self, x_BTD):
         """Per-step log decay g (B, T, H, K), fp32, in the configured form."""
         H, K = self.a.n_heads, self.a.head_dim
-        f = upcast(self.f_b(self.f_a(x_BTD))).view(*x_BTD.shape[:2], H, K) + upcast(self.dt_bias).view(H, K)
+        f = upcast(self.f_b(self.f_a(x_BTD))).view(*x_BTD.shape[:2], H, K) + upcast(
+            self.dt_bias
+        ).view(H, K)
         A = upcast(self.A_log).exp()[:, None]
         if self.a.gate == "softplus":
             return -A * F.softplus(f)
@@ -342,9 +407,14 @@ class KDA(nn.Module):
         dtype, β (B, T, H) and g in fp32, then the three new conv states."""
         B, T, _ = x_BTD.shape
         H, K = self.a.n_heads, self.a.head_dim
-        (q, cq), (k, ck), (v, cv) = (causal_conv(proj(x_BTD), w, c) for proj, w, c in
-                                     zip((self.q_proj, self.k_proj, self.v_proj), (self.q_conv, self.k_conv, self.v_conv),
-                                         conv_states))
+        (q, cq), (k, ck), (v, cv) = (
+            causal_conv(proj(x_BTD), w, c)
+            for proj, w, c in zip(
+                (self.q_proj, self.k_proj, self.v_proj),
+                (self.q_conv, self.k_conv, self.v_conv),
+                conv_states,
+            )
+        )
         # normalised in fp32, then kept in the projections' dtype: in a bf16 model the chunk form keeps
         # q and k in bf16 for backward (half the bytes) and computes on their values in fp32
         q = (F.normalize(upcast(q.view(B, T, H, K)), dim=-1, eps=1e-6) * K**-0.5).to(q.dtype)
@@ -368,15 +438,25 @@ class KDA(nn.Module):
         train = state is None and torch.is_grad_enabled()
         st = state or KDAState()
         if train:
-            q, k, v, beta, g = recompute(lambda x: self.inputs(x)[:5], (x_BTD,), list(self.parameters()))
+            q, k, v, beta, g = recompute(
+                lambda x: self.inputs(x)[:5], (x_BTD,), list(self.parameters())
+            )
         else:
             q, k, v, beta, g, *convs = self.inputs(x_BTD, (st.conv_q, st.conv_k, st.conv_v))
         if recurrent if recurrent is not None else T == 1:
             o, S = kda_recurrent(q, k, v, g, beta, st.S)
         else:
-            bound = -self.a.g_min if self.a.gate == "safe" else None  # the softplus gate is unbounded
+            bound = (
+                -self.a.g_min if self.a.gate == "safe" else None
+            )  # the softplus gate is unbounded
             o, S = kda_chunked(q, k, v, g, beta, st.S, self.a.chunk_size, step_bound=bound)
         if state is not None:
             (state.conv_q, state.conv_k, state.conv_v), state.S = convs, S
-        o = o.to(x_BTD.dtype)  # what `output` reads it as: kept for backward in the model's dtype, not fp32
-        return recompute(self.output, (o, x_BTD), list(self.parameters())) if train else self.output(o, x_BTD)
+        o = o.to(
+            x_BTD.dtype
+        )  # what `output` reads it as: kept for backward in the model's dtype, not fp32
+        return (
+            recompute(self.output, (o, x_BTD), list(self.parameters()))
+            if train
+            else self.output(o, x_BTD)
+        )

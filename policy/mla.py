@@ -35,7 +35,9 @@ from policy.norm import RMSNorm, upcast
 class MLACache:
     c_kv: torch.Tensor | None = None  # B × T × kv_lora (normed latent)
     k_rope: torch.Tensor | None = None  # B × T × rope (rotated when RoPE is on)
-    pad: torch.Tensor | None = None  # B, long: left-padding slots per row (batched decoding); None = no padding
+    pad: torch.Tensor | None = (
+        None  # B, long: left-padding slots per row (batched decoding); None = no padding
+    )
 
     @property
     def length(self) -> int:
@@ -78,8 +80,13 @@ class GatedMLA(nn.Module):
     def _q(self, x):
         return self.wq_b(self.q_norm(self.wq_a(x))) if self.a.q_lora_rank else self.wq(x)
 
-    def forward(self, x_BTD, cache: MLACache | None = None, absorbed: bool | None = None,
-                fused: bool | None = None):
+    def forward(
+        self,
+        x_BTD,
+        cache: MLACache | None = None,
+        absorbed: bool | None = None,
+        fused: bool | None = None,
+    ):
         """`cache` is extended in place when given. `absorbed` picks the form (default: absorbed
         when decoding one token against a cache, naive otherwise). `fused=False` forces the
         explicit softmax in the naive form (the reference the fused path is tested against)."""
@@ -111,7 +118,9 @@ class GatedMLA(nn.Module):
             w = self.wkv_b.weight.view(H, N + Vd, a.kv_lora_rank)
             w_uk, w_uv = w[:, :N], w[:, N:]
             q_lat = torch.einsum("bthn,hnc->bthc", q_nope, w_uk)
-            scores = torch.einsum("bthc,bsc->bhts", q_lat, c_all) + torch.einsum("bthr,bsr->bhts", q_rope, kr_all)
+            scores = torch.einsum("bthc,bsc->bhts", q_lat, c_all) + torch.einsum(
+                "bthr,bsr->bhts", q_rope, kr_all
+            )
             p = self._softmax(scores, pos, S, pad).to(c_all.dtype)
             o_lat = torch.einsum("bhts,bsc->bhtc", p, c_all)  # weighted sum in the latent space
             o = torch.einsum("bhtc,hvc->bthv", o_lat, w_uv)
@@ -126,10 +135,17 @@ class GatedMLA(nn.Module):
                 k_full = torch.cat([k_nope, kr_all[:, :, None, :].expand(B, S, H, R)], -1)
                 q_full = torch.cat([q_nope, q_rope], -1)
                 v_pad = F.pad(v, (0, max(0, N + R - Vd)))
-                o = F.scaled_dot_product_attention(q_full.transpose(1, 2), k_full.transpose(1, 2), v_pad.transpose(1, 2),
-                                                   is_causal=True, scale=self.scale).transpose(1, 2)[..., :Vd]
+                o = F.scaled_dot_product_attention(
+                    q_full.transpose(1, 2),
+                    k_full.transpose(1, 2),
+                    v_pad.transpose(1, 2),
+                    is_causal=True,
+                    scale=self.scale,
+                ).transpose(1, 2)[..., :Vd]
             else:
-                scores = torch.einsum("bthn,bshn->bhts", q_nope, k_nope) + torch.einsum("bthr,bsr->bhts", q_rope, kr_all)
+                scores = torch.einsum("bthn,bshn->bhts", q_nope, k_nope) + torch.einsum(
+                    "bthr,bsr->bhts", q_rope, kr_all
+                )
                 p = self._softmax(scores, pos, S, pad).to(v.dtype)
                 o = torch.einsum("bhts,bshv->bthv", p, v)
         o = o * torch.sigmoid(self.w_gate(x_BTD)).view(B, T, H, Vd)
@@ -137,7 +153,9 @@ class GatedMLA(nn.Module):
 
     def _softmax(self, scores_BHTS, pos_T, S: int, pad_B=None):
         slots_S = torch.arange(S, device=pos_T.device)
-        keep = slots_S[None, :] <= pos_T[:, None]  # causal, T × S (only where scores are T × S anyway)
+        keep = (
+            slots_S[None, :] <= pos_T[:, None]
+        )  # causal, T × S (only where scores are T × S anyway)
         if pad_B is not None:  # and never a row's left padding: B × 1 × T × S
             keep = keep[None, None] & (slots_S[None, :] >= pad_B[:, None])[:, None, None, :]
         s = (upcast(scores_BHTS) * self.scale).masked_fill(~keep, -math.inf)

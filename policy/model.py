@@ -70,13 +70,19 @@ class _AttnResMix(torch.autograd.Function):
         w, g = w_D.to(dt), dout_BTD.to(dt)
         D = g.shape[-1]
         dalpha = torch.stack([(g * V.to(dt)).sum(-1) for V in sources])
-        dlogit = alpha_SBT * (dalpha - (alpha_SBT * dalpha).sum(0, keepdim=True))  # softmax backward
+        dlogit = alpha_SBT * (
+            dalpha - (alpha_SBT * dalpha).sum(0, keepdim=True)
+        )  # softmax backward
         dw, dsources = torch.zeros_like(w), []
         for V, a, r, dl in zip(sources, alpha_SBT, r_SBT, dlogit):
             Vf = V.to(dt)
             c = dl * r  # logit = r (V·w):  d/dV = r w − r³ (V·w) V / D,  d/dw = r V
             dw += (c[..., None] * Vf).flatten(0, -2).sum(0)
-            dV = a[..., None] * g + c[..., None] * w - (c * r.square() * (Vf @ w) / D)[..., None] * Vf
+            dV = (
+                a[..., None] * g
+                + c[..., None] * w
+                - (c * r.square() * (Vf @ w) / D)[..., None] * Vf
+            )
             dsources.append(dV.to(V.dtype))
         return dw.to(w_D.dtype), None, *dsources
 
@@ -85,10 +91,18 @@ class Block(nn.Module):
     def __init__(self, args: ModelArgs, layer_id: int, kind: str):
         super().__init__()
         self.kind = kind
-        self.attn = KDA(args.dim, args.kda, args.norm_eps) if kind == "kda" else GatedMLA(args.dim, args.mla, args.norm_eps)
+        self.attn = (
+            KDA(args.dim, args.kda, args.norm_eps)
+            if kind == "kda"
+            else GatedMLA(args.dim, args.mla, args.norm_eps)
+        )
         act = Activation(args.mlp_act, args.situ_b1, args.situ_b2)
         self.is_moe = layer_id >= args.n_dense_layers
-        self.mlp = LatentMoE(args.dim, args.moe, act, args.norm_eps) if self.is_moe else GLU(args.dim, args.dense_dim, act)
+        self.mlp = (
+            LatentMoE(args.dim, args.moe, act, args.norm_eps)
+            if self.is_moe
+            else GLU(args.dim, args.dense_dim, act)
+        )
         self.attn_norm = RMSNorm(args.dim, args.norm_eps)
         self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
         if args.attn_res:
@@ -115,18 +129,26 @@ class PatchEncoder(nn.Module):
         self.v = v
         self.proj = nn.Linear(v.channels * v.patch_size**2, dim)
         self.pos = nn.Parameter(torch.zeros(v.max_patches, dim))
-        self.blocks = nn.ModuleList(nn.Sequential(RMSNorm(dim, eps), nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
-                                    for _ in range(v.encoder_layers))
+        self.blocks = nn.ModuleList(
+            nn.Sequential(
+                RMSNorm(dim, eps), nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim)
+            )
+            for _ in range(v.encoder_layers)
+        )
 
     def forward(self, images_NCHW: torch.Tensor) -> torch.Tensor:
         p = self.v.patch_size
         N, C, H, W = images_NCHW.shape
         if H % p or W % p or C != self.v.channels:
-            raise ValueError(f"images must be (N, {self.v.channels}, H, W) with H, W multiples of {p}; got {tuple(images_NCHW.shape)}")
+            raise ValueError(
+                f"images must be (N, {self.v.channels}, H, W) with H, W multiples of {p}; got {tuple(images_NCHW.shape)}"
+            )
         patches = images_NCHW.unfold(2, p, p).unfold(3, p, p)  # N C h w p p
         patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(N, (H // p) * (W // p), C * p * p)
         if patches.shape[1] > self.v.max_patches:
-            raise ValueError(f"{patches.shape[1]} patches per image exceed vision.max_patches={self.v.max_patches}")
+            raise ValueError(
+                f"{patches.shape[1]} patches per image exceed vision.max_patches={self.v.max_patches}"
+            )
         x = self.proj(patches.to(self.proj.weight.dtype)) + self.pos[: patches.shape[1]]
         for blk in self.blocks:
             x = x + blk(x)
@@ -147,10 +169,14 @@ class Policy(nn.Module):
         super().__init__()
         self.args = args
         self.embed = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args, i, kind) for i, kind in enumerate(args.layer_kinds()))
+        self.layers = nn.ModuleList(
+            Block(args, i, kind) for i, kind in enumerate(args.layer_kinds())
+        )
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.vision = PatchEncoder(args.dim, args.vision, args.norm_eps) if args.vision.enabled else None
+        self.vision = (
+            PatchEncoder(args.dim, args.vision, args.norm_eps) if args.vision.enabled else None
+        )
         if args.attn_res:
             self.res_q_out = nn.Parameter(torch.zeros(args.dim))
         self.activation_checkpointing = False
@@ -173,7 +199,9 @@ class Policy(nn.Module):
             raise ValueError("images given but this policy has vision.enabled = false")
         emb = self.vision(images)  # N × P × D, in image order
         if emb.shape[0] * emb.shape[1] != n_slots:
-            raise ValueError(f"{n_slots} image placeholder tokens for {emb.shape[0]} image(s) of {emb.shape[1]} patches")
+            raise ValueError(
+                f"{n_slots} image placeholder tokens for {emb.shape[0]} image(s) of {emb.shape[1]} patches"
+            )
         h = h.clone()
         h[slots] = emb.reshape(-1, emb.shape[-1]).to(h.dtype)
         return h
@@ -182,7 +210,9 @@ class Policy(nn.Module):
         h, router_info = self.hidden_states(input_ids_BT, images, cache, routing)
         return self.lm_head(h), cache, router_info
 
-    def hidden_states(self, input_ids_BT, images=None, cache: PolicyCache | None = None, routing=None):
+    def hidden_states(
+        self, input_ids_BT, images=None, cache: PolicyCache | None = None, routing=None
+    ):
         """Everything but the output projection: (final-normed hidden states, router_info). The
         learner projects these a chunk at a time (see rl/logprobs.py)."""
         args = self.args
@@ -206,12 +236,19 @@ class Policy(nn.Module):
 
                 def layer(prefix, *blocks, blk=blk, st=st, i=i, replay=replay):
                     blocks = list(blocks)
-                    x_in = attn_res_mix(blk.res_q_attn, blocks + [prefix], args.norm_eps) if blocks else prefix
+                    x_in = (
+                        attn_res_mix(blk.res_q_attn, blocks + [prefix], args.norm_eps)
+                        if blocks
+                        else prefix
+                    )
                     if i % args.attn_res_block == 0:
                         blocks.append(prefix)
                         prefix = torch.zeros_like(prefix)
                     prefix = prefix + blk.run_attn(blk.attn_norm(x_in), st)
-                    y, info = blk.run_mlp(blk.mlp_norm(attn_res_mix(blk.res_q_mlp, blocks + [prefix], args.norm_eps)), replay)
+                    y, info = blk.run_mlp(
+                        blk.mlp_norm(attn_res_mix(blk.res_q_mlp, blocks + [prefix], args.norm_eps)),
+                        replay,
+                    )
                     return prefix + y, blocks, info
 
                 prefix, blocks, info = run(layer, prefix, *blocks)

@@ -52,7 +52,9 @@ class _SiTUGLU(torch.autograd.Function):
         gf, uf = upcast(g), upcast(u)
         ctx.save_for_backward(g, u)
         ctx.b = (b1, b2)
-        return (b1 * torch.tanh(gf / b1) * torch.sigmoid(gf) * (b2 * torch.tanh(uf / b2))).to(g.dtype)
+        return (b1 * torch.tanh(gf / b1) * torch.sigmoid(gf) * (b2 * torch.tanh(uf / b2))).to(
+            g.dtype
+        )
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -63,7 +65,12 @@ class _SiTUGLU(torch.autograd.Function):
         t1, sg, t2 = torch.tanh(gf / b1), torch.sigmoid(gf), torch.tanh(uf / b2)
         gate = b1 * t1 * sg
         dgate = (1 - t1.square()) * sg + gate * (1 - sg)  # d/dg [b1 tanh(g/b1) σ(g)]
-        return (dyf * b2 * t2 * dgate).to(g.dtype), (dyf * gate * (1 - t2.square())).to(u.dtype), None, None
+        return (
+            (dyf * b2 * t2 * dgate).to(g.dtype),
+            (dyf * gate * (1 - t2.square())).to(u.dtype),
+            None,
+            None,
+        )
 
 
 def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -90,7 +97,9 @@ class GLU(nn.Module):
         return self.w_down(self.act(self.w_gate(x), self.w_up(x)))
 
 
-def replay_selection(own_Nk: torch.Tensor, replay_Nk: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int]]:
+def replay_selection(
+    own_Nk: torch.Tensor, replay_Nk: torch.Tensor
+) -> tuple[torch.Tensor, tuple[int, int]]:
     """Rollout routing replay's selection: the recorded expert ids where a row has them (rows of -1
     keep the router's own), and (replayed rows, of which the router's own choice differs as a set).
     Shared by this router and the hooks on Hugging Face routers (rl/routing.py)."""
@@ -181,19 +190,31 @@ class LatentMoE(nn.Module):
         counts = counts_E.tolist()  # the one host sync
         xs_RL = x_NL[tok_R]
         if batched is None:
-            batched = E * max(counts) <= PAD_LIMIT * max(len(e_R), 1) and len(e_R) <= BATCHED_MAX_ROWS * E
+            batched = (
+                E * max(counts) <= PAD_LIMIT * max(len(e_R), 1) and len(e_R) <= BATCHED_MAX_ROWS * E
+            )
         if batched:
             C = max(counts)
             starts_E = torch.cumsum(counts_E, 0) - counts_E
             pos_R = torch.arange(len(e_R), device=x_NL.device) - starts_E[e_sorted_R]
             buf_ECL = x_NL.new_zeros(E, C, x_NL.shape[1]).index_put((e_sorted_R, pos_R), xs_RL)
-            h_ECF = self.act(torch.bmm(buf_ECL, self.w_gate_EFL.transpose(1, 2)),
-                             torch.bmm(buf_ECL, self.w_up_EFL.transpose(1, 2)))
+            h_ECF = self.act(
+                torch.bmm(buf_ECL, self.w_gate_EFL.transpose(1, 2)),
+                torch.bmm(buf_ECL, self.w_up_EFL.transpose(1, 2)),
+            )
             out_RL = torch.bmm(h_ECF, self.w_down_ELF.transpose(1, 2))[e_sorted_R, pos_R]
         else:
-            per_expert = list(zip(self.w_gate_EFL.unbind(0), self.w_up_EFL.unbind(0), self.w_down_ELF.unbind(0)))
-            out_RL = torch.cat([self.expert(e, xs, per_expert[e]) for e, xs in enumerate(xs_RL.split(counts)) if counts[e]]
-                               or [xs_RL[:0]])
+            per_expert = list(
+                zip(self.w_gate_EFL.unbind(0), self.w_up_EFL.unbind(0), self.w_down_ELF.unbind(0))
+            )
+            out_RL = torch.cat(
+                [
+                    self.expert(e, xs, per_expert[e])
+                    for e, xs in enumerate(xs_RL.split(counts))
+                    if counts[e]
+                ]
+                or [xs_RL[:0]]
+            )
         return torch.zeros_like(x_NL).index_add(0, tok_R, out_RL * w_R[:, None])
 
     def forward(self, x_BTD, replay_BTk: torch.Tensor | None = None):
@@ -207,7 +228,12 @@ class LatentMoE(nn.Module):
         if self.shared is not None:
             y = y + self.shared(x)
         load = torch.bincount(idx.flatten(), minlength=self.a.n_routed_experts)
-        info = {"experts": idx.view(B, T, -1), "load": load, "scores": scores.detach().float(), "replayed": replayed}
+        info = {
+            "experts": idx.view(B, T, -1),
+            "load": load,
+            "scores": scores.detach().float(),
+            "replayed": replayed,
+        }
         return y.view(B, T, D), info
 
 
@@ -215,7 +241,9 @@ def naive_moe(moe: LatentMoE, x_BTD, idx_Nk, w_Nk):
     """Reference: every expert on every token, combined with a dense weight matrix."""
     x = x_BTD.reshape(-1, x_BTD.shape[-1])
     lat = moe.down(x)
-    dense_NE = torch.zeros(x.shape[0], moe.a.n_routed_experts, dtype=lat.dtype).scatter_add_(1, idx_Nk, w_Nk.to(lat.dtype))
+    dense_NE = torch.zeros(x.shape[0], moe.a.n_routed_experts, dtype=lat.dtype).scatter_add_(
+        1, idx_Nk, w_Nk.to(lat.dtype)
+    )
     outs_ENL = torch.stack([moe.expert(e, lat) for e in range(moe.a.n_routed_experts)])
     u = torch.einsum("ne,enl->nl", dense_NE, outs_ENL)
     y = moe.up(moe.latent_norm(u)) + (moe.shared(x) if moe.shared is not None else 0)

@@ -40,8 +40,16 @@ from policy.model import Policy
 from policy.moe import LatentMoE
 
 
-def dispatch_combine(x_NH: torch.Tensor, idx_Nk: torch.Tensor, w_Nk: torch.Tensor, run_expert, *,
-                     group: dist.ProcessGroup, rank: int, local_experts: int) -> torch.Tensor:
+def dispatch_combine(
+    x_NH: torch.Tensor,
+    idx_Nk: torch.Tensor,
+    w_Nk: torch.Tensor,
+    run_expert,
+    *,
+    group: dist.ProcessGroup,
+    rank: int,
+    local_experts: int,
+) -> torch.Tensor:
     """Σ_k w[n, k] · expert_{idx[n, k]}(x[n]) for this rank's tokens, with the experts split over
     `group` in contiguous blocks of `local_experts` (this rank owns block `rank`): every (token,
     slot) row goes to its expert's owner with one all-to-all, `run_expert(e_local, rows)` runs there,
@@ -59,8 +67,13 @@ def dispatch_combine(x_NH: torch.Tensor, idx_Nk: torch.Tensor, w_Nk: torch.Tenso
     send_sizes, recv_sizes = send_counts.tolist(), recv_counts.tolist()
     recv_e = flat_e.new_empty(sum(recv_sizes))
     dist.all_to_all_single(recv_e, flat_e[order].contiguous(), recv_sizes, send_sizes, group=group)
-    recv_x = dist_fn.all_to_all_single(x_NH.new_empty(sum(recv_sizes), x_NH.shape[1]), x_NH[tok],
-                                       recv_sizes, send_sizes, group=group)
+    recv_x = dist_fn.all_to_all_single(
+        x_NH.new_empty(sum(recv_sizes), x_NH.shape[1]),
+        x_NH[tok],
+        recv_sizes,
+        send_sizes,
+        group=group,
+    )
     # `recv_x * 0` keeps the output on the autograd path even where nothing (or one expert's rows
     # only) arrived: every rank must run both all-to-alls' backward, or the others wait forever
     out = recv_x * 0
@@ -72,8 +85,12 @@ def dispatch_combine(x_NH: torch.Tensor, idx_Nk: torch.Tensor, w_Nk: torch.Tenso
     outs = [run_expert(e, xs) for e, xs in enumerate(recv_x[perm].split(counts)) if counts[e]]
     if outs:
         out = out.index_add(0, perm, torch.cat(outs).to(out.dtype))
-    back = dist_fn.all_to_all_single(x_NH.new_empty(len(tok), x_NH.shape[1]), out, send_sizes, recv_sizes, group=group)
-    return torch.zeros_like(x_NH, dtype=back.dtype).index_add(0, tok, back * w_Nk.flatten()[order, None].to(back.dtype))
+    back = dist_fn.all_to_all_single(
+        x_NH.new_empty(len(tok), x_NH.shape[1]), out, send_sizes, recv_sizes, group=group
+    )
+    return torch.zeros_like(x_NH, dtype=back.dtype).index_add(
+        0, tok, back * w_Nk.flatten()[order, None].to(back.dtype)
+    )
 
 
 class ExpertParallel:
@@ -99,27 +116,49 @@ class ExpertParallelMoE(ExpertParallel, LatentMoE):
         x = x_BTD.reshape(-1, D)
         replay = replay_BTk.reshape(-1, replay_BTk.shape[-1]) if replay_BTk is not None else None
         idx_Nk, w_Nk, scores, replayed = self.router(x, replay)
-        u = dispatch_combine(self.down(x), idx_Nk, w_Nk, self.expert, group=self.ep_group, rank=self.ep_rank,
-                             local_experts=self.local_experts)
+        u = dispatch_combine(
+            self.down(x),
+            idx_Nk,
+            w_Nk,
+            self.expert,
+            group=self.ep_group,
+            rank=self.ep_rank,
+            local_experts=self.local_experts,
+        )
         y = self.up(self.latent_norm(u))
         if self.shared is not None:
             y = y + self.shared(x)
         load = torch.bincount(idx_Nk.flatten(), minlength=self.a.n_routed_experts)
-        info = {"experts": idx_Nk.view(B, T, -1), "load": load, "scores": scores.detach().float(), "replayed": replayed}
+        info = {
+            "experts": idx_Nk.view(B, T, -1),
+            "load": load,
+            "scores": scores.detach().float(),
+            "replayed": replayed,
+        }
         return y.view(B, T, D), info
 
 
-def _split_experts(module: nn.Module, names: tuple[str, ...], n_experts: int, group: dist.ProcessGroup) -> None:
+def _split_experts(
+    module: nn.Module, names: tuple[str, ...], n_experts: int, group: dist.ProcessGroup
+) -> None:
     """Keep this rank's contiguous block of each expert-stacked parameter (dim 0 = expert)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if n_experts % size:
-        raise ValueError(f"expert parallelism: {n_experts} routed experts do not split over {size} ranks; "
-                         "pick a learner world size that divides the expert count")
+        raise ValueError(
+            f"expert parallelism: {n_experts} routed experts do not split over {size} ranks; "
+            "pick a learner world size that divides the expert count"
+        )
     n = n_experts // size
     with torch.no_grad():
         for name in names:
             full = getattr(module, name)
-            setattr(module, name, nn.Parameter(full[rank * n : (rank + 1) * n].clone(), requires_grad=full.requires_grad))
+            setattr(
+                module,
+                name,
+                nn.Parameter(
+                    full[rank * n : (rank + 1) * n].clone(), requires_grad=full.requires_grad
+                ),
+            )
     module.ep_group, module.ep_size, module.ep_rank, module.local_experts = group, size, rank, n
 
 
@@ -146,27 +185,55 @@ def _hf_experts_forward(self, hidden_states_ND, top_k_index_Nk, top_k_weights_Nk
         gate, up = nn.functional.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
         return nn.functional.linear(self.act_fn(gate) * up, self.down_proj[e])
 
-    return dispatch_combine(hidden_states_ND, top_k_index_Nk, top_k_weights_Nk, run, group=self.ep_group,
-                            rank=self.ep_rank, local_experts=self.local_experts).to(hidden_states_ND.dtype)
+    return dispatch_combine(
+        hidden_states_ND,
+        top_k_index_Nk,
+        top_k_weights_Nk,
+        run,
+        group=self.ep_group,
+        rank=self.ep_rank,
+        local_experts=self.local_experts,
+    ).to(hidden_states_ND.dtype)
 
 
 def _is_hf_experts(module: nn.Module) -> bool:
-    return hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and hasattr(module, "num_experts")
+    return (
+        hasattr(module, "gate_up_proj")
+        and hasattr(module, "down_proj")
+        and hasattr(module, "num_experts")
+    )
 
 
 def shard_hf_experts(experts: nn.Module, group: dist.ProcessGroup) -> nn.Module:
     """Expert parallelism for a transformers experts module that stacks its experts in 3D tensors
     (`gate_up_proj` E × 2F × D concatenated [gate; up], `down_proj` E × D × F: Qwen3-MoE, Qwen2-MoE).
     Other layouts (transposed, interleaved, with biases) are refused by name."""
-    layout = {k: getattr(experts, k, v) for k, v in
-              (("is_transposed", False), ("is_concatenated", True), ("has_bias", False), ("has_gate", True))}
-    if layout != {"is_transposed": False, "is_concatenated": True, "has_bias": False, "has_gate": True}:
-        raise ValueError(f"expert parallelism: {type(experts).__name__} stores its experts as {layout}; "
-                         "only the concatenated, untransposed gate_up_proj/down_proj layout is supported")
+    layout = {
+        k: getattr(experts, k, v)
+        for k, v in (
+            ("is_transposed", False),
+            ("is_concatenated", True),
+            ("has_bias", False),
+            ("has_gate", True),
+        )
+    }
+    if layout != {
+        "is_transposed": False,
+        "is_concatenated": True,
+        "has_bias": False,
+        "has_gate": True,
+    }:
+        raise ValueError(
+            f"expert parallelism: {type(experts).__name__} stores its experts as {layout}; "
+            "only the concatenated, untransposed gate_up_proj/down_proj layout is supported"
+        )
     _split_experts(experts, ("gate_up_proj", "down_proj"), experts.num_experts, group)
     cls = type(experts)
-    experts.__class__ = type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls),
-                             {"forward": _hf_experts_forward, "ep_params": ("gate_up_proj", "down_proj")})
+    experts.__class__ = type(
+        f"ExpertParallel{cls.__name__}",
+        (ExpertParallel, cls),
+        {"forward": _hf_experts_forward, "ep_params": ("gate_up_proj", "down_proj")},
+    )
     return experts
 
 
@@ -179,11 +246,18 @@ class HFHiddenStates(nn.Module):
         self.lm = lm
 
     def forward(self, input_ids_BT, attention_mask_BT=None):
-        return self.lm.model(input_ids=input_ids_BT, attention_mask=attention_mask_BT).last_hidden_state
+        return self.lm.model(
+            input_ids=input_ids_BT, attention_mask=attention_mask_BT
+        ).last_hidden_state
 
 
-def parallelize_hf(lm: nn.Module, group: dist.ProcessGroup | None = None, *, expert_parallel: bool = True,
-                   root: nn.Module | None = None) -> nn.Module:
+def parallelize_hf(
+    lm: nn.Module,
+    group: dist.ProcessGroup | None = None,
+    *,
+    expert_parallel: bool = True,
+    root: nn.Module | None = None,
+) -> nn.Module:
     """Expert parallelism (3D-stacked experts, see `shard_hf_experts`), then FSDP2 on every decoder
     layer and the root (`root`: what callers run, default `HFHiddenStates(lm)`'s owner `lm`); in place."""
     from torch.distributed.fsdp import fully_shard
@@ -219,8 +293,14 @@ class HiddenStates(nn.Module):
         return self.policy.hidden_states(input_ids_BT, images, routing=routing)
 
 
-def parallelize(model: Policy, group: dist.ProcessGroup | None = None, *, expert_parallel: bool = True,
-                reshard_after_forward: bool = True, root: nn.Module | None = None) -> Policy:
+def parallelize(
+    model: Policy,
+    group: dist.ProcessGroup | None = None,
+    *,
+    expert_parallel: bool = True,
+    reshard_after_forward: bool = True,
+    root: nn.Module | None = None,
+) -> Policy:
     """Expert parallelism, then FSDP2, over `group` (default: the whole world); in place. `root`:
     the module whose forward callers run (default the policy itself; `HiddenStates(model)` for
     callers that apply the head themselves)."""
@@ -239,7 +319,9 @@ def parallelize(model: Policy, group: dist.ProcessGroup | None = None, *, expert
     # queries), the embeddings, the head and the vision encoder go with the root.
     units = [m for blk in model.layers for m in (blk.attn, blk.mlp)]
     for unit in units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored)
+        fully_shard(
+            unit, mesh=mesh, reshard_after_forward=reshard_after_forward, ignored_params=ignored
+        )
     # the root stays gathered from its forward to its backward (its parameters are needed again
     # at once, and a head applied after the forward reads them)
     root = root if root is not None else model
@@ -254,7 +336,9 @@ def _mesh(group: dist.ProcessGroup, device: str):
     """A one-dimensional device mesh over `group`'s ranks."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    return DeviceMesh.from_group(group, device, mesh=torch.tensor(dist.get_process_group_ranks(group)))
+    return DeviceMesh.from_group(
+        group, device, mesh=torch.tensor(dist.get_process_group_ranks(group))
+    )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -272,11 +356,15 @@ def fill_expert_grads(model: nn.Module) -> None:
                 p.grad = torch.zeros_like(p)
 
 
-def clip_grad_norm_(model: nn.Module, max_norm: float, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def clip_grad_norm_(
+    model: nn.Module, max_norm: float, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Clip the global gradient norm (FSDP shards and expert blocks are disjoint across ranks, so
     the squared norm is the sum of every rank's local squares); returns the norm before clipping."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)  # where NCCL reaches it
+    sq = torch.zeros(
+        (), dtype=torch.float64, device=grads[0].device if grads else None
+    )  # where NCCL reaches it
     for g in grads:
         sq += _local(g).double().pow(2).sum()
     dist.all_reduce(sq, group=group)
@@ -288,13 +376,19 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, group: dist.ProcessGroup 
     return norm.float()
 
 
-def gather_full_state(model: nn.Module, group: dist.ProcessGroup | None = None, *, grads: bool = False) -> dict[str, torch.Tensor]:
+def gather_full_state(
+    model: nn.Module, group: dist.ProcessGroup | None = None, *, grads: bool = False
+) -> dict[str, torch.Tensor]:
     """Every rank gets the full, single-process state dict (names as `Policy.state_dict()`), or
     with `grads` the full gradient of every parameter: FSDP shards all-gathered, expert blocks
     all-gathered and concatenated in rank order. For tests and small models; weight sync streams
     buckets instead."""
     experts = _expert_modules(model)
-    items = ((n, p.grad) for n, p in model.named_parameters() if p.grad is not None) if grads else model.state_dict().items()
+    items = (
+        ((n, p.grad) for n, p in model.named_parameters() if p.grad is not None)
+        if grads
+        else model.state_dict().items()
+    )
     return {name: _full(t, experts.get(name)).clone() for name, t in items}
 
 
@@ -314,8 +408,12 @@ def _full(t: torch.Tensor, ep_owner: ExpertParallel | None) -> torch.Tensor:
 
 def _expert_modules(model: nn.Module) -> dict[str, ExpertParallel]:
     """Parameter name → its expert-parallel module, for every expert block."""
-    return {f"{name}.{p}": mod for name, mod in model.named_modules() if isinstance(mod, ExpertParallel)
-            for p in mod.ep_params}
+    return {
+        f"{name}.{p}": mod
+        for name, mod in model.named_modules()
+        if isinstance(mod, ExpertParallel)
+        for p in mod.ep_params
+    }
 
 
 def _as_shards(sd: dict, experts: dict, fqn: str | None = None) -> dict:
@@ -327,8 +425,15 @@ def _as_shards(sd: dict, experts: dict, fqn: str | None = None) -> dict:
     out = {}
     for k, v in sd.items():
         mod = experts.get(fqn or k)
-        if mod is not None and isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.dim() > 0:
-            v = DTensor.from_local(v, _mesh(mod.ep_group, v.device.type), [Shard(0)], run_check=False)
+        if (
+            mod is not None
+            and isinstance(v, torch.Tensor)
+            and not isinstance(v, DTensor)
+            and v.dim() > 0
+        ):
+            v = DTensor.from_local(
+                v, _mesh(mod.ep_group, v.device.type), [Shard(0)], run_check=False
+            )
         out[k] = v
     return out
 
@@ -362,10 +467,17 @@ def load_sharded(model: nn.Module, optimizer, path: str) -> None:
     dcp.load(state, checkpoint_id=path)
     experts = _expert_modules(model)
 
-    def local(sd, fqn=None):  # the expert blocks back as this rank's plain tensors (`_as_shards` undone)
-        return {k: (v.to_local() if isinstance(v, DTensor) and (fqn or k) in experts else v) for k, v in sd.items()}
+    def local(
+        sd, fqn=None
+    ):  # the expert blocks back as this rank's plain tensors (`_as_shards` undone)
+        return {
+            k: (v.to_local() if isinstance(v, DTensor) and (fqn or k) in experts else v)
+            for k, v in sd.items()
+        }
 
-    osd = dict(state["optim"], state={fqn: local(st, fqn) for fqn, st in state["optim"]["state"].items()})
+    osd = dict(
+        state["optim"], state={fqn: local(st, fqn) for fqn, st in state["optim"]["state"].items()}
+    )
     set_state_dict(model, optimizer, model_state_dict=local(state["model"]), optim_state_dict=osd)
 
 

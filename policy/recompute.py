@@ -34,5 +34,7 @@ class _Recompute(torch.autograd.Function):
         every = inputs + list(ctx.params)
         wrt = [t for t in every if t.requires_grad]
         used = [(o, d) for o, d in zip(outs, douts) if o.requires_grad]
-        grads = iter(torch.autograd.grad([o for o, _ in used], wrt, [d for _, d in used], allow_unused=True))
+        grads = iter(
+            torch.autograd.grad([o for o, _ in used], wrt, [d for _, d in used], allow_unused=True)
+        )
         return (None, None, *(next(grads) if t.requires_grad else None for t in every))

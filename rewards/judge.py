@@ -47,7 +47,9 @@ LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 SHOW = ("final", "transcript")
 
 VERDICT_SYSTEM = "You are a strict grader. You check an agent's answer against criteria and answer only Yes or No."
-RANK_SYSTEM = "You are a strict grader. You compare agents' answers to the same task and name the best one."
+RANK_SYSTEM = (
+    "You are a strict grader. You compare agents' answers to the same task and name the best one."
+)
 
 
 @dataclass(frozen=True)
@@ -70,8 +72,10 @@ class JudgeRequest:
 
     def key(self, model: str) -> str:
         """The cache key: the same judge, asked the same thing, gives the same score."""
-        blob = json.dumps([model, self.mode, list(self.messages), self.prompt, self.target, list(self.chats)],
-                          sort_keys=True)
+        blob = json.dumps(
+            [model, self.mode, list(self.messages), self.prompt, self.target, list(self.chats)],
+            sort_keys=True,
+        )
         return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -98,13 +102,23 @@ class Judge:
             raise ValueError(f"judge: mode must be one of {', '.join(MODES)}, got {self.mode!r}")
         if self.show not in SHOW:
             raise ValueError(f"judge: show must be one of {', '.join(SHOW)}, got {self.show!r}")
-        if isinstance(self.max_chars, bool) or not isinstance(self.max_chars, int) or self.max_chars < 100:
+        if (
+            isinstance(self.max_chars, bool)
+            or not isinstance(self.max_chars, int)
+            or self.max_chars < 100
+        ):
             raise ValueError(f"judge: max_chars must be an integer >= 100, got {self.max_chars!r}")
-        if isinstance(self.rotations, bool) or not isinstance(self.rotations, int) or self.rotations < 0:
+        if (
+            isinstance(self.rotations, bool)
+            or not isinstance(self.rotations, int)
+            or self.rotations < 0
+        ):
             raise ValueError(f"judge: rotations must be an integer >= 0, got {self.rotations!r}")
 
     def __call__(self, trajectory) -> float:
-        raise RuntimeError("a judge part is scored by the judge model (rollout/judge_actor.py), not called")
+        raise RuntimeError(
+            "a judge part is scored by the judge model (rollout/judge_actor.py), not called"
+        )
 
     def answer(self, trajectory) -> str:
         """The part of the episode the judge reads."""
@@ -114,9 +128,12 @@ class Judge:
         if self.show == "final":
             text = turns[-1].text
         else:
-            text = "\n\n".join(f"[turn {i}] agent:\n{t.text}" + (f"\n[turn {i}] tools:\n{t.observation}" if t.observation else "")
-                               for i, t in enumerate(turns))
-        return text if len(text) <= self.max_chars else "…" + text[-self.max_chars:]
+            text = "\n\n".join(
+                f"[turn {i}] agent:\n{t.text}"
+                + (f"\n[turn {i}] tools:\n{t.observation}" if t.observation else "")
+                for i, t in enumerate(turns)
+            )
+        return text if len(text) <= self.max_chars else "…" + text[-self.max_chars :]
 
     def request(self, trajectory, reference: str = "") -> JudgeRequest:
         """What to ask the judge about this episode; `reference`: the environment's reference
@@ -124,28 +141,40 @@ class Judge:
         answer = self.answer(trajectory)
         if self.mode == "likelihood":
             if not reference:
-                raise ValueError(f"judge (likelihood) needs the environment's reference answer; {trajectory.env_id} "
-                                 "gives none (ToolEnv.judge_reference)")
-            prompt = (f"Task: {trajectory.task}\n\nThe agent's answer:\n{answer}\n\n"
-                      f"{self.criteria.strip()}\nAnswer according to the agent:")
+                raise ValueError(
+                    f"judge (likelihood) needs the environment's reference answer; {trajectory.env_id} "
+                    "gives none (ToolEnv.judge_reference)"
+                )
+            prompt = (
+                f"Task: {trajectory.task}\n\nThe agent's answer:\n{answer}\n\n"
+                f"{self.criteria.strip()}\nAnswer according to the agent:"
+            )
             return JudgeRequest("likelihood", prompt=prompt, target=" " + reference.strip())
         ref = f"A reference answer:\n{reference.strip()}\n\n" if reference else ""
-        user = (f"Task given to the agent:\n{trajectory.task}\n\nThe agent's answer:\n{answer}\n\n{ref}"
-                f"Criteria: {self.criteria.strip()}\nDoes the agent's answer meet the criteria? Answer Yes or No.")
+        user = (
+            f"Task given to the agent:\n{trajectory.task}\n\nThe agent's answer:\n{answer}\n\n{ref}"
+            f"Criteria: {self.criteria.strip()}\nDoes the agent's answer meet the criteria? Answer Yes or No."
+        )
         return JudgeRequest("verdict", messages=(("system", VERDICT_SYSTEM), ("user", user)))
 
     def group_request(self, group: list) -> JudgeRequest:
         """rank: what to ask the judge about a group's episodes (one task, in this order)."""
         n = len(group)
         if not 1 <= n <= len(LETTERS):
-            raise ValueError(f"judge (rank) compares 1 to {len(LETTERS)} answers, got a group of {n}")
+            raise ValueError(
+                f"judge (rank) compares 1 to {len(LETTERS)} answers, got a group of {n}"
+            )
         answers = [self.answer(t) for t in group]
         chats = []
         for r in range(min(n, self.rotations or n)):
             order = [(k + r) % n for k in range(n)]  # the member labelled LETTERS[k]
-            listing = "\n\n".join(f"Answer {LETTERS[k]}:\n{answers[i]}" for k, i in enumerate(order))
-            user = (f"Task given to the agents:\n{group[0].task}\n\n{listing}\n\nCriteria: {self.criteria.strip()}\n"
-                    f"Which answer meets the criteria best? Answer with its letter only.")
+            listing = "\n\n".join(
+                f"Answer {LETTERS[k]}:\n{answers[i]}" for k, i in enumerate(order)
+            )
+            user = (
+                f"Task given to the agents:\n{group[0].task}\n\n{listing}\n\nCriteria: {self.criteria.strip()}\n"
+                f"Which answer meets the criteria best? Answer with its letter only."
+            )
             chats.append((("system", RANK_SYSTEM), ("user", user)))
         return JudgeRequest("rank", chats=tuple(chats), size=n)
 
@@ -190,7 +219,9 @@ class JudgeCache:
                 try:
                     row = json.loads(line)
                     score = row["score"]
-                    self.scores[row["key"]] = [float(x) for x in score] if isinstance(score, list) else float(score)
+                    self.scores[row["key"]] = (
+                        [float(x) for x in score] if isinstance(score, list) else float(score)
+                    )
                 except (ValueError, KeyError, TypeError):
                     continue
 
@@ -204,9 +235,18 @@ class JudgeCache:
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "ab+") as f:  # a last line cut short by a crash must not swallow the next
-            cut = f.seek(0, os.SEEK_END) > 0 and (f.seek(-1, os.SEEK_END) >= 0 and f.read(1) != b"\n")
+        with open(
+            self.path, "ab+"
+        ) as f:  # a last line cut short by a crash must not swallow the next
+            cut = f.seek(0, os.SEEK_END) > 0 and (
+                f.seek(-1, os.SEEK_END) >= 0 and f.read(1) != b"\n"
+            )
         with open(self.path, "a") as f:
-            f.write(("\n" if cut else "") + "".join(json.dumps({"key": k, "score": s, "model": model}) + "\n" for k, s in rows))
+            f.write(
+                ("\n" if cut else "")
+                + "".join(
+                    json.dumps({"key": k, "score": s, "model": model}) + "\n" for k, s in rows
+                )
+            )
             f.flush()
             os.fsync(f.fileno())

@@ -97,6 +97,7 @@ def turn_rewards(milestones: list[dict], turns: int) -> list[float]:
 
 # --- rescoring functions over a recorded trajectory (`longhorizon replay --rescore MODULE:NAME`) ---
 
+
 def milestone_sum(trajectory) -> float:
     """What the environments paid during the rollout."""
     return episode_reward(trajectory.milestones, "sum")

@@ -38,8 +38,8 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from rewards.judge import Judge
 from rewards.milestones import milestone_sum, terminal_only
@@ -63,8 +63,13 @@ def length(trajectory, budget: int = 1024) -> float:
     return -min(1.0, sum(trajectory.loss_mask) / budget)
 
 
-PARTS: dict[str, Callable] = {"milestones": milestone_sum, "solved": terminal_only, "format": well_formed,
-                              "length": length, "judge": Judge}
+PARTS: dict[str, Callable] = {
+    "milestones": milestone_sum,
+    "solved": terminal_only,
+    "format": well_formed,
+    "length": length,
+    "judge": Judge,
+}
 
 
 @dataclass(frozen=True)
@@ -80,7 +85,9 @@ class Part:
 class Rubric:
     parts: tuple[Part, ...] = field(default_factory=tuple)
 
-    def score(self, trajectory, judged: dict[str, float] | None = None) -> tuple[float, dict[str, float]]:
+    def score(
+        self, trajectory, judged: dict[str, float] | None = None
+    ) -> tuple[float, dict[str, float]]:
         """(reward, each part's own value); `judged`: the judge parts' scores, by part name."""
         values = {}
         for p in self.parts:
@@ -91,7 +98,9 @@ class Rubric:
             else:
                 v = float(p.fn(trajectory))
             if v != v:  # NaN would poison every advantage of the group
-                raise ValueError(f"reward part {p.name!r} returned NaN for episode {getattr(trajectory, 'episode_id', '?')}")
+                raise ValueError(
+                    f"reward part {p.name!r} returned NaN for episode {getattr(trajectory, 'episode_id', '?')}"
+                )
             values[p.name] = v
         return sum(p.weight * values[p.name] for p in self.parts), values
 
@@ -103,7 +112,11 @@ class Rubric:
     @property
     def is_default(self) -> bool:
         """Just the environment's milestones, unweighted: what a run without `reward:` trains on."""
-        return len(self.parts) == 1 and self.parts[0].fn is milestone_sum and self.parts[0].weight == 1.0
+        return (
+            len(self.parts) == 1
+            and self.parts[0].fn is milestone_sum
+            and self.parts[0].weight == 1.0
+        )
 
 
 DEFAULT = Rubric((Part("milestones", milestone_sum, 1.0),))
@@ -115,7 +128,9 @@ def resolve(fn: str) -> Callable:
         return PARTS[fn]
     module, _, attr = fn.partition(":")
     if not module or not attr:
-        raise ValueError(f"unknown reward part {fn!r}: one of {', '.join(PARTS)}, or module:function")
+        raise ValueError(
+            f"unknown reward part {fn!r}: one of {', '.join(PARTS)}, or module:function"
+        )
     try:
         return getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
@@ -131,10 +146,14 @@ def build(specs: list) -> Rubric:
     for i, spec in enumerate(specs):
         where = f"reward.parts[{i}]"
         if not isinstance(spec, dict) or "fn" not in spec:
-            raise ValueError(f"{where} must be a mapping with fn (and weight, name, kwargs), got {spec!r}")
+            raise ValueError(
+                f"{where} must be a mapping with fn (and weight, name, kwargs), got {spec!r}"
+            )
         unknown = set(spec) - {"fn", "weight", "name", "kwargs"}
         if unknown:
-            raise ValueError(f"{where} has unknown key(s) {sorted(unknown)}: fn, weight, name, kwargs")
+            raise ValueError(
+                f"{where} has unknown key(s) {sorted(unknown)}: fn, weight, name, kwargs"
+            )
         weight, kwargs = spec.get("weight", 1.0), spec.get("kwargs") or {}
         if isinstance(weight, bool) or not isinstance(weight, (int, float)):
             raise ValueError(f"{where}.weight must be a number, got {weight!r}")
@@ -152,7 +171,9 @@ def build(specs: list) -> Rubric:
             try:
                 parts.append(Part(name, Judge(**kwargs), float(weight)))
             except TypeError as exc:
-                raise ValueError(f"{where}: judge takes criteria, mode, show, max_chars: {exc}") from None
+                raise ValueError(
+                    f"{where}: judge takes criteria, mode, show, max_chars: {exc}"
+                ) from None
             except ValueError as exc:
                 raise ValueError(f"{where}: {exc}") from None
             continue

@@ -31,6 +31,7 @@ import torch
 ADAPTERS = "adapters/adapters.safetensors"
 LEGACY_ADAPTERS = "adapters.safetensors"  # checkpoints written before (no engine could load those)
 
+
 def save_learner(learner, path: str, extra: dict | None = None, optimizer: bool = True) -> str:
     """Save `learner` (a `rl.learner.Learner`) to `path`; collective in a group (every rank calls).
     `optimizer` False: a single learner's optimiser state is left out (loading it then starts a fresh one)."""
@@ -72,9 +73,14 @@ def save_learner(learner, path: str, extra: dict | None = None, optimizer: bool 
             from transformers import AutoTokenizer
 
             AutoTokenizer.from_pretrained(learner._tokenizer_path).save_pretrained(tmp)
-        trainer_state = {"version": learner.version, "torch_rng": torch.get_rng_state(),
-                         "value_head": learner.value_head.state_dict() if learner.value_head is not None else None,
-                         **(extra or {})}
+        trainer_state = {
+            "version": learner.version,
+            "torch_rng": torch.get_rng_state(),
+            "value_head": learner.value_head.state_dict()
+            if learner.value_head is not None
+            else None,
+            **(extra or {}),
+        }
         if learner.world > 1:
             trainer_state["sharded_world_size"] = learner.world
         elif optimizer:
@@ -97,6 +103,7 @@ def save_learner(learner, path: str, extra: dict | None = None, optimizer: bool 
             dist.barrier()
     return str(out)
 
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be resumed from; the message names the file and what is wrong."""
 
@@ -116,7 +123,9 @@ def _safetensors_problem(path: Path) -> str | None:
             return "not a safetensors file (its header length is beyond the file)"
         try:
             header = json.loads(fh.read(n))
-            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+            end = max(
+                (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0
+            )
         except (ValueError, TypeError, KeyError, IndexError):
             return "not a safetensors file (its header is not a tensor index)"
     if size < 8 + n + end:
@@ -160,7 +169,11 @@ def checkpoint_problem(path: str | Path) -> str | None:
         loaded = torch.load(state, weights_only=True, map_location="cpu", mmap=True)
     except Exception as exc:  # a crafted pickle is refused here, as a truncated or garbled zip is
         return f"{state}: cannot be loaded safely ({type(exc).__name__}: {' '.join(str(exc).split())[:160]})"
-    if not (isinstance(loaded, dict) and isinstance(loaded.get("version"), int) and "iteration" in loaded):
+    if not (
+        isinstance(loaded, dict)
+        and isinstance(loaded.get("version"), int)
+        and "iteration" in loaded
+    ):
         return f"{state}: not a trainer state (no version and iteration)"
     return None
 
@@ -181,18 +194,27 @@ def resume_point(run_dir: str | Path, name: str | None = None) -> Path:
     if name is not None:
         chosen = run_dir / "checkpoints" / name
         if chosen not in found:
-            raise CheckpointError(f"--checkpoint {name}: no such checkpoint in {run_dir / 'checkpoints'} "
-                                  f"(there: {', '.join(p.name for p in found)})")
+            raise CheckpointError(
+                f"--checkpoint {name}: no such checkpoint in {run_dir / 'checkpoints'} "
+                f"(there: {', '.join(p.name for p in found)})"
+            )
     else:
         chosen = found[-1]
     problem = checkpoint_problem(chosen)
     if problem is None:
         return chosen
-    intact = next((p for p in reversed(found) if p != chosen and checkpoint_problem(p) is None), None)
-    then = (f"the newest intact checkpoint is {intact.name}: resume from it with `longhorizon train --resume "
-            f"{run_dir} --checkpoint {intact.name}`" if intact is not None else
-            "no other checkpoint is intact: start a new run")
-    raise CheckpointError(f"cannot resume from {chosen.name}: {problem}; {then} (nothing was changed)")
+    intact = next(
+        (p for p in reversed(found) if p != chosen and checkpoint_problem(p) is None), None
+    )
+    then = (
+        f"the newest intact checkpoint is {intact.name}: resume from it with `longhorizon train --resume "
+        f"{run_dir} --checkpoint {intact.name}`"
+        if intact is not None
+        else "no other checkpoint is intact: start a new run"
+    )
+    raise CheckpointError(
+        f"cannot resume from {chosen.name}: {problem}; {then} (nothing was changed)"
+    )
 
 
 def load_learner(learner, path: str) -> dict:
@@ -203,25 +225,33 @@ def load_learner(learner, path: str) -> dict:
     saved_by = state.get("sharded_world_size")
     if learner.world > 1:
         if not saved_by:
-            raise ValueError(f"{path} was saved by a single learner: its optimizer state cannot be sharded "
-                             "here; resume with learner.world_size=1, or start a new run from its weights "
-                             "(policy.path)")
+            raise ValueError(
+                f"{path} was saved by a single learner: its optimizer state cannot be sharded "
+                "here; resume with learner.world_size=1, or start a new run from its weights "
+                "(policy.path)"
+            )
         from policy.parallelize import load_sharded
 
         load_sharded(learner.model, learner.opt, str(Path(path) / "sharded"))
     else:
         if saved_by:
-            raise ValueError(f"{path} was saved by a learner group of {saved_by} ranks (optimizer state in "
-                             "sharded/): resume with learner.world_size > 1, or start a new run from its "
-                             "weights (policy.path)")
-        if learner.lora is not None:  # the base again, the adapters on top (the saved model has them merged)
+            raise ValueError(
+                f"{path} was saved by a learner group of {saved_by} ranks (optimizer state in "
+                "sharded/): resume with learner.world_size > 1, or start a new run from its "
+                "weights (policy.path)"
+            )
+        if (
+            learner.lora is not None
+        ):  # the base again, the adapters on top (the saved model has them merged)
             from safetensors.torch import load_file
 
             from rl.lora import load_adapter_state
 
             learner._load(learner.base_path)
             saved = Path(path) / ADAPTERS
-            load_adapter_state(learner.model, load_file(saved if saved.exists() else Path(path) / LEGACY_ADAPTERS))
+            load_adapter_state(
+                learner.model, load_file(saved if saved.exists() else Path(path) / LEGACY_ADAPTERS)
+            )
         else:
             learner._load(path)
         if "optimizer" in state:  # else the fresh optimiser `_load` made

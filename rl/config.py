@@ -16,11 +16,19 @@ import yaml
 
 from envs.config import EnvConfig
 from rl.allocator import tcmalloc_installed
-from rl.tiny import TinyMoEDims
 from rl.pretrained import PRETRAINED
 from rl.pretrained import missing as pretrained_missing
+from rl.tiny import TinyMoEDims
 from rollout.config import RolloutConfig
-from typed_yaml import ConfigError, apply_override, build_dataclass, field_docs, load_dataclass, require, short
+from typed_yaml import (
+    ConfigError,
+    apply_override,
+    build_dataclass,
+    field_docs,
+    load_dataclass,
+    require,
+    short,
+)
 
 
 @dataclass
@@ -87,7 +95,9 @@ class AlgoConfig:
     """Dual-clip bound c > 1 on the loss of negative-advantage tokens (0: off)."""
     tis_cap: float = 2.0
     """Upper bound C of the engine-mismatch importance weight (below); 0: no correction."""
-    rollout_is: Literal["token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "geometric_mask"] = "token_truncate"
+    rollout_is: Literal[
+        "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "geometric_mask"
+    ] = "token_truncate"
     """How the gap between the engine that sampled and the learner's weights (bf16, async staleness, kernels) is corrected, with r = π_learner/π_engine per generated token (rl/grpo.py `rollout_is_weights`): token_truncate (TIS) weights each token min(r, C); token_mask (IcePop) weights it r inside [is_low, C] and drops it outside; sequence_truncate and sequence_mask (MIS) do that with one ratio per sequence, the product of its tokens'; geometric_mask with their geometric mean (a long trajectory's product leaves the bounds by its length alone)."""
     is_low: float = 0.0
     """Lower bound of that weight: truncate modes raise smaller weights to it, mask modes drop what falls below (0: none)."""
@@ -333,127 +343,263 @@ class RunConfig:
         import envs
 
         try:
-            no_reference = envs.env_class(self.env.id).judge_reference is envs.ToolEnv.judge_reference
+            no_reference = (
+                envs.env_class(self.env.id).judge_reference is envs.ToolEnv.judge_reference
+            )
         except Exception:  # noqa: BLE001  (an unknown or broken env.id is reported by its own check)
             no_reference = False
         if no_reference and any(p.fn.mode == "likelihood" for p in judges):
-            return (f"a likelihood judge compares with the environment's reference answer, and {self.env.id} has none "
-                    "(ToolEnv.judge_reference): use mode verdict"), True
+            return (
+                f"a likelihood judge compares with the environment's reference answer, and {self.env.id} has none "
+                "(ToolEnv.judge_reference): use mode verdict"
+            ), True
         if self.rollout.iteration_token_budget and any(p.fn.mode == "rank" for p in judges):
-            return ("a rank judge compares a group's episodes when they have all ended in one iteration, which partial "
-                    "rollouts (rollout.iteration_token_budget) do not promise: use mode verdict or likelihood"), True
+            return (
+                "a rank judge compares a group's episodes when they have all ended in one iteration, which partial "
+                "rollouts (rollout.iteration_token_budget) do not promise: use mode verdict or likelihood"
+            ), True
         return "", bool(judges)
 
-    def validate(self, source: str = "config") -> "RunConfig":
-        unavailable = pretrained_missing(self.policy.pretrained) if self.policy.pretrained in PRETRAINED else None
+    def validate(self, source: str = "config") -> RunConfig:
+        unavailable = (
+            pretrained_missing(self.policy.pretrained)
+            if self.policy.pretrained in PRETRAINED
+            else None
+        )
         rubric_problem, judged = self._rubric_problem()
         j = self.reward.judge
-        checks = [
-            ("reward.parts", not rubric_problem, f"is wrong: {rubric_problem}"),
-            ("reward.judge.model", not judged or j.model in PRETRAINED or (Path(j.model) / "config.json").is_file(),
-             f"is neither a packaged model ({', '.join(sorted(PRETRAINED))}) nor a checkpoint directory with a config.json"),
-            ("reward.judge.timeout_s", j.timeout_s > 0, "must be > 0"),
-            ("reward.judge.cpus", j.cpus >= 0 and j.gpus >= 0, "and reward.judge.gpus must be >= 0"),
-            ("reward.judge.max_model_len", j.max_model_len >= 256, "must be >= 256"),
-            ("iterations", self.iterations >= 1, "must be >= 1"),
-            ("checkpoint_every", self.checkpoint_every >= 1, "must be >= 1"),
-            ("max_infra_error_share", 0 <= self.max_infra_error_share < 1, "must be in [0, 1)"),
-            ("stop_after_failed", self.stop_after_failed >= 0, "must be >= 0 (0: never stop)"),
-            ("stop_after_flat", self.stop_after_flat >= 0, "must be >= 0 (0: never stop)"),
-            ("rollout.num_workers", self.rollout.num_workers >= 1, "must be >= 1"),
-            ("rollout.group_size", self.rollout.group_size >= 2, "must be >= 2 (GRPO compares within a group)"),
-            ("rollout.groups_per_iteration", self.rollout.groups_per_iteration >= 1, "must be >= 1"),
-            ("rollout.max_turns", self.rollout.max_turns >= 1, "must be >= 1"),
-            ("rollout.max_new_tokens", self.rollout.max_new_tokens >= 1, "must be >= 1"),
-            ("rollout.max_batch", self.rollout.max_batch >= 1, "must be >= 1"),
-            ("learner.world_size", self.learner.world_size >= 1, "must be >= 1"),
-            ("learner.allocator", self.learner.allocator != "tcmalloc" or tcmalloc_installed(),
-             "is tcmalloc, which this machine does not have: apt-get install libtcmalloc-minimal4, or use auto"),
-            ("learner.backend", self.learner.backend != "nccl" or self.learner.device == "cuda",
-             "nccl needs the learner on GPUs: set learner.device=cuda, or use gloo (or auto)"),
-            ("lora.rank", self.lora.rank >= 1, "must be >= 1"),
-            ("lora.alpha", self.lora.alpha > 0, "must be > 0"),
-            ("lora.targets", bool(self.lora.targets) and all(t in ("attention", "experts") for t in self.lora.targets),
-             f"must be a non-empty list of: attention, experts (got {self.lora.targets!r})"),
-            ("lora.enabled", not (self.lora.enabled and self.learner.world_size > 1),
-             "needs learner.world_size 1 (a learner group does not shard peft's adapters yet)"),
-            ("lora.enabled", not (self.lora.enabled and self.policy.flavour),
-             "needs a Hugging Face policy (a policy.flavour model's experts are not peft targets yet)"),
-            ("policy.flavour", not (self.policy.flavour and self.policy.path), "and policy.path exclude each other (a flavour makes a new random policy)"),
-            ("policy.pretrained", not (self.policy.pretrained and (self.policy.path or self.policy.flavour)),
-             "excludes policy.path and policy.flavour (it names the starting policy itself)"),
-            ("policy.pretrained", not self.policy.pretrained or self.policy.pretrained in PRETRAINED,
-             f"must be one of: {', '.join(sorted(PRETRAINED))} (got {self.policy.pretrained!r})"),
-            ("policy.pretrained", unavailable is None, f"cannot be loaded: {unavailable}"),
-            ("policy.upcycle.experts", self.policy.upcycle.experts == 0 or self.policy.upcycle.experts >= 2,
-             "must be 0 (dense) or >= 2"),
-            ("policy.upcycle.top_k", 1 <= self.policy.upcycle.top_k <= max(1, self.policy.upcycle.experts),
-             "must be between 1 and policy.upcycle.experts"),
-            ("rollout.engine", not (self.rollout.engine == "native" and not self.policy.flavour
-                                    and (self.policy.pretrained or not self.policy.path)),
-             "native serves the policy/ model: set policy.flavour, or policy.path to a policy/ checkpoint"),
-            ("rollout.temperature", self.rollout.temperature > 0, "must be > 0"),
-            ("rollout.max_model_len", self.rollout.context.mode != "full"
-             or self.rollout.max_model_len >= self.rollout.max_episode_tokens,
-             "must be >= rollout.max_episode_tokens under rollout.context.mode full (window and compact keep each "
-             "context within it)"),
-            ("algo.lr", self.algo.lr > 0, "must be > 0"),
-            ("algo.clip_low", 0 < self.algo.clip_low < 1, "must be in (0, 1)"),
-            ("algo.clip_high", self.algo.clip_high > 0, "must be > 0"),
-            ("algo.minibatch_episodes", self.algo.minibatch_episodes >= 1, "must be >= 1"),
-            ("algo.microbatch_tokens", self.algo.microbatch_tokens >= 1, "must be >= 1"),
-            ("algo.logprob_chunk_tokens", self.algo.logprob_chunk_tokens >= 1, "must be >= 1"),
-            ("algo.shared_prefix_tokens", self.algo.shared_prefix_tokens >= 0, "must be >= 0 (0: off)"),
-            ("algo.epochs", self.algo.epochs >= 1, "must be >= 1"),
-            ("algo.dual_clip", self.algo.dual_clip == 0 or self.algo.dual_clip > 1, "must be 0 (off) or > 1"),
-            ("algo.tis_cap", self.algo.tis_cap == 0 or self.algo.tis_cap >= 1, "must be 0 (off) or >= 1"),
-            ("algo.is_low", 0 <= self.algo.is_low <= 1, "must be in [0, 1]"),
-            ("algo.kl_beta", self.algo.kl_beta >= 0, "must be >= 0"),
-            ("algo.router_aux_coef", self.algo.router_aux_coef >= 0, "must be >= 0"),
-            ("algo.gamma", 0 < self.algo.gamma <= 1, "must be in (0, 1]"),
-            ("env.workers", self.env.workers >= 0, "must be >= 0"),
-            ("schedule.max_staleness", self.schedule.max_staleness >= (1 if self.schedule.mode == "async" else 0),
-             "must be >= 1 in async mode (0 would be synchronous)"),
-            ("sync.bucket_mb", self.sync.bucket_mb > 0, "must be > 0"),
-            ("sync.timeout_s", self.sync.timeout_s > 0, "must be > 0"),
-            ("sync.transport", self.sync.transport == "object_store" or self.schedule.mode == "sync",
-             "collective needs schedule.mode sync (a broadcast would hold the learner until every worker's "
-             "queued rollouts end)"),
-            ("sync.backend", self.sync.backend != "nccl" or (self.learner.device == "cuda" and self.rollout.gpus_per_worker > 0),
-             "nccl needs the learner and the rollout workers on GPUs: learner.device=cuda and rollout.gpus_per_worker > 0"),
-            ("rollout.gpus_per_worker", self.rollout.gpus_per_worker >= 0, "must be >= 0"),
-            ("learner.gpus_per_rank", 0 < self.learner.gpus_per_rank <= 1, "must be in (0, 1]"),
-            ("ray.learner_cpus", self.ray.learner_cpus >= 0, "must be >= 0"),
-            ("ray.max_restarts", self.ray.max_restarts >= -1, "must be >= 0, or -1 (no limit)"),
-            ("ray.start_timeout_s", self.ray.start_timeout_s > 0, "must be > 0"),
-            ("eval.every", self.eval.every >= 0, "must be >= 0 (0: never)"),
-            ("warm_start.demos", self.warm_start.demos >= 0, "must be >= 0 (0: no warm start)"),
-            ("warm_start.envs", all(isinstance(e, str) for e in self.warm_start.envs), "must be a list of env ids"),
-            ("warm_start.epochs", self.warm_start.epochs > 0, "must be > 0"),
-            ("warm_start.lr", self.warm_start.lr > 0, "must be > 0"),
-            ("warm_start.batch_size", self.warm_start.batch_size >= 1, "must be >= 1"),
-            ("warm_start.rounds", self.warm_start.rounds >= 1, "must be >= 1"),
-            ("warm_start.patience", self.warm_start.patience >= 0, "must be >= 0 (0: no validation)"),
-            ("warm_start.demos", not (self.warm_start.demos and self.learner.world_size > 1),
-             "needs learner.world_size 1 (the warm start's supervised steps run on a single learner)"),
-            ("eval.episodes", self.eval.episodes >= 1, "must be >= 1"),
-            ("eval.test_episodes", self.eval.test_episodes >= 1, "must be >= 1"),
-            ("eval.test", self._test_cells_problem() is None, f"is wrong: {self._test_cells_problem()}"),
-            ("eval.k", 1 <= self.eval.k <= self.eval.episodes, "must be between 1 and eval.episodes"),
-            ("eval.temperature", self.eval.temperature >= 0, "must be >= 0 (0: the rollouts')"),
-            ("rollout.iteration_token_budget", self.rollout.iteration_token_budget >= 0, "must be >= 0 (0: no limit)"),
-            ("rollout.max_segments", self.rollout.max_segments >= 1, "must be >= 1"),
-            ("rollout.max_episode_tokens_schedule", _stages_ok(
-                self.rollout.max_episode_tokens_schedule,
-                self.rollout.max_model_len if self.rollout.context.mode == "full" else 1 << 40),
-             "must be [[iteration, tokens], ...] with increasing iterations >= 0 and 2 <= tokens (<= "
-             "rollout.max_model_len under rollout.context.mode full)"),
-        ] + self.rollout.context.problems(self.rollout.max_model_len, self.rollout.max_new_tokens) + [
-            (f"ray.{name}", all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
-                                and v >= 0 for k, v in getattr(self.ray, name).items()),
-             "must map resource names to non-negative amounts, e.g. {rollout: 1}")
-            for name in ("rollout_resources", "env_worker_resources", "learner_resources", "local_resources")
-        ]
+        checks = (
+            [
+                ("reward.parts", not rubric_problem, f"is wrong: {rubric_problem}"),
+                (
+                    "reward.judge.model",
+                    not judged
+                    or j.model in PRETRAINED
+                    or (Path(j.model) / "config.json").is_file(),
+                    f"is neither a packaged model ({', '.join(sorted(PRETRAINED))}) nor a checkpoint directory with a config.json",
+                ),
+                ("reward.judge.timeout_s", j.timeout_s > 0, "must be > 0"),
+                (
+                    "reward.judge.cpus",
+                    j.cpus >= 0 and j.gpus >= 0,
+                    "and reward.judge.gpus must be >= 0",
+                ),
+                ("reward.judge.max_model_len", j.max_model_len >= 256, "must be >= 256"),
+                ("iterations", self.iterations >= 1, "must be >= 1"),
+                ("checkpoint_every", self.checkpoint_every >= 1, "must be >= 1"),
+                ("max_infra_error_share", 0 <= self.max_infra_error_share < 1, "must be in [0, 1)"),
+                ("stop_after_failed", self.stop_after_failed >= 0, "must be >= 0 (0: never stop)"),
+                ("stop_after_flat", self.stop_after_flat >= 0, "must be >= 0 (0: never stop)"),
+                ("rollout.num_workers", self.rollout.num_workers >= 1, "must be >= 1"),
+                (
+                    "rollout.group_size",
+                    self.rollout.group_size >= 2,
+                    "must be >= 2 (GRPO compares within a group)",
+                ),
+                (
+                    "rollout.groups_per_iteration",
+                    self.rollout.groups_per_iteration >= 1,
+                    "must be >= 1",
+                ),
+                ("rollout.max_turns", self.rollout.max_turns >= 1, "must be >= 1"),
+                ("rollout.max_new_tokens", self.rollout.max_new_tokens >= 1, "must be >= 1"),
+                ("rollout.max_batch", self.rollout.max_batch >= 1, "must be >= 1"),
+                ("learner.world_size", self.learner.world_size >= 1, "must be >= 1"),
+                (
+                    "learner.allocator",
+                    self.learner.allocator != "tcmalloc" or tcmalloc_installed(),
+                    "is tcmalloc, which this machine does not have: apt-get install libtcmalloc-minimal4, or use auto",
+                ),
+                (
+                    "learner.backend",
+                    self.learner.backend != "nccl" or self.learner.device == "cuda",
+                    "nccl needs the learner on GPUs: set learner.device=cuda, or use gloo (or auto)",
+                ),
+                ("lora.rank", self.lora.rank >= 1, "must be >= 1"),
+                ("lora.alpha", self.lora.alpha > 0, "must be > 0"),
+                (
+                    "lora.targets",
+                    bool(self.lora.targets)
+                    and all(t in ("attention", "experts") for t in self.lora.targets),
+                    f"must be a non-empty list of: attention, experts (got {self.lora.targets!r})",
+                ),
+                (
+                    "lora.enabled",
+                    not (self.lora.enabled and self.learner.world_size > 1),
+                    "needs learner.world_size 1 (a learner group does not shard peft's adapters yet)",
+                ),
+                (
+                    "lora.enabled",
+                    not (self.lora.enabled and self.policy.flavour),
+                    "needs a Hugging Face policy (a policy.flavour model's experts are not peft targets yet)",
+                ),
+                (
+                    "policy.flavour",
+                    not (self.policy.flavour and self.policy.path),
+                    "and policy.path exclude each other (a flavour makes a new random policy)",
+                ),
+                (
+                    "policy.pretrained",
+                    not (self.policy.pretrained and (self.policy.path or self.policy.flavour)),
+                    "excludes policy.path and policy.flavour (it names the starting policy itself)",
+                ),
+                (
+                    "policy.pretrained",
+                    not self.policy.pretrained or self.policy.pretrained in PRETRAINED,
+                    f"must be one of: {', '.join(sorted(PRETRAINED))} (got {self.policy.pretrained!r})",
+                ),
+                ("policy.pretrained", unavailable is None, f"cannot be loaded: {unavailable}"),
+                (
+                    "policy.upcycle.experts",
+                    self.policy.upcycle.experts == 0 or self.policy.upcycle.experts >= 2,
+                    "must be 0 (dense) or >= 2",
+                ),
+                (
+                    "policy.upcycle.top_k",
+                    1 <= self.policy.upcycle.top_k <= max(1, self.policy.upcycle.experts),
+                    "must be between 1 and policy.upcycle.experts",
+                ),
+                (
+                    "rollout.engine",
+                    not (
+                        self.rollout.engine == "native"
+                        and not self.policy.flavour
+                        and (self.policy.pretrained or not self.policy.path)
+                    ),
+                    "native serves the policy/ model: set policy.flavour, or policy.path to a policy/ checkpoint",
+                ),
+                ("rollout.temperature", self.rollout.temperature > 0, "must be > 0"),
+                (
+                    "rollout.max_model_len",
+                    self.rollout.context.mode != "full"
+                    or self.rollout.max_model_len >= self.rollout.max_episode_tokens,
+                    "must be >= rollout.max_episode_tokens under rollout.context.mode full (window and compact keep each "
+                    "context within it)",
+                ),
+                ("algo.lr", self.algo.lr > 0, "must be > 0"),
+                ("algo.clip_low", 0 < self.algo.clip_low < 1, "must be in (0, 1)"),
+                ("algo.clip_high", self.algo.clip_high > 0, "must be > 0"),
+                ("algo.minibatch_episodes", self.algo.minibatch_episodes >= 1, "must be >= 1"),
+                ("algo.microbatch_tokens", self.algo.microbatch_tokens >= 1, "must be >= 1"),
+                ("algo.logprob_chunk_tokens", self.algo.logprob_chunk_tokens >= 1, "must be >= 1"),
+                (
+                    "algo.shared_prefix_tokens",
+                    self.algo.shared_prefix_tokens >= 0,
+                    "must be >= 0 (0: off)",
+                ),
+                ("algo.epochs", self.algo.epochs >= 1, "must be >= 1"),
+                (
+                    "algo.dual_clip",
+                    self.algo.dual_clip == 0 or self.algo.dual_clip > 1,
+                    "must be 0 (off) or > 1",
+                ),
+                (
+                    "algo.tis_cap",
+                    self.algo.tis_cap == 0 or self.algo.tis_cap >= 1,
+                    "must be 0 (off) or >= 1",
+                ),
+                ("algo.is_low", 0 <= self.algo.is_low <= 1, "must be in [0, 1]"),
+                ("algo.kl_beta", self.algo.kl_beta >= 0, "must be >= 0"),
+                ("algo.router_aux_coef", self.algo.router_aux_coef >= 0, "must be >= 0"),
+                ("algo.gamma", 0 < self.algo.gamma <= 1, "must be in (0, 1]"),
+                ("env.workers", self.env.workers >= 0, "must be >= 0"),
+                (
+                    "schedule.max_staleness",
+                    self.schedule.max_staleness >= (1 if self.schedule.mode == "async" else 0),
+                    "must be >= 1 in async mode (0 would be synchronous)",
+                ),
+                ("sync.bucket_mb", self.sync.bucket_mb > 0, "must be > 0"),
+                ("sync.timeout_s", self.sync.timeout_s > 0, "must be > 0"),
+                (
+                    "sync.transport",
+                    self.sync.transport == "object_store" or self.schedule.mode == "sync",
+                    "collective needs schedule.mode sync (a broadcast would hold the learner until every worker's "
+                    "queued rollouts end)",
+                ),
+                (
+                    "sync.backend",
+                    self.sync.backend != "nccl"
+                    or (self.learner.device == "cuda" and self.rollout.gpus_per_worker > 0),
+                    "nccl needs the learner and the rollout workers on GPUs: learner.device=cuda and rollout.gpus_per_worker > 0",
+                ),
+                ("rollout.gpus_per_worker", self.rollout.gpus_per_worker >= 0, "must be >= 0"),
+                ("learner.gpus_per_rank", 0 < self.learner.gpus_per_rank <= 1, "must be in (0, 1]"),
+                ("ray.learner_cpus", self.ray.learner_cpus >= 0, "must be >= 0"),
+                ("ray.max_restarts", self.ray.max_restarts >= -1, "must be >= 0, or -1 (no limit)"),
+                ("ray.start_timeout_s", self.ray.start_timeout_s > 0, "must be > 0"),
+                ("eval.every", self.eval.every >= 0, "must be >= 0 (0: never)"),
+                ("warm_start.demos", self.warm_start.demos >= 0, "must be >= 0 (0: no warm start)"),
+                (
+                    "warm_start.envs",
+                    all(isinstance(e, str) for e in self.warm_start.envs),
+                    "must be a list of env ids",
+                ),
+                ("warm_start.epochs", self.warm_start.epochs > 0, "must be > 0"),
+                ("warm_start.lr", self.warm_start.lr > 0, "must be > 0"),
+                ("warm_start.batch_size", self.warm_start.batch_size >= 1, "must be >= 1"),
+                ("warm_start.rounds", self.warm_start.rounds >= 1, "must be >= 1"),
+                (
+                    "warm_start.patience",
+                    self.warm_start.patience >= 0,
+                    "must be >= 0 (0: no validation)",
+                ),
+                (
+                    "warm_start.demos",
+                    not (self.warm_start.demos and self.learner.world_size > 1),
+                    "needs learner.world_size 1 (the warm start's supervised steps run on a single learner)",
+                ),
+                ("eval.episodes", self.eval.episodes >= 1, "must be >= 1"),
+                ("eval.test_episodes", self.eval.test_episodes >= 1, "must be >= 1"),
+                (
+                    "eval.test",
+                    self._test_cells_problem() is None,
+                    f"is wrong: {self._test_cells_problem()}",
+                ),
+                (
+                    "eval.k",
+                    1 <= self.eval.k <= self.eval.episodes,
+                    "must be between 1 and eval.episodes",
+                ),
+                ("eval.temperature", self.eval.temperature >= 0, "must be >= 0 (0: the rollouts')"),
+                (
+                    "rollout.iteration_token_budget",
+                    self.rollout.iteration_token_budget >= 0,
+                    "must be >= 0 (0: no limit)",
+                ),
+                ("rollout.max_segments", self.rollout.max_segments >= 1, "must be >= 1"),
+                (
+                    "rollout.max_episode_tokens_schedule",
+                    _stages_ok(
+                        self.rollout.max_episode_tokens_schedule,
+                        self.rollout.max_model_len
+                        if self.rollout.context.mode == "full"
+                        else 1 << 40,
+                    ),
+                    "must be [[iteration, tokens], ...] with increasing iterations >= 0 and 2 <= tokens (<= "
+                    "rollout.max_model_len under rollout.context.mode full)",
+                ),
+            ]
+            + self.rollout.context.problems(self.rollout.max_model_len, self.rollout.max_new_tokens)
+            + [
+                (
+                    f"ray.{name}",
+                    all(
+                        isinstance(k, str)
+                        and isinstance(v, (int, float))
+                        and not isinstance(v, bool)
+                        and v >= 0
+                        for k, v in getattr(self.ray, name).items()
+                    ),
+                    "must map resource names to non-negative amounts, e.g. {rollout: 1}",
+                )
+                for name in (
+                    "rollout_resources",
+                    "env_worker_resources",
+                    "learner_resources",
+                    "local_resources",
+                )
+            ]
+        )
         require(checks, source)
         require(self._env_checks(), source)
         return self
@@ -463,12 +609,17 @@ class RunConfig:
         import envs
         from rollout.context import ContextConfig
 
-        keys, stages = {"kwargs", "context", "max_turns", "episodes", "stages"}, {"warm_start", "rl", "warm_start_more"}
+        keys, stages = (
+            {"kwargs", "context", "max_turns", "episodes", "stages"},
+            {"warm_start", "rl", "warm_start_more"},
+        )
         fields = {f.name for f in dataclasses.fields(ContextConfig)}
         for i, cell in enumerate(self.eval.test):
             if not isinstance(cell, dict) or not set(cell) <= keys:
                 return f"cell {i} must be a mapping of {', '.join(sorted(keys))}"
-            if not isinstance(cell.get("kwargs", {}), dict) or not isinstance(cell.get("context", {}), dict):
+            if not isinstance(cell.get("kwargs", {}), dict) or not isinstance(
+                cell.get("context", {}), dict
+            ):
                 return f"cell {i}: kwargs and context must be mappings"
             if not set(cell.get("context", {})) <= fields:
                 return f"cell {i}: context takes {', '.join(sorted(fields))}"
@@ -490,7 +641,9 @@ class RunConfig:
         """The collective transport's process-group backend (`sync.backend`, auto resolved)."""
         if self.sync.backend != "auto":
             return self.sync.backend
-        return "nccl" if self.learner.device == "cuda" and self.rollout.gpus_per_worker > 0 else "gloo"
+        return (
+            "nccl" if self.learner.device == "cuda" and self.rollout.gpus_per_worker > 0 else "gloo"
+        )
 
     def sync_streams(self) -> bool:
         """Whether an object-store sync streams its buckets (`sync.publish`, auto resolved)."""
@@ -517,14 +670,18 @@ class RunConfig:
             import torch
 
             if not torch.cuda.device_count():
-                return (f"rollout.gpus_per_worker {self.rollout.gpus_per_worker} needs a GPU; this machine has none "
-                        "(0 runs the engines on CPU)")
+                return (
+                    f"rollout.gpus_per_worker {self.rollout.gpus_per_worker} needs a GPU; this machine has none "
+                    "(0 runs the engines on CPU)"
+                )
         if self.learner.device == "cuda":
             import torch
 
             if torch.cuda.device_count() < self.learner.world_size:
-                return (f"learner.device cuda needs {self.learner.world_size} GPU(s) for learner.world_size "
-                        f"{self.learner.world_size}; this machine has {torch.cuda.device_count()}")
+                return (
+                    f"learner.device cuda needs {self.learner.world_size} GPU(s) for learner.world_size "
+                    f"{self.learner.world_size}; this machine has {torch.cuda.device_count()}"
+                )
         for key, env_id, kwargs in self._named_envs() if with_envs else ():
             why = envs.host_problem(env_id, kwargs)
             if why:
@@ -535,34 +692,68 @@ class RunConfig:
         named = [("env.id", self.env.id, self.env.kwargs)]
         if self.eval.env_id:
             named.append(("eval.env_id", self.eval.env_id, self.eval.env_kwargs))
-        return named + [("warm_start.envs", e, self.env.kwargs if e == self.env.id else {}) for e in self.warm_start.envs]
+        return named + [
+            ("warm_start.envs", e, self.env.kwargs if e == self.env.id else {})
+            for e in self.warm_start.envs
+        ]
 
     def _env_checks(self) -> list[tuple[str, bool, str]]:
         """Every environment the run would make, known and given kwargs its constructor takes:
         checked here, on the driver, not in a Ray actor after the learner has started."""
         import envs
 
-        kwargs_keys = {"env.id": "env.kwargs", "eval.env_id": "eval.env_kwargs", "warm_start.envs": "env.kwargs"}
+        kwargs_keys = {
+            "env.id": "env.kwargs",
+            "eval.env_id": "eval.env_kwargs",
+            "warm_start.envs": "env.kwargs",
+        }
         checks = []
         for id_key, env_id, kwargs in self._named_envs():
             problem = envs.config_problem(env_id, kwargs)
             if problem:
-                checks.append((id_key if problem[0] == "id" else kwargs_keys[id_key], False, f"is wrong: {problem[1]}"))
-            elif envs.is_agent_program(envs.env_class(env_id)):  # envs/agent_program.py: run by the rollout worker
-                demos = id_key == "warm_start.envs" or (id_key == "env.id" and self.warm_start.demos and not self.warm_start.envs)
-                checks += [("warm_start.envs", not demos, f"cannot take demonstrations from the agent program {env_id} "
-                                                          "(no scripted expert): name an environment of the same task"),
-                           ("env.workers", id_key != "env.id" or self.env.workers == 0,
-                            f"must be 0 for the agent program {env_id} (it runs in the rollout worker, beside its endpoint)"),
-                           ("rollout.iteration_token_budget", id_key != "env.id" or not self.rollout.iteration_token_budget,
-                            f"must be 0 for the agent program {env_id} (its episodes cannot be suspended)")]
+                checks.append(
+                    (
+                        id_key if problem[0] == "id" else kwargs_keys[id_key],
+                        False,
+                        f"is wrong: {problem[1]}",
+                    )
+                )
+            elif envs.is_agent_program(
+                envs.env_class(env_id)
+            ):  # envs/agent_program.py: run by the rollout worker
+                demos = id_key == "warm_start.envs" or (
+                    id_key == "env.id" and self.warm_start.demos and not self.warm_start.envs
+                )
+                checks += [
+                    (
+                        "warm_start.envs",
+                        not demos,
+                        f"cannot take demonstrations from the agent program {env_id} "
+                        "(no scripted expert): name an environment of the same task",
+                    ),
+                    (
+                        "env.workers",
+                        id_key != "env.id" or self.env.workers == 0,
+                        f"must be 0 for the agent program {env_id} (it runs in the rollout worker, beside its endpoint)",
+                    ),
+                    (
+                        "rollout.iteration_token_budget",
+                        id_key != "env.id" or not self.rollout.iteration_token_budget,
+                        f"must be 0 for the agent program {env_id} (its episodes cannot be suspended)",
+                    ),
+                ]
         return checks
 
 
 def _stages_ok(stages: list, max_model_len: int) -> bool:
-    ints = all(isinstance(st, list) and len(st) == 2 and all(type(x) is int for x in st) for st in stages)
-    return ints and all(it >= 0 and 2 <= tokens <= max_model_len for it, tokens in stages) and all(
-        a[0] < b[0] for a, b in zip(stages, stages[1:]))
+    ints = all(
+        isinstance(st, list) and len(st) == 2 and all(type(x) is int for x in st) for st in stages
+    )
+    return (
+        ints
+        and all(it >= 0 and 2 <= tokens <= max_model_len for it, tokens in stages)
+        and all(a[0] < b[0] for a, b in zip(stages, stages[1:]))
+    )
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
@@ -573,14 +764,18 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
     built = []
     for ov in overrides:  # one at a time, so a wrong key or type names the override that caused it
         apply_override(raw, ov)
-        built.append((ov, build_dataclass(RunConfig, raw, "", f"command-line override {short(ov)}")))
+        built.append(
+            (ov, build_dataclass(RunConfig, raw, "", f"command-line override {short(ov)}"))
+        )
     if not built:
         return cfg
     try:  # checked with every override in (env.id=X may need the env.kwargs=... after it)
         return built[-1][1].validate("overrides")
     except ConfigError as exc:
         problem, culprit = str(exc).split(": ", 1)[1], built[-1][0]
-        for ov, partial in reversed(built[:-1]):  # the earliest override from which the problem holds
+        for ov, partial in reversed(
+            built[:-1]
+        ):  # the earliest override from which the problem holds
             try:
                 partial.validate("overrides")
             except ConfigError as earlier:

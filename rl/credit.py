@@ -38,8 +38,9 @@ def rewards_to_go(rewards: list[float], gamma: float = 1.0) -> list[float]:
     return out
 
 
-def turn_advantages(returns: list[list[float]], baseline: str = "loo", scale: str = "none",
-                    eps: float = 1e-4) -> list[list[float]]:
+def turn_advantages(
+    returns: list[list[float]], baseline: str = "loo", scale: str = "none", eps: float = 1e-4
+) -> list[list[float]]:
     """Advantages per episode per turn for ONE group, from each episode's per-turn returns."""
     if baseline not in ("loo", "mean"):
         raise ValueError(f"unknown baseline {baseline!r}")
@@ -70,8 +71,9 @@ def episode_turn_rewards(t: Trajectory) -> list[float]:
     return r
 
 
-def token_advantages(batch: list[Trajectory], *, gamma: float = 1.0, baseline: str = "loo",
-                     scale: str = "none") -> list[list[float]]:
+def token_advantages(
+    batch: list[Trajectory], *, gamma: float = 1.0, baseline: str = "loo", scale: str = "none"
+) -> list[list[float]]:
     """Per-token advantages (aligned with each trajectory's token_ids) under milestone credit."""
     groups: dict[int, list[int]] = {}
     for i, t in enumerate(batch):

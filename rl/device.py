@@ -30,8 +30,10 @@ def resolve(device: str) -> torch.device:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("learner.device is cuda, but this learner process sees no GPU "
-                               "(torch.cuda.is_available() is False)")
+            raise RuntimeError(
+                "learner.device is cuda, but this learner process sees no GPU "
+                "(torch.cuda.is_available() is False)"
+            )
         return torch.device("cuda", torch.cuda.current_device())
     if device != "cpu":
         raise ValueError(f"learner.device must be cpu, cuda or auto, got {device!r}")

@@ -47,7 +47,9 @@ def eval_tasks(episodes: int, k: int = 1, split: str = "validation") -> list[Epi
         raise ValueError(f"split must be one of {', '.join(SPLITS)}, not {split!r}")
     seeds, first = -(-episodes // k), SPLITS[split]
     name = "eval" if split == "validation" else split
-    return [EpisodeTask(f"{name}-s{i}-k{j}", i, first + i, -1) for i in range(seeds) for j in range(k)]
+    return [
+        EpisodeTask(f"{name}-s{i}-k{j}", i, first + i, -1) for i in range(seeds) for j in range(k)
+    ]
 
 
 def summarise(env_id: str, trajs: list[Trajectory], k: int = 1) -> dict:
@@ -59,7 +61,8 @@ def summarise(env_id: str, trajs: list[Trajectory], k: int = 1) -> dict:
         "episodes": len(ok),
         "success": sum(wins) / len(wins) if wins else 0.0,
         "ci95": [lo, hi],
-        "milestones_mean": sum(len({m["name"] for m in t.milestones}) for t in ok) / max(1, len(ok)),
+        "milestones_mean": sum(len({m["name"] for m in t.milestones}) for t in ok)
+        / max(1, len(ok)),
         "reward_mean": sum(t.reward for t in ok) / max(1, len(ok)),
         "infra_errors": len(trajs) - len(ok),
         "k": k,
@@ -72,17 +75,44 @@ def summarise(env_id: str, trajs: list[Trajectory], k: int = 1) -> dict:
     return out
 
 
-def evaluate(engine, chat, env_id: str, episodes: int, *, k: int = 1, env_kwargs: dict | None = None, seed: int = 0,
-             split: str = "validation", **loop) -> tuple[dict, list[Trajectory]]:
+def evaluate(
+    engine,
+    chat,
+    env_id: str,
+    episodes: int,
+    *,
+    k: int = 1,
+    env_kwargs: dict | None = None,
+    seed: int = 0,
+    split: str = "validation",
+    **loop,
+) -> tuple[dict, list[Trajectory]]:
     """Play the held-out episodes of `split` with `engine`; (summary, trajectories). `loop`: the agent
     loop's limits, sampling and context management (`RolloutConfig.loop()`, or any of its keywords)."""
-    trajs = play(engine, chat, env_id, env_kwargs, eval_tasks(episodes, k, split), run_seed=seed,
-                 **{"max_turns": 4, "max_new_tokens": 48, "max_episode_tokens": 2048, **loop})
+    trajs = play(
+        engine,
+        chat,
+        env_id,
+        env_kwargs,
+        eval_tasks(episodes, k, split),
+        run_seed=seed,
+        **{"max_turns": 4, "max_new_tokens": 48, "max_episode_tokens": 2048, **loop},
+    )
     return summarise(env_id, trajs, k), trajs
 
 
-def evaluate_policy(policy: str, rollout, env_id: str, episodes: int, *, k: int = 1, env_kwargs: dict | None = None,
-                    temperature: float | None = None, seed: int = 0, split: str = "validation") -> tuple[dict, list[Trajectory]]:
+def evaluate_policy(
+    policy: str,
+    rollout,
+    env_id: str,
+    episodes: int,
+    *,
+    k: int = 1,
+    env_kwargs: dict | None = None,
+    temperature: float | None = None,
+    seed: int = 0,
+    split: str = "validation",
+) -> tuple[dict, list[Trajectory]]:
     """`evaluate` on a fresh engine of checkpoint `policy`, built and played with the `rollout`
     settings (a `RolloutConfig`); `temperature` None: the rollout's."""
     from transformers import AutoTokenizer
@@ -91,8 +121,25 @@ def evaluate_policy(policy: str, rollout, env_id: str, episodes: int, *, k: int 
     from rollout.engines import make_engine
 
     r = rollout
-    engine = make_engine(r.engine, policy, seed=seed, max_model_len=r.max_model_len, kv_cache_gib=r.kv_cache_gib,
-                         enforce_eager=r.enforce_eager, max_batch=r.max_batch, dtype=r.engine_dtype())
+    engine = make_engine(
+        r.engine,
+        policy,
+        seed=seed,
+        max_model_len=r.max_model_len,
+        kv_cache_gib=r.kv_cache_gib,
+        enforce_eager=r.enforce_eager,
+        max_batch=r.max_batch,
+        dtype=r.engine_dtype(),
+    )
     chat = ChatFormat(AutoTokenizer.from_pretrained(policy))
-    return evaluate(engine, chat, env_id, episodes, k=k, env_kwargs=env_kwargs, seed=seed, split=split,
-                    **r.loop(**({} if temperature is None else {"temperature": temperature})))
+    return evaluate(
+        engine,
+        chat,
+        env_id,
+        episodes,
+        k=k,
+        env_kwargs=env_kwargs,
+        seed=seed,
+        split=split,
+        **r.loop(**({} if temperature is None else {"temperature": temperature})),
+    )

@@ -86,8 +86,12 @@ def policy_loss(
     elif ratio_level != "token":
         raise ValueError(f"unknown ratio level {ratio_level!r}")
     ratio = torch.exp(log_ratio)
-    adv = adv_B[:, None] if adv_B.dim() == 1 else adv_B  # per episode, or per token (milestone credit)
-    objective = torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv)
+    adv = (
+        adv_B[:, None] if adv_B.dim() == 1 else adv_B
+    )  # per episode, or per token (milestone credit)
+    objective = torch.minimum(
+        ratio * adv, torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
+    )
     if dual_clip > 1.0:
         objective = torch.where(adv < 0, torch.maximum(objective, dual_clip * adv), objective)
     per_token = -objective
@@ -123,13 +127,22 @@ def policy_loss(
             "clip_frac": float((is_clipped.to(mask.dtype) * mask).sum() / n),
             "ratio_mean": float((r * mask).sum() / n),
             # k3 estimator of KL(old || new) over generated tokens
-            "kl_old_new": float(((torch.exp(logp_BT - old_logp_BT) - 1 - (logp_BT - old_logp_BT)) * mask).sum() / n),
+            "kl_old_new": float(
+                ((torch.exp(logp_BT - old_logp_BT) - 1 - (logp_BT - old_logp_BT)) * mask).sum() / n
+            ),
         }
     return loss, metrics
 
 
-def rollout_is_weights(old_logp_BT: torch.Tensor, rollout_logp_BT: torch.Tensor, mask_BT: torch.Tensor, *,
-                       mode: str = "token_truncate", low: float = 0.0, high: float = 2.0) -> torch.Tensor:
+def rollout_is_weights(
+    old_logp_BT: torch.Tensor,
+    rollout_logp_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    *,
+    mode: str = "token_truncate",
+    low: float = 0.0,
+    high: float = 2.0,
+) -> torch.Tensor:
     """Importance weights per token (B × T, detached) that correct for an engine that sampled from a
     slightly different distribution than the learner's weights give (kernels, dtype, routing,
     async staleness), from r = π_old / π_rollout on the generated tokens (`mask_BT`):
@@ -157,8 +170,9 @@ def rollout_is_weights(old_logp_BT: torch.Tensor, rollout_logp_BT: torch.Tensor,
     return torch.where(mask.bool(), w.expand_as(mask), torch.ones_like(mask)).detach()
 
 
-def mismatch_metrics(logr_N: torch.Tensor, w_N: torch.Tensor, lag_N: torch.Tensor, seqs_dropped: int,
-                     n_seqs: int) -> dict:
+def mismatch_metrics(
+    logr_N: torch.Tensor, w_N: torch.Tensor, lag_N: torch.Tensor, seqs_dropped: int, n_seqs: int
+) -> dict:
     """How far the engine's log-probs are from the learner's over N generated tokens (`logr_N` = log
     π_learner/π_engine, `lag_N` the versions each token's policy lags by, `w_N` the importance weights
     `rollout_is_weights` gave them): numerical noise for tokens of the current version, real policy
@@ -167,12 +181,21 @@ def mismatch_metrics(logr_N: torch.Tensor, w_N: torch.Tensor, lag_N: torch.Tenso
     they dropped."""
     r, w, lag = logr_N, w_N, lag_N
     d = r.abs()
-    out = {"rollout_logprob_diff_mean": float(d.mean()), "rollout_logprob_diff_max": float(d.max()),
-           "rollout_kl": float((torch.exp(-r) + r - 1).mean()),  # k3 estimate of KL(learner ‖ engine)
-           "rollout_chi2": float(((torch.exp(r) - 1) ** 2).mean()),  # χ²(learner ‖ engine), sampled by the engine
-           "rollout_ppl_ratio": float(torch.exp(-r.mean())),  # perplexity of the tokens, learner / engine
-           "rollout_is_weight_mean": float(w.mean()), "rollout_is_dropped_tokens": float((w == 0).float().mean()),
-           "rollout_is_dropped_seqs": seqs_dropped / max(n_seqs, 1), "staleness_token_mean": float(lag.float().mean())}
+    out = {
+        "rollout_logprob_diff_mean": float(d.mean()),
+        "rollout_logprob_diff_max": float(d.max()),
+        "rollout_kl": float((torch.exp(-r) + r - 1).mean()),  # k3 estimate of KL(learner ‖ engine)
+        "rollout_chi2": float(
+            ((torch.exp(r) - 1) ** 2).mean()
+        ),  # χ²(learner ‖ engine), sampled by the engine
+        "rollout_ppl_ratio": float(
+            torch.exp(-r.mean())
+        ),  # perplexity of the tokens, learner / engine
+        "rollout_is_weight_mean": float(w.mean()),
+        "rollout_is_dropped_tokens": float((w == 0).float().mean()),
+        "rollout_is_dropped_seqs": seqs_dropped / max(n_seqs, 1),
+        "staleness_token_mean": float(lag.float().mean()),
+    }
     if bool((lag > 0).any()):
         out["rollout_logprob_diff_mean_stale"] = float(d[lag > 0].mean())
     if bool((lag == 0).any()):
@@ -183,6 +206,8 @@ def mismatch_metrics(logr_N: torch.Tensor, w_N: torch.Tensor, lag_N: torch.Tenso
 def token_logprobs(logits_BTV: torch.Tensor, ids_BT: torch.Tensor, temperature: float = 1.0):
     """log p(ids[:, t+1] | ids[:, :t+1]) from next-token logits; returns (B, T-1), fp32 or wider.
     The whole-sequence reference for `rl.logprobs.chunked_logprobs`, which the learner uses."""
-    logits = logits_BTV[:, :-1].to(torch.promote_types(logits_BTV.dtype, torch.float32)) / temperature
+    logits = (
+        logits_BTV[:, :-1].to(torch.promote_types(logits_BTV.dtype, torch.float32)) / temperature
+    )
     logp = torch.log_softmax(logits, dim=-1)
     return logp.gather(-1, ids_BT[:, 1:, None]).squeeze(-1)

@@ -31,34 +31,50 @@ class LearningGuard:
         `CannotLearn` quoting the first failure once there are too many; the same for iterations
         without a learning signal (stop_after_flat)."""
         errors = [t for t in trajs if t.infra_error]
-        failed = bool(stats.get("skipped_update")) or len(errors) > self.cfg.max_infra_error_share * len(trajs)
+        failed = bool(stats.get("skipped_update")) or len(
+            errors
+        ) > self.cfg.max_infra_error_share * len(trajs)
         self._failed_in_a_row = self._failed_in_a_row + 1 if failed else 0
         if failed:
-            self._why = (f"{len(errors)} of {len(trajs)} episodes of iteration {it} ended in infrastructure errors, "
-                         f"the first: {errors[0].infra_error}" if errors else
-                         f"the learner had no usable episode in iteration {it} ({len(trajs)} episodes)")
+            self._why = (
+                f"{len(errors)} of {len(trajs)} episodes of iteration {it} ended in infrastructure errors, "
+                f"the first: {errors[0].infra_error}"
+                if errors
+                else f"the learner had no usable episode in iteration {it} ({len(trajs)} episodes)"
+            )
         if self.cfg.stop_after_failed and self._failed_in_a_row >= self.cfg.stop_after_failed:
-            raise CannotLearn(f"the run cannot learn: {self._failed_in_a_row} failed iterations in a row; {self._why}. "
-                              f"What was written is kept in {self.run_dir}")
+            raise CannotLearn(
+                f"the run cannot learn: {self._failed_in_a_row} failed iterations in a row; {self._why}. "
+                f"What was written is kept in {self.run_dir}"
+            )
         if failed:
             return
         ppo = self.cfg.algo.name == "ppo"
-        flat = stats.get("reward_spread", 1) == 0 if ppo else stats.get("groups_with_signal", 1) == 0
+        flat = (
+            stats.get("reward_spread", 1) == 0 if ppo else stats.get("groups_with_signal", 1) == 0
+        )
         self._flat_in_a_row = self._flat_in_a_row + 1 if flat else 0
         if self.cfg.stop_after_flat and self._flat_in_a_row >= self.cfg.stop_after_flat:
             ok = [t for t in trajs if not t.infra_error]
             rewards = sorted({round(t.reward, 6) for t in ok})
-            what = ("every episode earned the same reward" if ppo else "no group's episodes earned different rewards")
+            what = (
+                "every episode earned the same reward"
+                if ppo
+                else "no group's episodes earned different rewards"
+            )
             raise CannotLearn(
                 f"the run cannot learn: {self._flat_in_a_row} iterations in a row in which {what} "
                 f"(rewards of iteration {it}: {', '.join(map(str, rewards[:5]))}), so every advantage is zero; "
                 f"a policy that never reaches a milestone needs a warm start (warm_start.demos) or an easier task, one that "
                 f"always does a harder one "
-                f"(stop_after_flat=0 lets such a run go on). What was written is kept in {self.run_dir}")
+                f"(stop_after_flat=0 lets such a run go on). What was written is kept in {self.run_dir}"
+            )
 
     def finish(self) -> None:
         """At the end of a run: `CannotLearn` if its last iteration failed (quoted), so a short run that
         could not learn never ends green."""
         if self._failed_in_a_row:
-            raise CannotLearn(f"the run cannot learn: its last {self._failed_in_a_row} iteration(s) failed; {self._why}. "
-                              f"What was written is kept in {self.run_dir}")
+            raise CannotLearn(
+                f"the run cannot learn: its last {self._failed_in_a_row} iteration(s) failed; {self._why}. "
+                f"What was written is kept in {self.run_dir}"
+            )

@@ -84,7 +84,12 @@ def _low(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`weight` cast to `dtype`, detached; inside `casts_cached()` made once and reused."""
     with torch.no_grad():
         hit = _CASTS.get(id(weight)) if _SCOPES else None
-        if hit is None or hit[0]() is not weight or hit[1] != weight._version or hit[2].dtype != dtype:
+        if (
+            hit is None
+            or hit[0]() is not weight
+            or hit[1] != weight._version
+            or hit[2].dtype != dtype
+        ):
             hit = (weakref.ref(weight), weight._version, weight.detach().to(dtype))
             if _SCOPES:
                 _CASTS[id(weight)] = hit
@@ -139,10 +144,15 @@ def _writes_own_grad(weight: torch.Tensor) -> bool:
     in any process that runs an engine in-process (the test session's does)."""
     import torch.distributed as dist
 
-    return (type(weight) in (torch.Tensor, torch.nn.Parameter) and weight.is_leaf and weight.requires_grad
-            and torch.is_grad_enabled() and not weight._backward_hooks
-            and not getattr(weight, "_post_accumulate_grad_hooks", None)
-            and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1))
+    return (
+        type(weight) in (torch.Tensor, torch.nn.Parameter)
+        and weight.is_leaf
+        and weight.requires_grad
+        and torch.is_grad_enabled()
+        and not weight._backward_hooks
+        and not getattr(weight, "_post_accumulate_grad_hooks", None)
+        and not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+    )
 
 
 def expert_views(weight: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -171,9 +181,13 @@ class _CastWeights:
 def _plain_layout(module) -> bool:
     """Mixtral's and Qwen3-MoE's layout: [gate; up] stacked in `gate_up_proj` (E × 2I × H),
     `down_proj` E × H × I, no biases, not expert-parallel."""
-    return (getattr(module, "has_gate", False) and getattr(module, "is_concatenated", True)
-            and not getattr(module, "is_transposed", False) and not getattr(module, "has_bias", False)
-            and not getattr(module, "_is_expert_parallel", False))
+    return (
+        getattr(module, "has_gate", False)
+        and getattr(module, "is_concatenated", True)
+        and not getattr(module, "is_transposed", False)
+        and not getattr(module, "has_bias", False)
+        and not getattr(module, "_is_expert_parallel", False)
+    )
 
 
 def sorted_experts_forward(self, hidden_ND, top_k_index_Nk, top_k_weights_Nk):
@@ -203,7 +217,9 @@ def sorted_experts_forward(self, hidden_ND, top_k_index_Nk, top_k_weights_Nk):
     # and unpadded blocks have a new row count every call (see ROWS)
     padded = [padded_rows(c) for c in counts]
     starts = [sum(padded[:e]) for e in range(len(padded))]
-    slot_S = torch.cat([torch.arange(s, s + c, device=hidden_ND.device) for s, c in zip(starts, counts)])
+    slot_S = torch.cat(
+        [torch.arange(s, s + c, device=hidden_ND.device) for s, c in zip(starts, counts)]
+    )
     x_PH = x_ND.new_zeros(sum(padded), x_ND.shape[-1]).index_copy(0, slot_S, x_ND[token_S])
     outs = []
     for e, x_CH in enumerate(x_PH.split(padded)):
@@ -236,7 +252,9 @@ def use_autocast_experts(model: torch.nn.Module) -> bool:
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     config = getattr(model, "config", None)
-    if getattr(config, "_experts_implementation", None) != "grouped_mm" or not hasattr(model, "set_experts_implementation"):
+    if getattr(config, "_experts_implementation", None) != "grouped_mm" or not hasattr(
+        model, "set_experts_implementation"
+    ):
         return False  # no dispatched experts, or another implementation chosen on purpose
     if KEY not in ALL_EXPERTS_FUNCTIONS:
         ALL_EXPERTS_FUNCTIONS.register(KEY, autocast_grouped_mm_forward)

@@ -50,6 +50,16 @@ import torch
 
 from policy.kda import FP32_PARAMS
 from rl import device as devices
+from rl.batch import (
+    Row,
+    annotations,
+    episode_values,
+    pad,
+    recorded_routing,
+    token_versions,
+    training_rows,
+    usable_episodes,
+)
 from rl.config import AlgoConfig, LoraConfig
 from rl.credit import token_advantages
 from rl.grpo import group_advantages, mismatch_metrics, policy_loss, rollout_is_weights
@@ -57,7 +67,6 @@ from rl.hf_experts import casts_cached_over
 from rl.logprobs import chunked_logprobs, load_causal_lm
 from rl.ppo import ValueHead, episode_targets, value_loss
 from rl.routing import RouterStats, balance_policy_routers, balance_terms, hf_load_metrics
-from rl.weight_source import WeightSource
 from rl.shares import (
     all_gather_objects,
     all_reduce_sum,
@@ -65,16 +74,26 @@ from rl.shares import (
     pack,
     padded_slots,
 )
-from rl.batch import (Row, pad, annotations, episode_values, recorded_routing, token_versions, training_rows,
-                      usable_episodes)
+from rl.weight_source import WeightSource
 from rollout.trajectory import Trajectory
 
 
 class Learner(WeightSource):
-    def __init__(self, policy_path: str, algo: AlgoConfig, *, seed: int = 0, dtype: str = "float32",
-                 temperature: float = 1.0, max_generated_tokens: int | None = None,
-                 max_staleness: int | None = None, device: str = "cpu", precision: str = "fp32",
-                 lora: LoraConfig | None = None, engine_dtype: str | None = None):
+    def __init__(
+        self,
+        policy_path: str,
+        algo: AlgoConfig,
+        *,
+        seed: int = 0,
+        dtype: str = "float32",
+        temperature: float = 1.0,
+        max_generated_tokens: int | None = None,
+        max_staleness: int | None = None,
+        device: str = "cpu",
+        precision: str = "fp32",
+        lora: LoraConfig | None = None,
+        engine_dtype: str | None = None,
+    ):
         torch.set_num_threads(algo.threads)
         torch.manual_seed(seed)
         self.device = devices.resolve(device)
@@ -89,7 +108,9 @@ class Learner(WeightSource):
         self.max_generated_tokens = max_generated_tokens
         self.max_staleness = max_staleness
         self._tokenizer_path = policy_path
-        self.lora = lora if lora is not None and lora.enabled else None  # rl/lora.py: adapters on policy_path
+        self.lora = (
+            lora if lora is not None and lora.enabled else None
+        )  # rl/lora.py: adapters on policy_path
         self.base_path = policy_path
         self.value_head = None
         self._load(policy_path)
@@ -110,12 +131,16 @@ class Learner(WeightSource):
             if self.lm.kind == "policy":
                 self.model.activation_checkpointing = True
             else:
-                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                self.model.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False}
+                )
         if self.lora is not None:
             from rl.lora import EngineFactors, add_adapters
 
             if self.lm.kind == "policy":
-                raise ValueError(f"lora.enabled needs a Hugging Face policy; {path} is a policy/ checkpoint")
+                raise ValueError(
+                    f"lora.enabled needs a Hugging Face policy; {path} is a policy/ checkpoint"
+                )
             add_adapters(self.model, self.lora)
             self.engine_factors = EngineFactors(self.lm, self.model)
         if self.cfg.name == "ppo":  # value head on the shared trunk
@@ -130,11 +155,17 @@ class Learner(WeightSource):
         if self.value_head is not None:
             params += list(self.value_head.parameters())
         no_decay = [p for n, p in named if n.rsplit(".", 1)[-1] in FP32_PARAMS]  # KDA's decay rates
-        groups = [{"params": params}] + ([{"params": no_decay, "weight_decay": 0.0}] if no_decay else [])
+        groups = [{"params": params}] + (
+            [{"params": no_decay, "weight_decay": 0.0}] if no_decay else []
+        )
         # sharded (after `join`): DTensors and plain expert blocks mixed, which torch 2.11's multi-tensor
         # (foreach) AdamW refuses (seen on the GPU check), so the per-tensor update there
-        self.opt = torch.optim.AdamW(groups, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay,
-                                     **({"foreach": False} if getattr(self, "world", 1) > 1 else {"fused": True}))
+        self.opt = torch.optim.AdamW(
+            groups,
+            lr=self.cfg.lr,
+            weight_decay=self.cfg.weight_decay,
+            **({"foreach": False} if getattr(self, "world", 1) > 1 else {"fused": True}),
+        )
 
     # --- learner group (rl/learner_group.py) ---
     def address(self) -> str:
@@ -148,15 +179,24 @@ class Learner(WeightSource):
             s.bind((host, 0))
             return f"{host}:{s.getsockname()[1]}"
 
-    def join(self, master: str, rank: int, world_size: int, *, expert_parallel: bool = True,
-             backend: str = "gloo") -> None:
+    def join(
+        self,
+        master: str,
+        rank: int,
+        world_size: int,
+        *,
+        expert_parallel: bool = True,
+        backend: str = "gloo",
+    ) -> None:
         """Join the group's process group (`backend`) at `master` as `rank` and shard the model over it;
         the optimizer is rebuilt over the shards. The frozen reference model (KL) stays whole on
         every rank: it only runs forwards on the rank's own micro-batches."""
         import torch.distributed as dist
 
         backend = devices.backend(backend, self.device)  # auto: nccl on GPUs, gloo on CPU
-        dist.init_process_group(backend, init_method=f"tcp://{master}", rank=rank, world_size=world_size)
+        dist.init_process_group(
+            backend, init_method=f"tcp://{master}", rank=rank, world_size=world_size
+        )
         self.rank, self.world = rank, world_size
         self.lm.parallelize(expert_parallel=expert_parallel)
         self._make_optimizer()
@@ -173,7 +213,12 @@ class Learner(WeightSource):
         attn = torch.tensor(pad([[1] * len(t.token_ids) for t in mb], 0))  # right padding
         mask = torch.tensor(pad([t.loss_mask for t in mb], 0))[:, 1:].float()
         rollout = torch.tensor(pad([t.rollout_logprobs for t in mb], 0.0))[:, 1:].float()
-        return ids.to(self.device), attn.to(self.device), mask.to(self.device), rollout.to(self.device)
+        return (
+            ids.to(self.device),
+            attn.to(self.device),
+            mask.to(self.device),
+            rollout.to(self.device),
+        )
 
     def _routing(self, mb: list[Trajectory], width: int) -> torch.Tensor | None:
         """The recorded expert ids of a micro-batch (rl/batch.py `recorded_routing`), for rollout routing
@@ -184,38 +229,77 @@ class Learner(WeightSource):
         out = recorded_routing(mb, width, *shape)
         return None if out is None else out.to(self.device)
 
-    def _logprobs(self, lm, ids, attn, with_entropy: bool = False, routing_out=None,
-                  routing=None, replayed: list | None = None, hf_routers: list | None = None, only=None,
-                  temperature: float | None = None):
+    def _logprobs(
+        self,
+        lm,
+        ids,
+        attn,
+        with_entropy: bool = False,
+        routing_out=None,
+        routing=None,
+        replayed: list | None = None,
+        hf_routers: list | None = None,
+        only=None,
+        temperature: float | None = None,
+    ):
         """(log-probs, entropies or None, values or None), all aligned to next-token targets.
         `routing_out` (a RouterStats) takes the policy's router scores, `hf_routers` a Hugging Face MoE's router
         logits and choices (both for balancing), `replayed` the routing-replay counts; `only`: the
         loss mask, to run the head on the generated tokens alone (0 elsewhere); `temperature`: the
         sampling temperature's by default."""
-        with devices.autocast(self.device, self.precision):  # bf16: forward (and its backward) in bf16
-            h, router_info = lm.hidden_and_routing(ids, attn, routing, capture=hf_routers is not None)
+        with devices.autocast(
+            self.device, self.precision
+        ):  # bf16: forward (and its backward) in bf16
+            h, router_info = lm.hidden_and_routing(
+                ids, attn, routing, capture=hf_routers is not None
+            )
         if replayed is not None and router_info is not None:
             replayed.append(router_info["replayed"])
         valid = attn.reshape(-1).bool()  # padding takes no part in balancing
         if routing_out is not None and router_info is not None and router_info["scores"]:
-            routing_out.add([s[valid] for s in router_info["scores"]])  # counted now, the scores let go
+            routing_out.add(
+                [s[valid] for s in router_info["scores"]]
+            )  # counted now, the scores let go
         if hf_routers is not None and router_info is not None and router_info["hf_routers"]:
             hf_routers.append((router_info["hf_routers"], valid))
-        with devices.autocast(self.device, self.precision):  # the head's matmul in bf16; log-softmax in fp32
-            logp, ent = chunked_logprobs(h, lm.head, ids, temperature=temperature or self.temperature,
-                                         chunk_tokens=self.cfg.logprob_chunk_tokens, with_entropy=with_entropy,
-                                         banned_ids=lm.banned_ids, only_BT=only)
+        with devices.autocast(
+            self.device, self.precision
+        ):  # the head's matmul in bf16; log-softmax in fp32
+            logp, ent = chunked_logprobs(
+                h,
+                lm.head,
+                ids,
+                temperature=temperature or self.temperature,
+                chunk_tokens=self.cfg.logprob_chunk_tokens,
+                with_entropy=with_entropy,
+                banned_ids=lm.banned_ids,
+                only_BT=only,
+            )
             # the value of the state before token p comes from the hidden state at p-1, like its logits
-            values = self.value_head(h[:, :-1]) if (self.value_head is not None and lm is self.lm) else None
-        return logp.float(), None if ent is None else ent.float(), None if values is None else values.float()
+            values = (
+                self.value_head(h[:, :-1])
+                if (self.value_head is not None and lm is self.lm)
+                else None
+            )
+        return (
+            logp.float(),
+            None if ent is None else ent.float(),
+            None if values is None else values.float(),
+        )
 
     def fuses_old_logprobs(self, n_minibatches: int) -> bool:
         """Whether the pre-update log-probs come from the training forward itself: GRPO with a single
         optimiser step per batch (one epoch, one minibatch), nothing else needing them before it (no
         reference model, no value head) and a single rank, and `algo.fuse_old_logprobs` on."""
         c = self.cfg
-        return (c.fuse_old_logprobs and c.name == "grpo" and c.epochs == 1 and n_minibatches == 1
-                and not c.kl_beta and self.world == 1)
+        return (
+            c.fuse_old_logprobs
+            and c.name == "grpo"
+            and c.epochs == 1
+            and n_minibatches == 1
+            and not c.kl_beta
+            and self.world == 1
+        )
 
     def plan(self, seqs: list[Trajectory]) -> list[list[list[int]]]:
         """Minibatches of `minibatch_episodes` sequences (one optimiser step each; a split episode's
@@ -226,8 +310,12 @@ class Learner(WeightSource):
 
     def shares(self, seqs: list[Trajectory]) -> list[list[list[list[int]]]]:
         """Per minibatch, per rank, that rank's micro-batches (rl/shares.py `minibatch_shares`)."""
-        return minibatch_shares([len(t.token_ids) for t in seqs], self.cfg.minibatch_episodes,
-                                self.cfg.microbatch_tokens, self.world)
+        return minibatch_shares(
+            [len(t.token_ids) for t in seqs],
+            self.cfg.minibatch_episodes,
+            self.cfg.microbatch_tokens,
+            self.world,
+        )
 
     def _advantages(self, batch, rows: list[Row], old_v):
         """(advantages for a micro-batch's row indices, PPO returns per row {position in the row: R},
@@ -237,32 +325,70 @@ class Learner(WeightSource):
         returns: dict = {}
         if c.name == "ppo" or c.credit == "milestone":
             if c.name == "ppo":
-                values = episode_values(rows, batch, old_v)  # values[i][p - 1]: value before token p
+                values = episode_values(
+                    rows, batch, old_v
+                )  # values[i][p - 1]: value before token p
                 per_token, ep_returns = [], []
                 for i, t in enumerate(batch):
-                    adv, ret = episode_targets(t, [0.0] + values[i], level=c.ppo_level, gamma=c.gamma, lam=c.gae_lambda)
+                    adv, ret = episode_targets(
+                        t, [0.0] + values[i], level=c.ppo_level, gamma=c.gamma, lam=c.gae_lambda
+                    )
                     per_token.append(adv)
                     ep_returns.append(ret)
                 for k, row in enumerate(rows):
                     end = row.start + len(row.seq.token_ids)
-                    returns[k] = {p - row.start: r for p, r in ep_returns[row.episode].items() if row.start <= p < end}
+                    returns[k] = {
+                        p - row.start: r
+                        for p, r in ep_returns[row.episode].items()
+                        if row.start <= p < end
+                    }
                 if c.whiten_advantages:
-                    vals = torch.tensor([a for i, t in enumerate(batch) for a, m in zip(per_token[i], t.loss_mask) if m])
+                    vals = torch.tensor(
+                        [
+                            a
+                            for i, t in enumerate(batch)
+                            for a, m in zip(per_token[i], t.loss_mask)
+                            if m
+                        ]
+                    )
                     mu, sd = float(vals.mean()), float(vals.std()) if vals.numel() > 1 else 1.0
                     per_token = [[(a - mu) / (sd + 1e-8) for a in row] for row in per_token]
             else:
-                per_token = token_advantages(batch, gamma=c.gamma, baseline=c.baseline,
-                                             scale="group" if c.scale_rewards == "group" else "none")
-            adv_abs = float(np.mean([abs(a) for i, t in enumerate(batch) for a, m in zip(per_token[i], t.loss_mask) if m]))
+                per_token = token_advantages(
+                    batch,
+                    gamma=c.gamma,
+                    baseline=c.baseline,
+                    scale="group" if c.scale_rewards == "group" else "none",
+                )
+            adv_abs = float(
+                np.mean(
+                    [
+                        abs(a)
+                        for i, t in enumerate(batch)
+                        for a, m in zip(per_token[i], t.loss_mask)
+                        if m
+                    ]
+                )
+            )
 
             def of_rows(micro):
-                cut = [per_token[rows[i].episode][rows[i].start : rows[i].start + len(rows[i].seq.token_ids)] for i in micro]
+                cut = [
+                    per_token[rows[i].episode][
+                        rows[i].start : rows[i].start + len(rows[i].seq.token_ids)
+                    ]
+                    for i in micro
+                ]
                 return torch.tensor(pad(cut, 0.0))[:, 1:].float()
+
             return of_rows, returns, adv_abs
         rewards = torch.tensor([t.reward for t in batch])
         groups = torch.tensor([t.group_id for t in batch])
         adv = group_advantages(rewards, groups, scale=c.scale_rewards)
-        return (lambda micro: adv[[rows[i].episode for i in micro]]), returns, float(adv.abs().mean())
+        return (
+            (lambda micro: adv[[rows[i].episode for i in micro]]),
+            returns,
+            float(adv.abs().mean()),
+        )
 
     def _kl_in_reward(self, batch, rows: list[Row], old, ref) -> tuple[list[Trajectory], float]:
         """The batch with the KL penalty in its rewards: for each turn, β·Σ KL(π_old ‖ π_ref) over the
@@ -280,11 +406,15 @@ class Learner(WeightSource):
             events = []
             for n, turn in enumerate(t.turns):
                 lo, hi = max(turn.gen_start, 1), turn.gen_end
-                pen = c.kl_beta * float(sum(k * m for k, m in zip(kl_ep[i][lo - 1 : hi - 1], t.loss_mask[lo:hi])))
+                pen = c.kl_beta * float(
+                    sum(k * m for k, m in zip(kl_ep[i][lo - 1 : hi - 1], t.loss_mask[lo:hi]))
+                )
                 events.append({"name": "kl_penalty", "reward": -pen, "turn": n, "token": hi - 1})
             penalty = -sum(e["reward"] for e in events)
             total.append(penalty)
-            out[i] = dataclasses.replace(t, reward=t.reward - penalty, milestones=list(t.milestones) + events)
+            out[i] = dataclasses.replace(
+                t, reward=t.reward - penalty, milestones=list(t.milestones) + events
+            )
         return out, float(np.mean(total)) if total else 0.0
 
     def _value_loss(self, values, old_values, returns, micro, mb) -> torch.Tensor:
@@ -300,8 +430,12 @@ class Learner(WeightSource):
             return values.sum() * 0.0
         r, c_ = torch.tensor(rows), torch.tensor(cols)
         r, c_ = r.to(values.device), c_.to(values.device)
-        return value_loss(values[r, c_], old_values[r, c_], torch.tensor(targets, device=values.device),
-                          self.cfg.value_clip) / max(n_points, 1)
+        return value_loss(
+            values[r, c_],
+            old_values[r, c_],
+            torch.tensor(targets, device=values.device),
+            self.cfg.value_clip,
+        ) / max(n_points, 1)
 
     def train_step(self, batch: list[Trajectory]) -> dict:
         """One GRPO update over `batch`: one optimiser step per minibatch, `epochs` passes, gradients
@@ -317,12 +451,19 @@ class Learner(WeightSource):
         batch, dropped = usable_episodes(batch, min_version)
         if not batch:  # nothing to learn from; the version still advances so the loop stays uniform
             self.version += 1
-            return {**dropped, "policy_version": self.version, "skipped_update": 1, "train_s": time.perf_counter() - t0}
+            return {
+                **dropped,
+                "policy_version": self.version,
+                "skipped_update": 1,
+                "train_s": time.perf_counter() - t0,
+            }
         rows = training_rows(batch)  # what the forwards run: episodes, or a split episode's samples
         seqs = [row.seq for row in rows]
         shares = self.shares(seqs)
         plan = [[m for share in mb for m in share] for mb in shares]
-        mine = [padded_slots(mb, self.rank) for mb in shares]  # this rank's micro-batches, None: a dummy
+        mine = [
+            padded_slots(mb, self.rank) for mb in shares
+        ]  # this rank's micro-batches, None: a dummy
         old, old_v, ref, replays, replayed = {}, {}, {}, {}, []
         # One optimiser step on the weights that would score `old`: the training forward's own
         # log-probs, detached, are the pre-update ones (the same weights on the same micro-batches),
@@ -337,11 +478,14 @@ class Learner(WeightSource):
                 key = tuple(micro)
                 # the recorded experts, built once and replayed in every forward of this micro-batch
                 replays[key] = self._routing([seqs[i] for i in micro], ids.shape[1])
-                old[key], _, old_v[key] = self._logprobs(self.lm, ids, attn, routing=replays[key], replayed=replayed,
-                                                         only=mask)
+                old[key], _, old_v[key] = self._logprobs(
+                    self.lm, ids, attn, routing=replays[key], replayed=replayed, only=mask
+                )
                 if self.ref is not None:
                     ref[key], _, _ = self._logprobs(self.ref, ids, attn, only=mask)
-        if self.world > 1:  # every rank needs every micro-batch's numbers (advantages, KL, annotations)
+        if (
+            self.world > 1
+        ):  # every rank needs every micro-batch's numbers (advantages, KL, annotations)
             parts = all_gather_objects((old, old_v, ref, replayed))
             for part in parts:
                 for own, theirs in zip((old, old_v, ref), part[:3]):
@@ -359,10 +503,14 @@ class Learner(WeightSource):
                 n_seqs = sum(len(m) for m in mb)
                 self.opt.zero_grad(set_to_none=True)
                 total = 0.0
-                routing = RouterStats(self.lm)  # this step's router statistics, a micro-batch at a time
+                routing = RouterStats(
+                    self.lm
+                )  # this step's router statistics, a micro-batch at a time
                 hf_loads: list = []  # per micro-batch, per MoE layer, tokens per expert (Hugging Face MoE)
                 mb_tokens = sum(len(seqs[i].token_ids) for m in mb for i in m)
-                for micro in casts_cached_over(slots):  # one bf16 cast of the experts per optimizer step
+                for micro in casts_cached_over(
+                    slots
+                ):  # one bf16 cast of the experts per optimizer step
                     if micro is None:
                         self._dummy(backward=True)
                         continue
@@ -371,20 +519,38 @@ class Learner(WeightSource):
                     if fused:
                         replays[key] = self._routing([seqs[i] for i in micro], ids.shape[1])
                     hf_routers = [] if self.lm.kind == "hf" else None
-                    logp, ent, values = self._logprobs(self.lm, ids, attn, with_entropy=bool(c.entropy_coef),
-                                                       routing_out=routing, routing=replays[key],
-                                                       hf_routers=hf_routers, replayed=replayed if fused else None,
-                                                       only=mask)
+                    logp, ent, values = self._logprobs(
+                        self.lm,
+                        ids,
+                        attn,
+                        with_entropy=bool(c.entropy_coef),
+                        routing_out=routing,
+                        routing=replays[key],
+                        hf_routers=hf_routers,
+                        replayed=replayed if fused else None,
+                        only=mask,
+                    )
                     if fused:
                         old[key] = logp.detach()
                     loss, m = policy_loss(
-                        logp, old[key], adv_of(micro).to(self.device), mask,
-                        clip_low=c.clip_low, clip_high=c.clip_high, aggregation=c.loss_aggregation,
-                        ratio_level=c.ratio_level, max_tokens=self.max_generated_tokens, dual_clip=c.dual_clip,
+                        logp,
+                        old[key],
+                        adv_of(micro).to(self.device),
+                        mask,
+                        clip_low=c.clip_low,
+                        clip_high=c.clip_high,
+                        aggregation=c.loss_aggregation,
+                        ratio_level=c.ratio_level,
+                        max_tokens=self.max_generated_tokens,
+                        dual_clip=c.dual_clip,
                         is_weight_BT=self._is_weights(old[key], rollout, mask),
-                        kl_beta=c.kl_beta if c.kl_in == "loss" else 0.0, ref_logp_BT=ref.get(key),
+                        kl_beta=c.kl_beta if c.kl_in == "loss" else 0.0,
+                        ref_logp_BT=ref.get(key),
                         kl_estimator=c.kl_estimator,
-                        entropy_BT=ent, entropy_coef=c.entropy_coef, num_tokens=n_tokens, num_seqs=n_seqs,
+                        entropy_BT=ent,
+                        entropy_coef=c.entropy_coef,
+                        num_tokens=n_tokens,
+                        num_seqs=n_seqs,
                     )
                     if self.value_head is not None:
                         vl = self._value_loss(values, old_v[key], returns, micro, mb)
@@ -405,15 +571,21 @@ class Learner(WeightSource):
                     stats.setdefault(k, []).append(v)
                 for k, v in hf_load_metrics(self.lm, hf_loads).items():
                     stats.setdefault(k, []).append(v)
-                stats.setdefault("loss", []).append(float(all_reduce_sum(torch.tensor(total, dtype=torch.float64))))
+                stats.setdefault("loss", []).append(
+                    float(all_reduce_sum(torch.tensor(total, dtype=torch.float64)))
+                )
                 stats.setdefault("grad_norm", []).append(grad_norm)
         out.update(self._rollout_gap(seqs, plan, old))
         n_replayed, n_differ = (sum(r[j] for r in replayed) for j in (0, 1))
         if n_replayed:  # token × MoE-layer decisions taken from the rollout engine's record
-            out.update(routing_replay_decisions=n_replayed, router_decisions_differ=n_differ / n_replayed)
+            out.update(
+                routing_replay_decisions=n_replayed, router_decisions_differ=n_differ / n_replayed
+            )
         if self.rank == 0:
             out["annotations"] = annotations(batch, rows, plan, old, adv_of)
-        if self.world > 1:  # per-micro-batch metrics from every rank, as one learner would average them
+        if (
+            self.world > 1
+        ):  # per-micro-batch metrics from every rank, as one learner would average them
             merged: dict[str, list[float]] = {}
             for part in all_gather_objects(stats):
                 for k, v in part.items():
@@ -426,8 +598,11 @@ class Learner(WeightSource):
             trainable_params=sum(p.numel() for g in self.opt.param_groups for p in g["params"]),
             # the learner process's peak resident memory so far (and the GPU's peak on cuda)
             learner_peak_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            **({"learner_gpu_peak_mib": torch.cuda.max_memory_allocated(self.device) / 2**20}
-               if self.device.type == "cuda" else {}),
+            **(
+                {"learner_gpu_peak_mib": torch.cuda.max_memory_allocated(self.device) / 2**20}
+                if self.device.type == "cuda"
+                else {}
+            ),
             adv_abs_mean=adv_abs,
             microbatches=sum(len(mb) for mb in plan),
             train_s=time.perf_counter() - t0,
@@ -442,10 +617,14 @@ class Learner(WeightSource):
         as RL (precision, chunked head on the generated tokens only, shared prefixes); a split
         episode's samples each count. A single learner only (a group's ranks would need its shares)."""
         if self.world > 1:
-            raise NotImplementedError("the warm start runs on a single learner (learner.world_size 1)")
+            raise NotImplementedError(
+                "the warm start runs on a single learner (learner.world_size 1)"
+            )
         t0 = time.perf_counter()
         seqs = [row.seq for row in training_rows(batch)]
-        micro_batches = pack(list(range(len(seqs))), [len(t.token_ids) for t in seqs], self.cfg.microbatch_tokens)
+        micro_batches = pack(
+            list(range(len(seqs))), [len(t.token_ids) for t in seqs], self.cfg.microbatch_tokens
+        )
         n_tokens = sum(t.num_generated for t in seqs)
         for group in self.opt.param_groups:
             group["lr"] = lr
@@ -460,7 +639,12 @@ class Learner(WeightSource):
         grad_norm = self._clip_and_step()
         for group in self.opt.param_groups:
             group["lr"] = self.cfg.lr
-        return {"sft_loss": total, "grad_norm": grad_norm, "tokens": n_tokens, "seconds": time.perf_counter() - t0}
+        return {
+            "sft_loss": total,
+            "grad_norm": grad_norm,
+            "tokens": n_tokens,
+            "seconds": time.perf_counter() - t0,
+        }
 
     def next_version(self, after: int = -1) -> int:
         """A new policy version for weights changed outside `train_step` (the warm start's rounds),
@@ -478,8 +662,13 @@ class Learner(WeightSource):
 
     def _is_weights(self, old_BT, rollout_BT, mask_BT) -> torch.Tensor | None:
         c = self.cfg
-        return rollout_is_weights(old_BT, rollout_BT, mask_BT, mode=c.rollout_is, low=c.is_low,
-                                  high=c.tis_cap) if c.tis_cap else None
+        return (
+            rollout_is_weights(
+                old_BT, rollout_BT, mask_BT, mode=c.rollout_is, low=c.is_low, high=c.tis_cap
+            )
+            if c.tis_cap
+            else None
+        )
 
     def _rollout_gap(self, seqs, plan, old) -> dict:
         """How far the engine's log-probs are from the weights about to be trained, and what the
@@ -494,9 +683,13 @@ class Learner(WeightSource):
             weights.append(w[gen])
             seqs_dropped += int((((w == 0) | ~gen).all(-1) & gen.any(-1)).sum())
             n_seqs += int(gen.any(-1).sum())
-            versions = torch.tensor(pad([token_versions(seqs[i]) for i in micro], -1))[:, 1:].to(self.device)
+            versions = torch.tensor(pad([token_versions(seqs[i]) for i in micro], -1))[:, 1:].to(
+                self.device
+            )
             lags.append((self.version - versions)[gen])
-        return mismatch_metrics(torch.cat(logr), torch.cat(weights), torch.cat(lags), seqs_dropped, n_seqs)
+        return mismatch_metrics(
+            torch.cat(logr), torch.cat(weights), torch.cat(lags), seqs_dropped, n_seqs
+        )
 
     def _dummy(self, backward: bool = False) -> None:
         """A two-token forward (and backward of zero loss) for a rank with fewer micro-batches than
@@ -531,8 +724,13 @@ class Learner(WeightSource):
         """The learner's log p(token_ids[i] | token_ids[:i]) for i >= 1 (temperature 1)."""
         ids = torch.tensor([token_ids], device=self.device)
         h = self.lm.hidden(ids)
-        return chunked_logprobs(h, self.lm.head, ids, chunk_tokens=self.cfg.logprob_chunk_tokens,
-                                banned_ids=self.lm.banned_ids)[0][0].tolist()
+        return chunked_logprobs(
+            h,
+            self.lm.head,
+            ids,
+            chunk_tokens=self.cfg.logprob_chunk_tokens,
+            banned_ids=self.lm.banned_ids,
+        )[0][0].tolist()
 
     def allocator(self) -> str:
         """The malloc this learner process runs with (rl/allocator.py)."""
@@ -553,4 +751,3 @@ class Learner(WeightSource):
         from rl.checkpoints import load_learner
 
         return load_learner(self, path)
-

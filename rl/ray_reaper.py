@@ -26,11 +26,19 @@ import time
 def watch(pids: list[int]) -> None:
     """Start the reaper for the process trees of `pids` (this process's children); it outlives us."""
     read, write = os.pipe()
-    subprocess.Popen([sys.executable, "-m", "rl.ray_reaper", str(read), *map(str, pids)], pass_fds=(read,),
-                     start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                     stderr=subprocess.DEVNULL, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    subprocess.Popen(
+        [sys.executable, "-m", "rl.ray_reaper", str(read), *map(str, pids)],
+        pass_fds=(read,),
+        start_new_session=True,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     os.close(read)
-    os.set_inheritable(write, False)  # only this process holds it: our children must not keep it open
+    os.set_inheritable(
+        write, False
+    )  # only this process holds it: our children must not keep it open
     watch.fd = write  # kept open (and referenced) for this process's lifetime
 
 
@@ -87,7 +95,9 @@ def main(fd: int, roots: list[int], grace_s: float = 5.0, every_s: float = 1.0) 
             break
     known.update(_ray_tree(roots))
 
-    def alive(pid: int) -> bool:  # the same process as seen (not a pid reused since) and still Ray's
+    def alive(
+        pid: int,
+    ) -> bool:  # the same process as seen (not a pid reused since) and still Ray's
         return _start_time(pid) == known[pid] and _is_ray(pid)
 
     for sig in (signal.SIGTERM, signal.SIGKILL):

@@ -42,7 +42,14 @@ def init_ray(cfg: RayConfig) -> bool:
         from rl.ray_reaper import watch
 
         node = ray._private.worker._global_node  # the processes this ray.init started
-        watch([p.process.pid for procs in node.all_processes.values() for p in procs if p.process is not None])
+        watch(
+            [
+                p.process.pid
+                for procs in node.all_processes.values()
+                for p in procs
+                if p.process is not None
+            ]
+        )
     return True
 
 

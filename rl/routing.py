@@ -29,7 +29,11 @@ from policy.moe import replay_selection
 
 
 def _is_topk_router(module: torch.nn.Module) -> bool:
-    return type(module).__name__.endswith("TopKRouter") and hasattr(module, "top_k") and hasattr(module, "weight")
+    return (
+        type(module).__name__.endswith("TopKRouter")
+        and hasattr(module, "top_k")
+        and hasattr(module, "weight")
+    )
 
 
 class HFRoutingReplay:
@@ -38,10 +42,16 @@ class HFRoutingReplay:
         self.replay: list[torch.Tensor] | None = None  # per layer, N × k
         self.counts = [0, 0]
         self.model = model
-        self.seen: list[torch.Tensor] | None = None  # the routers' own choices, while `own_choice` runs
-        self.capture: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # (logits, chosen ids) per layer
+        self.seen: list[torch.Tensor] | None = (
+            None  # the routers' own choices, while `own_choice` runs
+        )
+        self.capture: list[tuple[torch.Tensor, torch.Tensor]] | None = (
+            None  # (logits, chosen ids) per layer
+        )
         for layer, gate in enumerate(self.gates):
-            gate.register_forward_hook(lambda mod, inp, out, layer=layer: self._hook(layer, mod, out))
+            gate.register_forward_hook(
+                lambda mod, inp, out, layer=layer: self._hook(layer, mod, out)
+            )
 
     @property
     def supported(self) -> bool:
@@ -53,7 +63,9 @@ class HFRoutingReplay:
 
     def set(self, routing_LBTk: torch.Tensor | None) -> None:
         """Recorded ids for the next forward (L × B × T × k, -1 where none), or None for no replay."""
-        self.replay = None if routing_LBTk is None else [r.reshape(-1, r.shape[-1]) for r in routing_LBTk]
+        self.replay = (
+            None if routing_LBTk is None else [r.reshape(-1, r.shape[-1]) for r in routing_LBTk]
+        )
         self.counts = [0, 0]
 
     @torch.no_grad()
@@ -122,8 +134,12 @@ class RouterStats:
         self.routers = list(lm.module.routers()) if lm.kind == "policy" else []
         self.biases = [r.bias.detach().float().cpu() for r in self.routers]
         self.loads = [torch.zeros(r.a.n_routed_experts, dtype=torch.long) for r in self.routers]
-        self.hists = [QuantileHistogram(r.a.n_routed_experts, r.a.top_k, r.a.hist_bins, r.a.hist_range)
-                      if r.a.balance == "quantile_hist" else None for r in self.routers]
+        self.hists = [
+            QuantileHistogram(r.a.n_routed_experts, r.a.top_k, r.a.hist_bins, r.a.hist_range)
+            if r.a.balance == "quantile_hist"
+            else None
+            for r in self.routers
+        ]
         self.scores: list[list[torch.Tensor]] = [[] for _ in self.routers]
         self.seen = False
 
@@ -132,7 +148,10 @@ class RouterStats:
         """One forward's router scores (tokens × experts per MoE layer, padding left out)."""
         self.seen = True
         for layer, (router, raw) in enumerate(zip(self.routers, scores_per_layer)):
-            scores, bias = raw.detach().float().cpu(), self.biases[layer]  # balancing runs on the CPU
+            scores, bias = (
+                raw.detach().float().cpu(),
+                self.biases[layer],
+            )  # balancing runs on the CPU
             idx = (scores + bias).topk(router.a.top_k, dim=-1).indices
             self.loads[layer] += torch.bincount(idx.flatten(), minlength=router.a.n_routed_experts)
             if self.hists[layer] is not None:

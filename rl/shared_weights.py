@@ -66,7 +66,10 @@ def _as_slice(t: torch.Tensor, starts: list[int], sizes: list[int]):
         at[d] = min(1, n - 1)
         stride.append(int(t[tuple(at)]) - first if n > 1 else 1)
     local = first - starts[r]
-    if any(s < 0 for s in stride) or local + sum((n - 1) * s for n, s in zip(t.shape, stride)) >= sizes[r]:
+    if (
+        any(s < 0 for s in stride)
+        or local + sum((n - 1) * s for n, s in zip(t.shape, stride)) >= sizes[r]
+    ):
         return None
     expected = torch.full((), first, dtype=t.dtype)
     for d, (n, s) in enumerate(zip(t.shape, stride)):
@@ -97,17 +100,41 @@ def layout(lm, named: list[tuple[str, torch.Tensor]], engine_dtype: torch.dtype)
             return renamed_layout(lm, named, engine_dtype)
         r, local, stride = hit
         _, _, dt, offset = regions[r]
-        entries.append((name, r, SharedTensor(offset + local * dt.itemsize, tuple(t.shape), stride, str(dt).removeprefix("torch."))))
+        entries.append(
+            (
+                name,
+                r,
+                SharedTensor(
+                    offset + local * dt.itemsize,
+                    tuple(t.shape),
+                    stride,
+                    str(dt).removeprefix("torch."),
+                ),
+            )
+        )
     return Layout(regions, entries, True, nbytes)
 
 
 def renamed_layout(lm, named: list[tuple[str, torch.Tensor]], engine_dtype: torch.dtype) -> Layout:
     """The fallback: every renamed tensor a region of its own (the renaming runs at every sync)."""
-    out = [(n, tuple(t.shape), t.dtype) for n, t in lm.checkpoint_names((n, t.to("meta")) for n, t in named)]
+    out = [
+        (n, tuple(t.shape), t.dtype)
+        for n, t in lm.checkpoint_names((n, t.to("meta")) for n, t in named)
+    ]
     regions, nbytes = _regions(out, engine_dtype)
-    entries = [(name, i, SharedTensor(offset, shape, tuple(torch.empty(shape, device="meta").stride()),
-                                      str(dt).removeprefix("torch.")))
-               for i, (name, shape, dt, offset) in enumerate(regions)]
+    entries = [
+        (
+            name,
+            i,
+            SharedTensor(
+                offset,
+                shape,
+                tuple(torch.empty(shape, device="meta").stride()),
+                str(dt).removeprefix("torch."),
+            ),
+        )
+        for i, (name, shape, dt, offset) in enumerate(regions)
+    ]
     return Layout(regions, entries, False, nbytes)
 
 
@@ -120,7 +147,9 @@ class SharedPublisher:
         self.layout, self.max_slabs = layout, max_slabs
         self.slabs: list[Slab] = []
 
-    def plan(self, version: int, bucket_mb: float, source, device: torch.device | None = None) -> dict | None:
+    def plan(
+        self, version: int, bucket_mb: float, source, device: torch.device | None = None
+    ) -> dict | None:
         """Take a slab for `version` and plan its buckets (consecutive entries of at most `bucket_mb`
         MiB); `source` yields the regions' (name, tensor), read once, in order, as buckets are cut.
         `device`: a CUDA device puts the slab in its memory (engines on that GPU), else host memory."""
@@ -137,21 +166,38 @@ class SharedPublisher:
         slab.version = version
         slab.mark(-1)
         sizes = ((i, _nbytes(ref)) for i, (_, _, ref) in enumerate(self.layout.entries))
-        buckets = [[i for i, _ in g] for g in bucketize(sizes, max(1, int(bucket_mb * (1 << 20))), nbytes=lambda n: n)]
+        buckets = [
+            [i for i, _ in g]
+            for g in bucketize(sizes, max(1, int(bucket_mb * (1 << 20))), nbytes=lambda n: n)
+        ]
         self.started = time.perf_counter()
-        self._cut = {"slab": slab, "buckets": buckets, "source": iter(source), "written": 0, "next": 0}
+        self._cut = {
+            "slab": slab,
+            "buckets": buckets,
+            "source": iter(source),
+            "written": 0,
+            "next": 0,
+        }
         names = [[self.layout.entries[i][0] for i in b] for b in buckets]
         nbytes = [sum(_nbytes(self.layout.entries[i][2]) for i in b) for b in buckets]
-        return {"version": version, "names": names, "bytes": nbytes, "adapter": False, "bf16": False,
-                "shared": slab.address}
+        return {
+            "version": version,
+            "names": names,
+            "bytes": nbytes,
+            "adapter": False,
+            "bf16": False,
+            "shared": slab.address,
+        }
 
     def take(self, index: int) -> list[tuple[str, SharedTensor]]:
         """Write what bucket `index` views into the slab (the regions up to its last), and name its
         tensors. The last bucket writes every remaining region and marks the slab with the version."""
         cut = self._cut
         if index != cut["next"]:
-            raise RuntimeError(f"weight sync of version {cut['slab'].version}: bucket {index} asked for, "
-                               f"bucket {cut['next']} is next")
+            raise RuntimeError(
+                f"weight sync of version {cut['slab'].version}: bucket {index} asked for, "
+                f"bucket {cut['next']} is next"
+            )
         entries = [self.layout.entries[i] for i in cut["buckets"][index]]
         last = index == len(cut["buckets"]) - 1
         self._write(cut, len(self.layout.regions) if last else max(r for _, r, _ in entries) + 1)
@@ -168,10 +214,14 @@ class SharedPublisher:
             name, t = next(cut["source"], (None, None))
             want, shape, dtype, offset = regions[cut["written"]]
             if name != want or tuple(t.shape) != shape:
-                raise RuntimeError(f"weight sync: the learner's tensor {cut['written']} is {name} "
-                                   f"{tuple(t.shape) if t is not None else ''}; its shared-memory layout expects "
-                                   f"{want} {shape}")
-            slab.region(offset, shape, dtype).copy_(t)  # the cast to the engines' dtype is this copy
+                raise RuntimeError(
+                    f"weight sync: the learner's tensor {cut['written']} is {name} "
+                    f"{tuple(t.shape) if t is not None else ''}; its shared-memory layout expects "
+                    f"{want} {shape}"
+                )
+            slab.region(offset, shape, dtype).copy_(
+                t
+            )  # the cast to the engines' dtype is this copy
             cut["written"] += 1
 
     def release(self, version: int) -> None:

@@ -27,8 +27,9 @@ def deal_by_tokens(idx: list[int], lengths: list[int], ranks: int) -> list[list[
     return shares
 
 
-def minibatch_shares(lengths: list[int], minibatch_episodes: int, microbatch_tokens: int,
-                     ranks: int) -> list[list[list[list[int]]]]:
+def minibatch_shares(
+    lengths: list[int], minibatch_episodes: int, microbatch_tokens: int, ranks: int
+) -> list[list[list[list[int]]]]:
     """Per minibatch (`minibatch_episodes` episodes, one optimiser step), per rank, that rank's
     micro-batches: the minibatch's episodes dealt to the ranks by tokens, each share packed on its
     own so a micro-batch's padded size stays within `microbatch_tokens` (an episode longer than the
@@ -36,7 +37,12 @@ def minibatch_shares(lengths: list[int], minibatch_episodes: int, microbatch_tok
     out = []
     for s in range(0, len(lengths), minibatch_episodes):
         idx = list(range(s, min(s + minibatch_episodes, len(lengths))))
-        out.append([pack(share, lengths, microbatch_tokens) for share in deal_by_tokens(idx, lengths, ranks)])
+        out.append(
+            [
+                pack(share, lengths, microbatch_tokens)
+                for share in deal_by_tokens(idx, lengths, ranks)
+            ]
+        )
     return out
 
 

@@ -12,8 +12,8 @@ import dataclasses
 import json
 import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -89,8 +89,21 @@ class TrajectoryStore:
         rows = {f.name: [] for f in SCHEMA}
         for t in trajectories:
             rows["schema_version"].append(SCHEMA_VERSION)
-            for key in ("episode_id", "iteration", "group_id", "env_id", "seed", "task", "prompt_len",
-                        "token_ids", "loss_mask", "rollout_logprobs", "reward", "stop_reason", "infra_error"):
+            for key in (
+                "episode_id",
+                "iteration",
+                "group_id",
+                "env_id",
+                "seed",
+                "task",
+                "prompt_len",
+                "token_ids",
+                "loss_mask",
+                "rollout_logprobs",
+                "reward",
+                "stop_reason",
+                "infra_error",
+            ):
                 rows[key].append(getattr(t, key))
             # the agent loop sets it; a record made elsewhere (a test, a conversion) gets it derived here
             rows["failure"].append(t.failure or stored_failure(vars(t), t.turns, t.milestones))
@@ -109,12 +122,16 @@ class TrajectoryStore:
     def write_learner(self, name: str, annotations: dict, policy_version: int) -> Path:
         """The learner's per-token log-probs and advantages of the episodes it trained on."""
         ids = sorted(annotations)
-        table = pa.table({
-            "schema_version": [SCHEMA_VERSION] * len(ids), "episode_id": ids,
-            "policy_version": [policy_version] * len(ids),
-            "learner_logprobs": [annotations[i]["learner_logprobs"] for i in ids],
-            "advantages": [annotations[i]["advantages"] for i in ids],
-        }, schema=LEARNER_SCHEMA)
+        table = pa.table(
+            {
+                "schema_version": [SCHEMA_VERSION] * len(ids),
+                "episode_id": ids,
+                "policy_version": [policy_version] * len(ids),
+                "learner_logprobs": [annotations[i]["learner_logprobs"] for i in ids],
+                "advantages": [annotations[i]["advantages"] for i in ids],
+            },
+            schema=LEARNER_SCHEMA,
+        )
         return self._write_atomic(self.learner_dir, name, table)
 
     @staticmethod
@@ -122,7 +139,9 @@ class TrajectoryStore:
         directory.mkdir(parents=True, exist_ok=True)
         final = directory / f"{name}.parquet"
         if final.exists():
-            raise FileExistsError(f"shard {final} already exists; the store never overwrites a shard")
+            raise FileExistsError(
+                f"shard {final} already exists; the store never overwrites a shard"
+            )
         tmp = directory / f".{name}.parquet.tmp"
         with open(tmp, "wb") as fh:
             # one row group per episode: a reader filtering by episode id loads only that episode
@@ -140,11 +159,19 @@ class TrajectoryStore:
     def learner_shards(self) -> list[Path]:
         return sorted(self.learner_dir.glob("*.parquet")) if self.learner_dir.exists() else []
 
-    def _read(self, shards: list[Path], episode_ids: list[str] | None = None,
-              columns: list[str] | None = None) -> Iterator[dict]:
+    def _read(
+        self,
+        shards: list[Path],
+        episode_ids: list[str] | None = None,
+        columns: list[str] | None = None,
+    ) -> Iterator[dict]:
         """Rows of `shards` (only the row groups of `episode_ids` when given, only `columns` when
         given); an unreadable shard is named in `self.corrupt` and skipped."""
-        filters = None if episode_ids is None else [("episode_id", "in", list(dict.fromkeys(episode_ids)))]
+        filters = (
+            None
+            if episode_ids is None
+            else [("episode_id", "in", list(dict.fromkeys(episode_ids)))]
+        )
         for shard in shards:
             try:
                 table = pq.read_table(shard, filters=filters, columns=columns)
@@ -179,7 +206,12 @@ class TrajectoryStore:
     def shards(self) -> list[Path]:
         return sorted(self.dir.glob("*.parquet")) if self.dir.exists() else []
 
-    def rows(self, columns: list[str] | None = None, strict: bool = True, shards: list[Path] | None = None) -> Iterator[dict]:
+    def rows(
+        self,
+        columns: list[str] | None = None,
+        strict: bool = True,
+        shards: list[Path] | None = None,
+    ) -> Iterator[dict]:
         """Every stored episode (of `shards`, default all) as a dict of columns, shard by shard (one
         shard in memory at a time).
 
@@ -189,9 +221,13 @@ class TrajectoryStore:
         still show the rest."""
         for shard in self.shards() if shards is None else shards:
             try:
-                pf = pq.ParquetFile(shard)  # one open: the footer tells which columns this shard has
+                pf = pq.ParquetFile(
+                    shard
+                )  # one open: the footer tells which columns this shard has
                 present = pf.schema_arrow.names
-                table = pf.read(columns=None if columns is None else [c for c in columns if c in present])
+                table = pf.read(
+                    columns=None if columns is None else [c for c in columns if c in present]
+                )
                 rows = table.to_pylist()
                 _check_rows(rows)
             except (pa.ArrowInvalid, OSError, CorruptRecord) as exc:
@@ -209,7 +245,7 @@ class TrajectoryStore:
         for row in self.rows(shards=None if shard is None else [shard], strict=strict):
             yield row_to_trajectory(row)
 
-    def unreadable(self) -> list["CorruptShard"]:
+    def unreadable(self) -> list[CorruptShard]:
         """Shards whose footer or episode ids cannot be read, checked without reading the token
         columns: a quick look before a long pass over the run."""
         bad = []
@@ -226,7 +262,15 @@ class CorruptRecord(ValueError):
     crafted or damaged shard, refused whole like an unreadable one."""
 
 
-_TURN_INTS = ("gen_start", "gen_end", "obs_end", "tool_calls", "tool_errors", "policy_version", "seed")
+_TURN_INTS = (
+    "gen_start",
+    "gen_end",
+    "obs_end",
+    "tool_calls",
+    "tool_errors",
+    "policy_version",
+    "seed",
+)
 _TURN_TEXTS = ("text", "observation", "finish_reason", "kind")
 
 
@@ -242,6 +286,7 @@ def _is_number(x) -> bool:
 
 def record_problem(row: dict) -> str | None:
     """What in a row's JSON columns is not a record the store writes (types included), or None."""
+
     def parsed(key, kind):
         try:
             value = json.loads(row[key])
@@ -257,17 +302,29 @@ def record_problem(row: dict) -> str | None:
             for i, t in enumerate(parsed("turns", list)):
                 if not isinstance(t, dict) or not set(t) <= fields:
                     raise CorruptRecord(f"turn {i} is not a turn record")
-                bad = ([k for k in _TURN_INTS if k in t and not _is_int(t[k])]
-                       + [k for k in _TURN_TEXTS if k in t and not isinstance(t[k], str)]
-                       + [k for k in ("sandbox_events", "failures") if k in t
-                          and not (isinstance(t[k], list) and all(isinstance(x, str) for x in t[k]))])
+                bad = (
+                    [k for k in _TURN_INTS if k in t and not _is_int(t[k])]
+                    + [k for k in _TURN_TEXTS if k in t and not isinstance(t[k], str)]
+                    + [
+                        k
+                        for k in ("sandbox_events", "failures")
+                        if k in t
+                        and not (isinstance(t[k], list) and all(isinstance(x, str) for x in t[k]))
+                    ]
+                )
                 if bad:
                     raise CorruptRecord(f"turn {i}: {bad[0]} has the wrong type")
         if row.get("milestones") is not None:
             for m in parsed("milestones", list):
-                if not (isinstance(m, dict) and isinstance(m.get("name"), str) and _is_number(m.get("reward"))
-                        and all(_is_int(m[k]) for k in ("turn", "token") if k in m)):
-                    raise CorruptRecord("a milestone is not {name: str, reward: number, turn: int, token: int}")
+                if not (
+                    isinstance(m, dict)
+                    and isinstance(m.get("name"), str)
+                    and _is_number(m.get("reward"))
+                    and all(_is_int(m[k]) for k in ("turn", "token") if k in m)
+                ):
+                    raise CorruptRecord(
+                        "a milestone is not {name: str, reward: number, turn: int, token: int}"
+                    )
         if row.get("reward_parts") is not None:
             parts = parsed("reward_parts", dict)
             if not all(_is_number(v) for v in parts.values()):
@@ -327,8 +384,12 @@ def stored_failure(row: dict, turns: list[Turn], milestones: list[dict]) -> str:
     from rollout.agent_loop import succeeded_in
 
     infra = row.get("infra_error") or ""
-    return failure_kind(row["stop_reason"], turns, not infra and succeeded_in(row["env_id"], milestones, row["reward"]),
-                        infra)
+    return failure_kind(
+        row["stop_reason"],
+        turns,
+        not infra and succeeded_in(row["env_id"], milestones, row["reward"]),
+        infra,
+    )
 
 
 def row_to_trajectory(row: dict) -> Trajectory:

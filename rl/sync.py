@@ -50,22 +50,38 @@ from rollout.weights import Manifest, planned_manifest
 
 # How a rollout worker's death shows in a call to it: its process died (crash, kill, node loss),
 # its result was lost with it, or Ray's memory monitor killed it (the actor restarts like a crash).
-WORKER_LOST = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, ray.exceptions.OutOfMemoryError)
+WORKER_LOST = (
+    ray.exceptions.RayActorError,
+    ray.exceptions.ObjectLostError,
+    ray.exceptions.OutOfMemoryError,
+)
 
 
 class PendingSync:
     """The load calls of one published version, on every worker; `finish` waits for them. On the
     collective path `sender` is the learner's broadcast, which finishes with the loads."""
 
-    def __init__(self, manifest: Manifest | None, futures: dict, publish_s: float, started: float,
-                 version: int | None = None, sender=None, publish_seconds_ref=None):
+    def __init__(
+        self,
+        manifest: Manifest | None,
+        futures: dict,
+        publish_s: float,
+        started: float,
+        version: int | None = None,
+        sender=None,
+        publish_seconds_ref=None,
+    ):
         self.manifest, self.publish_s, self.started = manifest, publish_s, started
-        self.publish_seconds_ref = publish_seconds_ref  # a streamed publish: the learner's seconds, once it is done
+        self.publish_seconds_ref = (
+            publish_seconds_ref  # a streamed publish: the learner's seconds, once it is done
+        )
         self.futures = futures  # load ref -> index of its rollout worker
         self.version = manifest.version if manifest is not None else version
         self.sender = sender
         self.lost: list[int] = []  # workers that died before loading this version (see `finish`)
-        self.release = None  # a shared-memory version: hands its slab back to the learner (`start_sync`)
+        self.release = (
+            None  # a shared-memory version: hands its slab back to the learner (`start_sync`)
+        )
 
     def _published(self) -> float:
         """The learner's publish seconds (a streamed publish reports them once its last bucket is
@@ -83,8 +99,10 @@ class PendingSync:
             try:
                 ray.get(ref, timeout=30)
             except ray.exceptions.RayTaskError as exc:
-                raise RuntimeError(f"weight sync to version {self.version}: the learner failed to publish it: "
-                                   f"{getattr(exc, 'cause', None) or exc}") from exc
+                raise RuntimeError(
+                    f"weight sync to version {self.version}: the learner failed to publish it: "
+                    f"{getattr(exc, 'cause', None) or exc}"
+                ) from exc
 
     def _sent(self, late: list) -> None:
         """The collective path: the learner's broadcast finished (or is still waiting for a late worker,
@@ -94,9 +112,13 @@ class PendingSync:
         except ray.exceptions.GetTimeoutError:
             return
         except ray.exceptions.RayTaskError as exc:
-            raise RuntimeError(f"weight sync to version {self.version}: the learner's broadcast failed: {exc}") from exc
+            raise RuntimeError(
+                f"weight sync to version {self.version}: the learner's broadcast failed: {exc}"
+            ) from exc
         if sent["version"] != self.version:
-            raise RuntimeError(f"weight sync: the learner broadcast version {sent['version']}, expected {self.version}")
+            raise RuntimeError(
+                f"weight sync: the learner broadcast version {sent['version']}, expected {self.version}"
+            )
         self.publish_s = sent["send_s"]
 
     def finish(self, timeout_s: float) -> dict:
@@ -112,12 +134,17 @@ class PendingSync:
             dead = [self.futures[r] for r in ready if _died(r)]
             if dead:  # a broadcast fails for every member: the driver restores the dead, forms the group again
                 self.lost = dead
-                return {"sync_version": self.version, "sync_workers_lost": len(dead),
-                        "sync_wall_s": time.perf_counter() - self.started}
+                return {
+                    "sync_version": self.version,
+                    "sync_workers_lost": len(dead),
+                    "sync_wall_s": time.perf_counter() - self.started,
+                }
             self._sent(late)
         if late:
             names = ", ".join(f"rollout worker {self.futures[r]}" for r in late)
-            raise TimeoutError(f"weight sync to version {self.version}: {names} did not load it within {timeout_s:.0f}s")
+            raise TimeoutError(
+                f"weight sync to version {self.version}: {names} did not load it within {timeout_s:.0f}s"
+            )
         loads = []
         for ref in ready:
             try:
@@ -126,36 +153,59 @@ class PendingSync:
                 self.lost.append(self.futures[ref])
             except ray.exceptions.RayError as exc:
                 self._check_buckets()  # a bucket the learner failed to cut fails every load: blame the learner
-                raise RuntimeError(f"weight sync to version {self.version}: rollout worker {self.futures[ref]} "
-                                   f"failed: {exc}") from exc
+                raise RuntimeError(
+                    f"weight sync to version {self.version}: rollout worker {self.futures[ref]} "
+                    f"failed: {exc}"
+                ) from exc
         for ref, r in loads:
             if r["version"] != self.version:
-                raise RuntimeError(f"weight sync: rollout worker {self.futures[ref]} reports version {r['version']}, "
-                                   f"expected {self.version}")
+                raise RuntimeError(
+                    f"weight sync: rollout worker {self.futures[ref]} reports version {r['version']}, "
+                    f"expected {self.version}"
+                )
         published = self._published()
         shared = bool(self.manifest is not None and self.manifest.shared)
         on_gpu = shared and isinstance(self.manifest.shared, CudaIpc)
         self.manifest = None  # the buckets are freed once nobody holds a reference
-        if self.release is not None:  # every load is done (a late one raised above: its slab stays held)
+        if (
+            self.release is not None
+        ):  # every load is done (a late one raised above: its slab stays held)
             self.release()
-        out = {"sync_version": self.version, "sync_publish_s": published,
-               "sync_wall_s": time.perf_counter() - self.started, "sync_workers_lost": len(self.lost),
-               "sync_shared": shared, "sync_shared_gpu": on_gpu}
+        out = {
+            "sync_version": self.version,
+            "sync_publish_s": published,
+            "sync_wall_s": time.perf_counter() - self.started,
+            "sync_workers_lost": len(self.lost),
+            "sync_shared": shared,
+            "sync_shared_gpu": on_gpu,
+        }
         if loads:
             load_max = max(r["load_s"] for _, r in loads)
             # sync_s: what delivering the version cost (the publish until the loads were queued + the
             # slowest load, which with a streamed publish includes waiting for its buckets), in either
             # mode; sync_wall_s also counts the wait behind rollouts queued before the loads (async mode)
-            out.update({"sync_s": self.publish_s + load_max, "sync_load_s_max": load_max,
-                        # waiting for this node's other CPU engines to load first (rollout.serial_cpu_loads)
-                        "sync_load_wait_s_max": max(r.get("load_wait_s", 0.0) for _, r in loads),
-                        "sync_bytes": loads[0][1]["bytes"], "sync_buckets": loads[0][1]["buckets"]})
+            out.update(
+                {
+                    "sync_s": self.publish_s + load_max,
+                    "sync_load_s_max": load_max,
+                    # waiting for this node's other CPU engines to load first (rollout.serial_cpu_loads)
+                    "sync_load_wait_s_max": max(r.get("load_wait_s", 0.0) for _, r in loads),
+                    "sync_bytes": loads[0][1]["bytes"],
+                    "sync_buckets": loads[0][1]["buckets"],
+                }
+            )
             if all("direct" in r for _, r in loads):
                 # tensors the slowest-path worker loaded straight where its engine reads them, not
                 # through vLLM's layerwise reload (rollout/engines/vllm_ext.py), of those it received
-                out.update({"sync_tensors": loads[0][1]["tensors"],
-                            "sync_direct_tensors": min(r["direct"] for _, r in loads)})
-            if all("unstaged" in r for _, r in loads):  # expert layers packed straight from what was sent
+                out.update(
+                    {
+                        "sync_tensors": loads[0][1]["tensors"],
+                        "sync_direct_tensors": min(r["direct"] for _, r in loads),
+                    }
+                )
+            if all(
+                "unstaged" in r for _, r in loads
+            ):  # expert layers packed straight from what was sent
                 out["sync_unstaged_expert_layers"] = min(r["unstaged"] for _, r in loads)
         return out
 
@@ -181,7 +231,9 @@ def form_group(learner, workers: list, backend: str, timeout_s: float) -> None:
     world = len(workers) + 1
     refs = learner.join_sync_group.remote(master, world, backend, timeout_s)
     refs = (refs if isinstance(refs, list) else [refs]) + [
-        w.join_sync_group.remote(master, i + 1, world, backend, timeout_s) for i, w in enumerate(workers)]
+        w.join_sync_group.remote(master, i + 1, world, backend, timeout_s)
+        for i, w in enumerate(workers)
+    ]
     ray.get(refs, timeout=timeout_s + 30)
 
 
@@ -195,8 +247,14 @@ def start_collective_sync(learner, workers: list, bucket_mb: float, version: int
     return PendingSync(None, futures, 0.0, t0, version=version, sender=sender)
 
 
-def start_sync(learner, workers: list, bucket_mb: float, indices: list[int] | None = None,
-               stream: bool = True, shared: bool = False) -> PendingSync:
+def start_sync(
+    learner,
+    workers: list,
+    bucket_mb: float,
+    indices: list[int] | None = None,
+    stream: bool = True,
+    shared: bool = False,
+) -> PendingSync:
     """Publish the learner's current weights and queue a load on every worker; returns once the
     loads are queued (on each worker a load runs after the calls already queued there).
     `indices` names the workers in errors (default: their positions in `workers`).
@@ -217,9 +275,13 @@ def start_sync(learner, workers: list, bucket_mb: float, indices: list[int] | No
     plan = result(learner.plan_publish.remote(bucket_mb, **shared)) if stream else None
     seconds = None
     if plan is None:
-        manifest = result(learner.publish.remote(bucket_mb, **shared))  # a learner group answers with rank 0's manifest
+        manifest = result(
+            learner.publish.remote(bucket_mb, **shared)
+        )  # a learner group answers with rank 0's manifest
     else:
-        manifest = planned_manifest(plan, [_one(learner.publish_bucket.remote(i)) for i in range(len(plan["names"]))])
+        manifest = planned_manifest(
+            plan, [_one(learner.publish_bucket.remote(i)) for i in range(len(plan["names"]))]
+        )
         seconds = _one(learner.publish_seconds.remote())  # runs right after the last bucket
     publish_s = time.perf_counter() - t0
     indices = list(range(len(workers))) if indices is None else indices
@@ -235,7 +297,9 @@ def placements(learner, workers: list) -> tuple[dict | None, list[dict]]:
     and each worker run: {"node": Ray node id, "gpus": UUIDs of the GPUs its process uses}. Asked at
     every sync: a worker Ray restarted may be elsewhere. (In async mode a worker runs this call
     beside its rollouts; in sync mode it has none queued.)"""
-    ranks = getattr(learner, "actors", [learner])  # rl/learner_group.py LearnerGroup, or the actor itself
+    ranks = getattr(
+        learner, "actors", [learner]
+    )  # rl/learner_group.py LearnerGroup, or the actor itself
     if len(ranks) > 1:
         return None, []
     places = ray.get([a.placement.remote() for a in [ranks[0], *workers]], timeout=60)

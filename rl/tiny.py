@@ -100,7 +100,9 @@ def build_tokenizer(corpus: list[str], vocab_size: int = 1024):
     return hf
 
 
-def make_tiny_qwen3_moe(out_dir: str | Path, dims: TinyMoEDims | None = None, seed: int = 0) -> Path:
+def make_tiny_qwen3_moe(
+    out_dir: str | Path, dims: TinyMoEDims | None = None, seed: int = 0
+) -> Path:
     """Write a random tiny Qwen3-MoE checkpoint with its tokenizer to `out_dir`; return the path.
 
     Deterministic given `seed`. The weights are fp32 (log-prob checks against vLLM need fp32).
@@ -142,7 +144,9 @@ def make_tiny_qwen3_moe(out_dir: str | Path, dims: TinyMoEDims | None = None, se
             layer.mlp.gate.weight.normal_(0.0, 0.5)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id).save_pretrained(out)
+    GenerationConfig(
+        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
+    ).save_pretrained(out)
     return out
 
 
@@ -152,9 +156,8 @@ def make_tiny_policy(out_dir: str | Path, args: ModelArgs, seed: int = 0) -> Pat
 
     The vocabulary follows the tokenizer; with vision on, an `<|image|>` special token is added
     and becomes `vision.image_token_id` (a fixed id would collide with the chat's own tokens)."""
-    from transformers import GenerationConfig
-
     import torch
+    from transformers import GenerationConfig
 
     from policy.checkpoint import save_policy
     from policy.model import Policy

@@ -56,21 +56,22 @@ import ray
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from envs.env_worker import EnvWorkerActor
+from rewards.rubric import build as build_rubric
 from rl import allocator
 from rl.checkpoints import resume_point
 from rl.config import RunConfig, dump_config
+from rl.episodes import batch_metrics, iteration_tasks
+from rl.guards import LearningGuard
 from rl.learner_group import LearnerGroup, result
+from rl.loggers import TensorBoardLog
 from rl.ray_utils import init_ray
 from rl.store import TrajectoryStore
-from rl.episodes import batch_metrics, iteration_tasks
-from rollout.trajectory import EpisodeTask, Trajectory
-from envs.env_worker import EnvWorkerActor
-from rl.loggers import TensorBoardLog
-from rl.guards import LearningGuard
 from rl.sync import WORKER_LOST, PendingSync, form_group, start_collective_sync, start_sync
-from rollout.worker import RolloutWorkerActor, StaleWorkerError
 from rollout.judge_actor import JudgeActor, ask_groups, settle
-from rewards.rubric import build as build_rubric
+from rollout.trajectory import EpisodeTask, Trajectory
+from rollout.worker import RolloutWorkerActor, StaleWorkerError
+
 
 # a worker's process or node died, or the result it produced was lost with its node
 class WorkerLost(RuntimeError):
@@ -81,8 +82,11 @@ class LearnerDied(RuntimeError):
     """The learner actor died; the message says what survived and how to continue."""
 
     def __init__(self, run_dir: Path, checkpoint: Path | None, during: str, exc: BaseException):
-        where = (f"the last checkpoint is {checkpoint.name}" if checkpoint is not None
-                 else "no checkpoint was written yet")
+        where = (
+            f"the last checkpoint is {checkpoint.name}"
+            if checkpoint is not None
+            else "no checkpoint was written yet"
+        )
         super().__init__(
             f"the learner died during {during} ({type(exc).__name__}); the run stops here. Trajectories "
             f"and metrics written so far are kept in {run_dir} and {where}; continue with: "
@@ -94,8 +98,13 @@ class Trainer:
     """The driver. With `from_store=RUN_DIR` it starts no rollout or env workers: iteration i trains
     on the i-th trajectory shard of that run (for debugging a learner change on fixed data)."""
 
-    def __init__(self, cfg: RunConfig, run_dir: str | Path, console: Console | None = None,
-                 from_store: str | Path | None = None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: str | Path,
+        console: Console | None = None,
+        from_store: str | Path | None = None,
+    ):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.console = console or Console(stderr=True)
@@ -116,13 +125,21 @@ class Trainer:
         self._judge_row: dict = {}  # the judge's metrics of the iteration being collected
         self.tensorboard = None
         self.wandb = None
-        self._inflight: dict[int, list] = {}  # iteration → [(worker index, share, min version, future)]
+        self._inflight: dict[
+            int, list
+        ] = {}  # iteration → [(worker index, share, min version, future)]
         self.worker_restarts = 0  # rollout worker deaths this driver recovered from, so far
-        self._outstanding: list[dict] = []  # per rollout worker: episode id → task, given and not yet back
+        self._outstanding: list[
+            dict
+        ] = []  # per rollout worker: episode id → task, given and not yet back
         self._busy_last: list[float] = []  # the engines' busy seconds at the last row
-        self._held: list[Trajectory] = []  # ended episodes whose group has not ended yet (partial rollouts)
+        self._held: list[
+            Trajectory
+        ] = []  # ended episodes whose group has not ended yet (partial rollouts)
         self.episodes_rerun = 0
-        self._syncs: list[tuple[int, PendingSync]] = []  # (last iteration submitted before it, sync)
+        self._syncs: list[
+            tuple[int, PendingSync]
+        ] = []  # (last iteration submitted before it, sync)
         self._last_row_t = 0.0
         self.guard = LearningGuard(cfg, self.run_dir)  # stops a run that cannot learn
         self.warm = None  # the warm start phase, once run (rl/warm_start.py)
@@ -131,13 +148,17 @@ class Trainer:
     # --- set-up ---
     def policy_path(self) -> str:
         """The policy the run starts from (before any warm start: that runs on the learner, `start`)."""
-        if self.cfg.policy.pretrained:  # converted and upcycled once, in the local cache (rl/pretrained.py)
+        if (
+            self.cfg.policy.pretrained
+        ):  # converted and upcycled once, in the local cache (rl/pretrained.py)
             from rl.pretrained import for_config
 
             return str(for_config(self.cfg.policy))
         if self.cfg.policy.path:
             return self.cfg.policy.path
-        if self.source is not None:  # the stored token ids are that run's tokenizer's: train its policy
+        if (
+            self.source is not None
+        ):  # the stored token ids are that run's tokenizer's: train its policy
             init = self.source.dir.parent / "policy-init"
             if not (init / "config.json").exists():
                 raise FileNotFoundError(f"--from-store: set policy.path; {init} holds no policy")
@@ -167,12 +188,27 @@ class Trainer:
         r = c.rollout
         # where a rebuilt context starts depends on a turn's room; in a full context an expert turn is
         # never cut (as before contexts were managed)
-        loop = dict(max_turns=r.max_turns, max_episode_tokens=r.max_episode_tokens, context=r.context,
-                    max_model_len=r.max_model_len, max_new_tokens=None if r.context.mode == "full" else r.max_new_tokens)
-        sources = [Source(e, dict(c.env.kwargs) if e == c.env.id else {}, loop) for e in c.warm_start.envs or [c.env.id]]
-        return WarmStart(c.warm_start, sources, ChatFormat(AutoTokenizer.from_pretrained(path)), self.learner,
-                         publish=self.sync_now, validate=self.validate if self.workers else None,
-                         out=self.run_dir / "warm-start", log=self.console.log)
+        loop = dict(
+            max_turns=r.max_turns,
+            max_episode_tokens=r.max_episode_tokens,
+            context=r.context,
+            max_model_len=r.max_model_len,
+            max_new_tokens=None if r.context.mode == "full" else r.max_new_tokens,
+        )
+        sources = [
+            Source(e, dict(c.env.kwargs) if e == c.env.id else {}, loop)
+            for e in c.warm_start.envs or [c.env.id]
+        ]
+        return WarmStart(
+            c.warm_start,
+            sources,
+            ChatFormat(AutoTokenizer.from_pretrained(path)),
+            self.learner,
+            publish=self.sync_now,
+            validate=self.validate if self.workers else None,
+            out=self.run_dir / "warm-start",
+            log=self.console.log,
+        )
 
     def staleness_bound(self) -> int:
         """How many versions older than the weights it trains at a token may be: the async schedule's
@@ -198,34 +234,73 @@ class Trainer:
         path = self.policy_path()
         init_ray(self.cfg.ray)
         c = self.cfg
-        self.console.log(f"starting {c.rollout.num_workers} rollout worker(s), {c.env.workers} env worker(s) "
-                         f"and {c.learner.world_size} learner rank(s)")
+        self.console.log(
+            f"starting {c.rollout.num_workers} rollout worker(s), {c.env.workers} env worker(s) "
+            f"and {c.learner.world_size} learner rank(s)"
+        )
         r = c.ray
         # a GPU per rank for a cuda learner; auto: when the cluster has one for every rank (Ray hides
         # GPUs from an actor that asked for none, so the rank then trains on CPU)
-        gpus = c.learner.gpus_per_rank if c.learner.device == "cuda" or (
-            c.learner.device == "auto" and ray.cluster_resources().get("GPU", 0) >= c.learner.world_size) else 0
+        gpus = (
+            c.learner.gpus_per_rank
+            if c.learner.device == "cuda"
+            or (
+                c.learner.device == "auto"
+                and ray.cluster_resources().get("GPU", 0) >= c.learner.world_size
+            )
+            else 0
+        )
         # the learner holds the run's state: never restarted by Ray (max_restarts=0), resumed from a checkpoint
         env = allocator.actor_env(c.learner.allocator)
         self.learner = LearnerGroup(
-            c.learner.world_size, dict(num_cpus=r.learner_cpus, num_gpus=gpus, resources=dict(r.learner_resources),
-                                       max_restarts=0, **({"runtime_env": {"env_vars": env}} if env else {})),
-            path, c.algo, seed=c.seed, dtype=c.policy.dtype, temperature=c.rollout.temperature,
+            c.learner.world_size,
+            dict(
+                num_cpus=r.learner_cpus,
+                num_gpus=gpus,
+                resources=dict(r.learner_resources),
+                max_restarts=0,
+                **({"runtime_env": {"env_vars": env}} if env else {}),
+            ),
+            path,
+            c.algo,
+            seed=c.seed,
+            dtype=c.policy.dtype,
+            temperature=c.rollout.temperature,
             max_generated_tokens=c.rollout.max_turns * c.rollout.max_new_tokens,
-            max_staleness=self.staleness_bound(), expert_parallel=c.learner.expert_parallel,
-            backend=c.learner.backend, device="cuda" if gpus else "cpu", precision=c.learner.precision,
-            lora=c.lora, engine_dtype=c.rollout.engine_dtype(c.policy.dtype),
+            max_staleness=self.staleness_bound(),
+            expert_parallel=c.learner.expert_parallel,
+            backend=c.learner.backend,
+            device="cuda" if gpus else "cpu",
+            precision=c.learner.precision,
+            lora=c.lora,
+            engine_dtype=c.rollout.engine_dtype(c.policy.dtype),
         )
         rollouts = self.source is None  # training from a store needs no engines and no environments
         self.rubric = build_rubric(c.reward.parts)
-        j = c.reward.judge  # a judge model for the rubric's judge parts: one actor, restarted if it dies
-        self.judge = JudgeActor.options(num_cpus=j.cpus, num_gpus=j.gpus, max_restarts=r.max_restarts).remote(
-            c.reward.judge_path(), str(self.run_dir / "judge_cache.jsonl"), name=j.model, seed=c.seed,
-            max_model_len=j.max_model_len, kv_cache_gib=j.kv_cache_gib) if self.rubric.judges and rollouts else None
+        j = (
+            c.reward.judge
+        )  # a judge model for the rubric's judge parts: one actor, restarted if it dies
+        self.judge = (
+            JudgeActor.options(
+                num_cpus=j.cpus, num_gpus=j.gpus, max_restarts=r.max_restarts
+            ).remote(
+                c.reward.judge_path(),
+                str(self.run_dir / "judge_cache.jsonl"),
+                name=j.model,
+                seed=c.seed,
+                max_model_len=j.max_model_len,
+                kv_cache_gib=j.kv_cache_gib,
+            )
+            if self.rubric.judges and rollouts
+            else None
+        )
         self.env_workers = [
-            EnvWorkerActor.options(num_cpus=c.env.cpus_per_worker, max_concurrency=c.env.worker_concurrency,
-                                   resources=dict(r.env_worker_resources), max_restarts=r.max_restarts)
-            .remote(c.env.id, c.env.kwargs)
+            EnvWorkerActor.options(
+                num_cpus=c.env.cpus_per_worker,
+                max_concurrency=c.env.worker_concurrency,
+                resources=dict(r.env_worker_resources),
+                max_restarts=r.max_restarts,
+            ).remote(c.env.id, c.env.kwargs)
             for _ in range(c.env.workers if rollouts else 0)
         ]
         # async: a worker runs its calls at once, so the rollouts of consecutive iterations share its engine
@@ -233,11 +308,22 @@ class Trainer:
         # the driver's queries. A rollout waits there for the version its iteration needs.
         concurrent = c.schedule.mode == "async"
         self.workers = [
-            RolloutWorkerActor.options(num_cpus=c.rollout.cpus_per_worker, num_gpus=c.rollout.gpus_per_worker,
-                                       resources=dict(r.rollout_resources), max_restarts=r.max_restarts,
-                                       max_concurrency=c.schedule.max_staleness + 4 if concurrent else 1).remote(
-                path, c.rollout, c.env, seed=c.seed + i, dtype=c.rollout.engine_dtype(c.policy.dtype), env_actors=self.env_workers,
-                reward_parts=c.reward.parts, judge=self.judge, judge_timeout_s=j.timeout_s,
+            RolloutWorkerActor.options(
+                num_cpus=c.rollout.cpus_per_worker,
+                num_gpus=c.rollout.gpus_per_worker,
+                resources=dict(r.rollout_resources),
+                max_restarts=r.max_restarts,
+                max_concurrency=c.schedule.max_staleness + 4 if concurrent else 1,
+            ).remote(
+                path,
+                c.rollout,
+                c.env,
+                seed=c.seed + i,
+                dtype=c.rollout.engine_dtype(c.policy.dtype),
+                env_actors=self.env_workers,
+                reward_parts=c.reward.parts,
+                judge=self.judge,
+                judge_timeout_s=j.timeout_s,
                 wait_for_version_s=c.sync.timeout_s if concurrent else 0.0,
             )
             for i in range(c.rollout.num_workers if rollouts else 0)
@@ -247,7 +333,9 @@ class Trainer:
         if self.collective and self.workers:
             self.form_sync_group()
         self.learner.call("logprobs", [0, 0])
-        self.console.log(f"learner malloc: {self.learner.call('allocator')} (learner.allocator: {c.learner.allocator})")
+        self.console.log(
+            f"learner malloc: {self.learner.call('allocator')} (learner.allocator: {c.learner.allocator})"
+        )
         if ckpt is not None:
             self._resume_from(ckpt)
         elif c.warm_start.demos and self.source is None:
@@ -267,14 +355,17 @@ class Trainer:
                 f"{len(late)} of {len(refs)} rollout workers did not start within {timeout_s:.0f}s; each asks for "
                 f"{c.cpus_per_worker} CPU(s){f' and {c.gpus_per_worker} GPU(s)' if c.gpus_per_worker else ''}, and "
                 f"the cluster has {ray.available_resources()} free: lower rollout.cpus_per_worker or "
-                "rollout.num_workers, or add nodes")
+                "rollout.num_workers, or add nodes"
+            )
 
     def _resume_from(self, ckpt: Path) -> None:
         """Learner state from the checkpoint, engines synced to it; later records set aside.
 
         Iterations after the checkpoint are run again, so their shards move to
         `trajectories/superseded/` (kept, never deleted) and their metrics lines are dropped."""
-        state = self._learner_get(self.learner.load_checkpoint.remote(str(ckpt)), "loading the checkpoint")
+        state = self._learner_get(
+            self.learner.load_checkpoint.remote(str(ckpt)), "loading the checkpoint"
+        )
         self.version = state["version"]
         self.start_iteration = state["iteration"] + 1
         self.sync_now()
@@ -286,16 +377,25 @@ class Trainer:
                 os.replace(shard, aside / f"{prefix}{shard.stem}-{int(time.time())}.parquet")
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.exists():
-            kept = [line for line in metrics.read_text().splitlines()
-                    if line.strip() and json.loads(line)["iteration"] < self.start_iteration]
+            kept = [
+                line
+                for line in metrics.read_text().splitlines()
+                if line.strip() and json.loads(line)["iteration"] < self.start_iteration
+            ]
             metrics.write_text("".join(line + "\n" for line in kept))
-        self.console.log(f"resumed from {ckpt.name}: policy version {self.version}, "
-                         f"next iteration {self.start_iteration}")
+        self.console.log(
+            f"resumed from {ckpt.name}: policy version {self.version}, "
+            f"next iteration {self.start_iteration}"
+        )
 
     # --- one iteration ---
     def submit(self, iteration: int) -> None:
         """Queue an iteration's episodes on the rollout workers (split evenly; returns at once)."""
-        if self.source is not None or iteration in self._inflight or iteration >= self.cfg.iterations:
+        if (
+            self.source is not None
+            or iteration in self._inflight
+            or iteration >= self.cfg.iterations
+        ):
             return
         tasks = iteration_tasks(self.cfg, iteration)
         shares = [tasks[i :: len(self.workers)] for i in range(len(self.workers))]
@@ -303,8 +403,10 @@ class Trainer:
             self._outstanding[i].update((t.episode_id, t) for t in share)
         # a worker continues its suspended episodes in every call, so each gets one, even with no new task;
         # every rollout queued now runs after the loads queued before it: at least the current version
-        self._inflight[iteration] = [(i, s, self.version, self._call_rollout(i, s, self.version, iteration))
-                                     for i, s in enumerate(shares)]
+        self._inflight[iteration] = [
+            (i, s, self.version, self._call_rollout(i, s, self.version, iteration))
+            for i, s in enumerate(shares)
+        ]
 
     def _call_rollout(self, i: int, share: list[EpisodeTask], min_version: int, iteration: int):
         tokens = self.cfg.rollout.episode_tokens_at(iteration)
@@ -314,8 +416,10 @@ class Trainer:
         if self.source is not None:
             shards = self.source.shards()
             if iteration >= len(shards):
-                raise FileNotFoundError(f"--from-store {self.source.dir.parent} holds {len(shards)} iteration(s); "
-                                        f"iteration {iteration} has no data")
+                raise FileNotFoundError(
+                    f"--from-store {self.source.dir.parent} holds {len(shards)} iteration(s); "
+                    f"iteration {iteration} has no data"
+                )
             return list(self.source.trajectories(shards[iteration]))
         self.submit(iteration)
         parts, out = self._inflight.pop(iteration), []
@@ -327,14 +431,28 @@ class Trainer:
                 # its share is lost, and so is every episode it held suspended: all are run again, except
                 # those of its other calls still in flight (they fail too and are rerun when collected)
                 elsewhere = {t.episode_id for j, s, _, _ in parts for t in s if j == i}
-                elsewhere |= {t.episode_id for p in self._inflight.values() for j, s, _, _ in p for t in s if j == i}
+                elsewhere |= {
+                    t.episode_id
+                    for p in self._inflight.values()
+                    for j, s, _, _ in p
+                    for t in s
+                    if j == i
+                }
                 share = [t for eid, t in self._outstanding[i].items() if eid not in elsewhere]
-                what = "restarted without the current weights" if isinstance(exc, StaleWorkerError) else "died"
-                self.console.log(f"[yellow]rollout worker {i} {what} ({type(exc).__name__}); running its "
-                                 f"{len(share)} episode(s) of iteration {iteration} again[/]")
+                what = (
+                    "restarted without the current weights"
+                    if isinstance(exc, StaleWorkerError)
+                    else "died"
+                )
+                self.console.log(
+                    f"[yellow]rollout worker {i} {what} ({type(exc).__name__}); running its "
+                    f"{len(share)} episode(s) of iteration {iteration} again[/]"
+                )
                 self.restore_worker(i, min_version)
                 self.episodes_rerun += len(share)
-                parts.append((i, share, min_version, self._call_rollout(i, share, min_version, iteration)))
+                parts.append(
+                    (i, share, min_version, self._call_rollout(i, share, min_version, iteration))
+                )
                 continue
             for t in done:
                 self._outstanding[i].pop(t.episode_id, None)
@@ -370,7 +488,8 @@ class Trainer:
                     raise WorkerLost(
                         f"rollout worker {i} did not come back within sync.timeout_s={timeout:.0f}s (Ray restarts "
                         f"it at most ray.max_restarts={self.cfg.ray.max_restarts} times; last error: "
-                        f"{type(exc).__name__}: {exc})") from None
+                        f"{type(exc).__name__}: {exc})"
+                    ) from None
                 time.sleep(1.0)
                 continue
             if self.collective:  # the restarted worker is not in the old group
@@ -381,8 +500,14 @@ class Trainer:
             if version >= min_version:
                 return
             with self._learner_alive("publishing weights"):
-                pending = start_sync(self.learner, [w], self.cfg.sync.bucket_mb, [i], self.cfg.sync_streams(),
-                                     shared=self.cfg.sync.shared_memory)
+                pending = start_sync(
+                    self.learner,
+                    [w],
+                    self.cfg.sync.bucket_mb,
+                    [i],
+                    self.cfg.sync_streams(),
+                    shared=self.cfg.sync.shared_memory,
+                )
             pending.finish(max(1.0, deadline - time.monotonic()))
             if not pending.lost:
                 self.console.log(f"rollout worker {i} is back, at policy version {pending.version}")
@@ -397,12 +522,19 @@ class Trainer:
             return {}
         if self.collective:  # the learner broadcasts: it is busy until every worker has loaded
             with self._learner_alive("broadcasting weights"):
-                pending = start_collective_sync(self.learner, self.workers, self.cfg.sync.bucket_mb, self.version)
+                pending = start_collective_sync(
+                    self.learner, self.workers, self.cfg.sync.bucket_mb, self.version
+                )
                 out = pending.finish(self.cfg.sync.timeout_s)
         else:
             with self._learner_alive("publishing weights"):
-                pending = start_sync(self.learner, self.workers, self.cfg.sync.bucket_mb, stream=self.cfg.sync_streams(),
-                                     shared=self.cfg.sync.shared_memory)
+                pending = start_sync(
+                    self.learner,
+                    self.workers,
+                    self.cfg.sync.bucket_mb,
+                    stream=self.cfg.sync_streams(),
+                    shared=self.cfg.sync.shared_memory,
+                )
             out = pending.finish(self.cfg.sync.timeout_s)
         for i in pending.lost:
             self.restore_worker(i, pending.version)
@@ -416,8 +548,14 @@ class Trainer:
         with self._learner_alive("forming the weight-sync group"):
             form_group(self.learner, self.workers, self.cfg.sync_backend(), self.cfg.sync.timeout_s)
 
-    def play_held_out(self, split: str = "validation", episodes: int | None = None, env_kwargs: dict | None = None,
-                      loop: dict | None = None, keep: str | None = None) -> tuple[dict, list[Trajectory]]:
+    def play_held_out(
+        self,
+        split: str = "validation",
+        episodes: int | None = None,
+        env_kwargs: dict | None = None,
+        loop: dict | None = None,
+        keep: str | None = None,
+    ) -> tuple[dict, list[Trajectory]]:
         """Held-out episodes of `split` (rl/evaluate.py: validation seeds for anything tuned or
         watched, test seeds for what is reported) on the rollout workers, split evenly: (summary,
         trajectories). `env_kwargs` and `loop` (the agent loop's keywords, e.g. a `context` mode or
@@ -429,15 +567,22 @@ class Trainer:
         from rl.evaluate import eval_tasks, summarise
 
         e = self.cfg.eval
-        env_id, kwargs = (e.env_id, dict(e.env_kwargs)) if e.env_id else (self.cfg.env.id, dict(self.cfg.env.kwargs))
+        env_id, kwargs = (
+            (e.env_id, dict(e.env_kwargs))
+            if e.env_id
+            else (self.cfg.env.id, dict(self.cfg.env.kwargs))
+        )
         kwargs = kwargs if env_kwargs is None else {**kwargs, **env_kwargs}
         tasks = eval_tasks(episodes or e.episodes, e.k, split)
         temperature = e.temperature or self.cfg.rollout.temperature
         shares = {i: tasks[i :: len(self.workers)] for i in range(len(self.workers))}
         trajs: list[Trajectory] = []
         for attempt in range(2):
-            refs = {i: self.workers[i].evaluate.remote(env_id, kwargs, share, temperature, loop)
-                    for i, share in shares.items() if share}
+            refs = {
+                i: self.workers[i].evaluate.remote(env_id, kwargs, share, temperature, loop)
+                for i, share in shares.items()
+                if share
+            }
             lost = []
             for i, ref in refs.items():
                 try:
@@ -451,10 +596,14 @@ class Trainer:
                 return summarise(env_id, trajs, e.k), trajs
             names = ", ".join(f"{i} ({type(exc).__name__})" for i, exc in lost)
             if attempt:
-                raise WorkerLost(f"the held-out evaluation lost rollout worker(s) {names} twice; the run stops "
-                                 "rather than report an evaluation it did not finish")
-            self.console.log(f"[yellow]held-out evaluation: rollout worker(s) {names} died; restoring and playing "
-                             "their share again[/]")
+                raise WorkerLost(
+                    f"the held-out evaluation lost rollout worker(s) {names} twice; the run stops "
+                    "rather than report an evaluation it did not finish"
+                )
+            self.console.log(
+                f"[yellow]held-out evaluation: rollout worker(s) {names} died; restoring and playing "
+                "their share again[/]"
+            )
             for i, _ in lost:
                 self.restore_worker(i, self.version)
             shares = {i: shares[i] for i, _ in lost}
@@ -464,11 +613,19 @@ class Trainer:
         """Held-out evaluation on validation seeds, as `eval/*` metrics (`play_held_out`)."""
         t0, k = time.perf_counter(), self.cfg.eval.k
         s, trajs = self.play_held_out("validation")
-        out = {"eval/success": s["success"], "eval/ci95_low": s["ci95"][0], "eval/ci95_high": s["ci95"][1],
-               "eval/milestones_mean": s["milestones_mean"], "eval/reward_mean": s["reward_mean"],
-               "eval/episodes": s["episodes"], "eval/s": time.perf_counter() - t0,
-               # the oldest version it sampled with (async: the weights loaded by then)
-               "eval/policy_version": min((turn.policy_version for t in trajs for turn in t.turns), default=-1)}
+        out = {
+            "eval/success": s["success"],
+            "eval/ci95_low": s["ci95"][0],
+            "eval/ci95_high": s["ci95"][1],
+            "eval/milestones_mean": s["milestones_mean"],
+            "eval/reward_mean": s["reward_mean"],
+            "eval/episodes": s["episodes"],
+            "eval/s": time.perf_counter() - t0,
+            # the oldest version it sampled with (async: the weights loaded by then)
+            "eval/policy_version": min(
+                (turn.policy_version for t in trajs for turn in t.turns), default=-1
+            ),
+        }
         if k > 1:
             out[f"eval/pass@{k}"] = s[f"pass@{k}"]
         return out
@@ -507,13 +664,22 @@ class Trainer:
         t0 = time.perf_counter()
         asynchronous = self.cfg.schedule.mode == "async"
         trajs = self.rollout(it)
-        rollout_s = time.perf_counter() - t0  # async: only the wait for rollouts that were not done yet
+        rollout_s = (
+            time.perf_counter() - t0
+        )  # async: only the wait for rollouts that were not done yet
         sync = self._finish_syncs(it) if asynchronous else {}
-        self.store.write(f"iter-{it:06d}", trajs)  # what ended in this iteration, trained now or later
+        self.store.write(
+            f"iter-{it:06d}", trajs
+        )  # what ended in this iteration, trained now or later
         batch = self.trainable(trajs) if self.source is None else trajs
         # how many versions behind the weights about to train on it the oldest token is (0 when synchronous)
-        staleness = max((self.version - min(t.policy_version for t in tr.turns) for tr in batch if tr.turns), default=0)
-        stats = self._learner_get(self.learner.train_step.remote(batch), f"the update of iteration {it}")
+        staleness = max(
+            (self.version - min(t.policy_version for t in tr.turns) for tr in batch if tr.turns),
+            default=0,
+        )
+        stats = self._learner_get(
+            self.learner.train_step.remote(batch), f"the update of iteration {it}"
+        )
         self.version = stats.pop("policy_version")
         annotations = stats.pop("annotations", {})
         if annotations:
@@ -521,8 +687,13 @@ class Trainer:
         if asynchronous and self.workers:
             # the load queues behind every rollout already submitted; what is submitted next uses it
             with self._learner_alive("publishing weights"):
-                pending = start_sync(self.learner, self.workers, self.cfg.sync.bucket_mb, stream=self.cfg.sync_streams(),
-                                     shared=self.cfg.sync.shared_memory)
+                pending = start_sync(
+                    self.learner,
+                    self.workers,
+                    self.cfg.sync.bucket_mb,
+                    stream=self.cfg.sync_streams(),
+                    shared=self.cfg.sync.shared_memory,
+                )
             self._syncs.append((max(self._inflight, default=it), pending))
             self.submit(it + 1 + self.cfg.schedule.max_staleness)
         else:
@@ -532,24 +703,43 @@ class Trainer:
             while self._syncs:  # nothing is left to roll out: the last versions must still arrive
                 sync = self._finish_syncs(self._syncs[0][0])
         every = self.cfg.eval.every
-        held_out = self.evaluate() if every and self.workers and ((it + 1) % every == 0 or last) else {}
+        held_out = (
+            self.evaluate() if every and self.workers and ((it + 1) % every == 0 or last) else {}
+        )
         if last or (it + 1) % self.cfg.checkpoint_every == 0:
             path = self.run_dir / "checkpoints" / f"version-{self.version:06d}"
-            self._learner_get(self.learner.save_checkpoint.remote(str(path), {"iteration": it}), "a checkpoint save")
+            self._learner_get(
+                self.learner.save_checkpoint.remote(str(path), {"iteration": it}),
+                "a checkpoint save",
+            )
         busy = self._engine_busy()  # read first: the clock below then spans what it spans
         now = time.perf_counter()
         iteration_s = now - (self._last_row_t or t0)
         self._last_row_t = now
-        row = {"iteration": it, "policy_version": self.version, **batch_metrics(trajs), **stats, **sync,
-               "rollout_s": rollout_s, "iteration_s": iteration_s, "staleness_max": staleness,
-               **held_out, **self._judge_row, "worker_restarts": self.worker_restarts, "episodes_rerun": self.episodes_rerun,
-               "episodes_trained": len(batch), "episodes_held": len(self._held),
-               # episodes of this or earlier iterations still running: suspended by the token budget
-               "episodes_suspended": sum(t.iteration <= it for o in self._outstanding for t in o.values()),
-               "episodes_per_s": len(trajs) / max(iteration_s, 1e-9),
-               # the share of the iteration's wall time the engines spent in engine calls (mean over workers)
-               **({"engine_busy": busy / max(iteration_s, 1e-9)} if busy is not None else {}),
-               "gen_tokens_per_s": sum(t.num_generated for t in trajs) / max(iteration_s, 1e-9)}
+        row = {
+            "iteration": it,
+            "policy_version": self.version,
+            **batch_metrics(trajs),
+            **stats,
+            **sync,
+            "rollout_s": rollout_s,
+            "iteration_s": iteration_s,
+            "staleness_max": staleness,
+            **held_out,
+            **self._judge_row,
+            "worker_restarts": self.worker_restarts,
+            "episodes_rerun": self.episodes_rerun,
+            "episodes_trained": len(batch),
+            "episodes_held": len(self._held),
+            # episodes of this or earlier iterations still running: suspended by the token budget
+            "episodes_suspended": sum(
+                t.iteration <= it for o in self._outstanding for t in o.values()
+            ),
+            "episodes_per_s": len(trajs) / max(iteration_s, 1e-9),
+            # the share of the iteration's wall time the engines spent in engine calls (mean over workers)
+            **({"engine_busy": busy / max(iteration_s, 1e-9)} if busy is not None else {}),
+            "gen_tokens_per_s": sum(t.num_generated for t in trajs) / max(iteration_s, 1e-9),
+        }
         with open(self.run_dir / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps(row) + "\n")
         self.guard.check(it, trajs, stats)  # after the row is written: what the run did is on disk
@@ -580,27 +770,52 @@ class Trainer:
 
     def run(self) -> list[dict]:
         rows = []
-        columns = [TextColumn("[bold]iteration"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TextColumn("{task.fields[status]}")]
+        columns = [
+            TextColumn("[bold]iteration"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[status]}"),
+        ]
         with Progress(*columns, console=self.console, transient=False) as progress:
-            bar = progress.add_task("train", total=self.cfg.iterations, completed=self.start_iteration,
-                                    status="rolling out")
+            bar = progress.add_task(
+                "train",
+                total=self.cfg.iterations,
+                completed=self.start_iteration,
+                status="rolling out",
+            )
             if self.cfg.eval.every and self.workers and self.start_iteration == 0:
                 # the starting point (after any warm start: its best round was evaluated on the same
                 # validation seeds with these weights), for comparison with the evaluations to come
                 v = self.warm_start_summary.get("validation")
-                initial = self.evaluate() if not v else {
-                    "eval/success": v["success"], "eval/ci95_low": v["ci95"][0], "eval/ci95_high": v["ci95"][1],
-                    "eval/milestones_mean": v["milestones_mean"], "eval/reward_mean": v["reward_mean"],
-                    "eval/episodes": v["episodes"], "eval/policy_version": self.version, "eval/from_warm_start": 1}
+                initial = (
+                    self.evaluate()
+                    if not v
+                    else {
+                        "eval/success": v["success"],
+                        "eval/ci95_low": v["ci95"][0],
+                        "eval/ci95_high": v["ci95"][1],
+                        "eval/milestones_mean": v["milestones_mean"],
+                        "eval/reward_mean": v["reward_mean"],
+                        "eval/episodes": v["episodes"],
+                        "eval/policy_version": self.version,
+                        "eval/from_warm_start": 1,
+                    }
+                )
                 (self.run_dir / "eval-initial.json").write_text(json.dumps(initial))
                 if initial:
-                    progress.console.log(f"held-out success before RL: {initial['eval/success']:.3f} "
-                                         f"({initial['eval/ci95_low']:.3f}–{initial['eval/ci95_high']:.3f})")
+                    progress.console.log(
+                        f"held-out success before RL: {initial['eval/success']:.3f} "
+                        f"({initial['eval/ci95_low']:.3f}–{initial['eval/ci95_high']:.3f})"
+                    )
             self._engine_busy()  # the baseline: what the engines did before (an evaluation) is no iteration's
             self._last_row_t = time.perf_counter()
-            if self.cfg.schedule.mode == "async":  # the first iterations all start from the current weights
-                for j in range(self.start_iteration, self.start_iteration + self.cfg.schedule.max_staleness + 1):
+            if (
+                self.cfg.schedule.mode == "async"
+            ):  # the first iterations all start from the current weights
+                for j in range(
+                    self.start_iteration, self.start_iteration + self.cfg.schedule.max_staleness + 1
+                ):
                     self.submit(j)
             for it in range(self.start_iteration, self.cfg.iterations):
                 row = self.iteration(it)
@@ -610,9 +825,11 @@ class Trainer:
                 status = f"reward {row['mean_reward']:.3f}  {loss}  v{row['policy_version']}{sync}"
                 if row.get("infra_errors"):
                     status += f"  infra errors {row['infra_errors']}"
-                progress.console.log(f"iter {it}: {status}  {row['episodes_per_s']:.2f} episodes/s  "
-                                     f"gen {row['gen_tokens_per_s']:.0f} tok/s  staleness {row['staleness_max']}"
-                                     + (f"  engine busy {row['engine_busy']:.0%}" if "engine_busy" in row else ""))
+                progress.console.log(
+                    f"iter {it}: {status}  {row['episodes_per_s']:.2f} episodes/s  "
+                    f"gen {row['gen_tokens_per_s']:.0f} tok/s  staleness {row['staleness_max']}"
+                    + (f"  engine busy {row['engine_busy']:.0%}" if "engine_busy" in row else "")
+                )
                 progress.update(bar, advance=1, status=status)
         if self.wandb is not None:  # W&B writes its run file out when the run finishes
             self.wandb.close()
@@ -629,6 +846,11 @@ class Trainer:
             self.wandb = None
         self._inflight, self._syncs = {}, []
         judge = [self.judge] if self.judge is not None else []
-        for actor in self.workers + self.env_workers + judge + (self.learner.actors if self.learner is not None else []):
+        for actor in (
+            self.workers
+            + self.env_workers
+            + judge
+            + (self.learner.actors if self.learner is not None else [])
+        ):
             ray.kill(actor)
         self.workers, self.env_workers, self.learner, self.judge = [], [], None, None

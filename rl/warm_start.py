@@ -29,9 +29,9 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from rl.sft import DEMO_SEED, demonstrations
 
@@ -54,8 +54,17 @@ def better(a: dict | None, b: dict | None) -> bool:
 
 
 class WarmStart:
-    def __init__(self, cfg, sources: list[Source], chat, learner, publish: Callable[[], None],
-                 validate: Callable[..., dict] | None, out: Path, log: Callable[[str], None]):
+    def __init__(
+        self,
+        cfg,
+        sources: list[Source],
+        chat,
+        learner,
+        publish: Callable[[], None],
+        validate: Callable[..., dict] | None,
+        out: Path,
+        log: Callable[[str], None],
+    ):
         """`cfg`: the run's `warm_start` section; `learner`: the learner group (`call`); `publish`:
         sync the learner's weights to the rollout workers; `validate(keep=)`: held-out success on
         validation seeds with the weights published last, its episodes stored where `keep` says (None:
@@ -71,32 +80,51 @@ class WarmStart:
         self._demo_round += 1
         out = []
         for s in self.sources:
-            demos = demonstrations(self.chat, s.env_id, n, env_kwargs=s.kwargs, first_seed=DEMO_SEED + r * n, **s.loop)
+            demos = demonstrations(
+                self.chat, s.env_id, n, env_kwargs=s.kwargs, first_seed=DEMO_SEED + r * n, **s.loop
+            )
             out += [t for t in demos if t.reward > 0 and not t.infra_error]
         if not out:
-            raise ValueError("no demonstration earned a reward: the scripted experts did not solve their tasks "
-                             "under the run's rollout settings (turn and token limits, context)")
+            raise ValueError(
+                "no demonstration earned a reward: the scripted experts did not solve their tasks "
+                "under the run's rollout settings (turn and token limits, context)"
+            )
         return out
 
     def train_round(self) -> dict:
         """One round: fresh demonstrations, `epochs` passes in steps of `batch_size`, a new version published."""
         t0 = time.perf_counter()
         demos = self.demonstrations()
-        steps, losses = max(1, round(self.cfg.epochs * math.ceil(len(demos) / self.cfg.batch_size))), []
+        steps, losses = (
+            max(1, round(self.cfg.epochs * math.ceil(len(demos) / self.cfg.batch_size))),
+            [],
+        )
         tokens = sum(len(t.token_ids) for t in demos)
-        self.log(f"warm start: {len(demos)} demonstrations ({tokens:,} tokens) in {time.perf_counter() - t0:.0f} s; "
-                 f"{steps} supervised steps")
+        self.log(
+            f"warm start: {len(demos)} demonstrations ({tokens:,} tokens) in {time.perf_counter() - t0:.0f} s; "
+            f"{steps} supervised steps"
+        )
         order = list(range(len(demos)))
         for k in range(steps):
             start = (k * self.cfg.batch_size) % len(demos)
-            batch = [demos[order[(start + j) % len(demos)]] for j in range(min(self.cfg.batch_size, len(demos)))]
+            batch = [
+                demos[order[(start + j) % len(demos)]]
+                for j in range(min(self.cfg.batch_size, len(demos)))
+            ]
             losses.append(self.learner.call("imitate", batch, self.cfg.lr)["sft_loss"])
             if (k + 1) % max(1, steps // 4) == 0 or k + 1 == steps:
-                self.log(f"warm start step {k + 1}/{steps}: loss {losses[-1]:.4f} ({time.perf_counter() - t0:.0f} s)")
+                self.log(
+                    f"warm start step {k + 1}/{steps}: loss {losses[-1]:.4f} ({time.perf_counter() - t0:.0f} s)"
+                )
         self.learner.call("next_version")
         self.publish()
-        return {"demos": len(demos), "steps": steps, "losses": losses, "train_s": time.perf_counter() - t0,
-                "tokens": sum(len(t.token_ids) for t in demos)}
+        return {
+            "demos": len(demos),
+            "steps": steps,
+            "losses": losses,
+            "train_s": time.perf_counter() - t0,
+            "tokens": sum(len(t.token_ids) for t in demos),
+        }
 
     def run(self) -> dict:
         """Rounds until validation stops improving (or `rounds`); the learner left at the best."""
@@ -104,18 +132,31 @@ class WarmStart:
         for r in range(c.rounds):
             info = self.train_round()
             t0 = time.perf_counter()
-            info["validation"] = (self.validate(keep=f"warm-start-validation/round-{r + 1:02d}")
-                                  if self.validate and c.patience else None)
+            info["validation"] = (
+                self.validate(keep=f"warm-start-validation/round-{r + 1:02d}")
+                if self.validate and c.patience
+                else None
+            )
             info["validation_s"] = time.perf_counter() - t0
             self.rounds.append(info)
             v = info["validation"]
             best = self.rounds[self.best]["validation"] if self.best is not None else None
-            self.log(f"warm start round {r + 1}: loss {info['losses'][0]:.3f} → {info['losses'][-1]:.3f}"
-                     + (f", validation success {v['success']:.3f} [{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}]" if v else ""))
+            self.log(
+                f"warm start round {r + 1}: loss {info['losses'][0]:.3f} → {info['losses'][-1]:.3f}"
+                + (
+                    f", validation success {v['success']:.3f} [{v['ci95'][0]:.3f}, {v['ci95'][1]:.3f}]"
+                    if v
+                    else ""
+                )
+            )
             if v is None or better(v, best):
                 self.best = r
-                self.learner.call("save_checkpoint", str(self.out), {"iteration": -1, "warm_start_round": r},
-                                  optimizer=False)
+                self.learner.call(
+                    "save_checkpoint",
+                    str(self.out),
+                    {"iteration": -1, "warm_start_round": r},
+                    optimizer=False,
+                )
             elif r - self.best >= c.patience:
                 break
         if self.best != len(self.rounds) - 1:  # back to the best round's weights, as a new version
@@ -139,17 +180,25 @@ class WarmStart:
         t0, rounds = time.perf_counter(), []
         while time.perf_counter() - t0 < seconds:
             rounds.append(self.train_round())
-            self.log(f"more warm start: round {len(rounds)}, {time.perf_counter() - t0:.0f} of {seconds:.0f} s")
+            self.log(
+                f"more warm start: round {len(rounds)}, {time.perf_counter() - t0:.0f} of {seconds:.0f} s"
+            )
         info = {"rounds": rounds, "seconds": time.perf_counter() - t0, "target_s": seconds}
         (self.out.parent / "warm_start_more.json").write_text(json.dumps(info))
         return info
 
     def summary(self) -> dict:
         best = self.rounds[self.best] if self.best is not None else {}
-        return {"rounds": len(self.rounds), "best_round": self.best, "validation": best.get("validation"),
-                "seconds": sum(r["train_s"] + r["validation_s"] for r in self.rounds),
-                "demos": sum(r["demos"] for r in self.rounds)}
+        return {
+            "rounds": len(self.rounds),
+            "best_round": self.best,
+            "validation": best.get("validation"),
+            "seconds": sum(r["train_s"] + r["validation_s"] for r in self.rounds),
+            "demos": sum(r["demos"] for r in self.rounds),
+        }
 
     def write(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "warm_start.json").write_text(json.dumps({**self.summary(), "per_round": self.rounds}))
+        (self.out / "warm_start.json").write_text(
+            json.dumps({**self.summary(), "per_round": self.rounds})
+        )

@@ -49,13 +49,17 @@ class WeightSource:
         from the model's config, and sending it twice cost the real policy's sync 7% more bytes."""
         if self.world > 1:
             return self.lm.checkpoint_names(_cast(self.full_weights(), dtype))
-        if self.lora is not None:  # the adapters folded into their weights, under the original names
+        if (
+            self.lora is not None
+        ):  # the adapters folded into their weights, under the original names
             from rl.lora import merged_state
 
             state = merged_state(self.model)
         else:
             state = self.model.state_dict()
-        return self.lm.checkpoint_names(_cast(_untied((n, t.detach().cpu()) for n, t in state.items()), dtype))
+        return self.lm.checkpoint_names(
+            _cast(_untied((n, t.detach().cpu()) for n, t in state.items()), dtype)
+        )
 
     def full_weights(self):
         """In a group: (name, full CPU tensor), gathered one tensor at a time on every rank (collective)."""
@@ -77,8 +81,11 @@ class WeightSource:
 
         if self.lora is not None:
             return self.engine_factors(), True, False
-        return (to_wire(self.engine_tensors(self.engine_dtype), self.engine_dtype), False,
-                self.engine_dtype == torch.bfloat16)
+        return (
+            to_wire(self.engine_tensors(self.engine_dtype), self.engine_dtype),
+            False,
+            self.engine_dtype == torch.bfloat16,
+        )
 
     def publish(self, bucket_mb: float, shared: str | None = None):
         """Put what a sync sends into Ray's object store in buckets (rl/sync.py); the manifest names
@@ -90,8 +97,14 @@ class WeightSource:
         plan = self._plan_shared(bucket_mb, shared) if shared and self.world == 1 else None
         if plan is not None:
             buckets = [self.publish_bucket(i) for i in range(len(plan["names"]))]
-            return Manifest(version=plan["version"], buckets=buckets, bucket_bytes=plan["bytes"], names=plan["names"],
-                            shared=plan["shared"], shared_node=plan["shared_node"])
+            return Manifest(
+                version=plan["version"],
+                buckets=buckets,
+                bucket_bytes=plan["bytes"],
+                names=plan["names"],
+                shared=plan["shared"],
+                shared_node=plan["shared_node"],
+            )
         named, adapter, bf16 = self._sync_source()
         if self.rank == 0:
             return publish(named, self.version, bucket_mb, adapter=adapter, bf16=bf16)
@@ -175,7 +188,9 @@ class WeightSource:
         if self._shared is None:
             from rl.shared_weights import SharedPublisher, layout
 
-            self._shared = SharedPublisher(layout(self.lm, list(self._shared_state()), self.engine_dtype))
+            self._shared = SharedPublisher(
+                layout(self.lm, list(self._shared_state()), self.engine_dtype)
+            )
         return self._shared
 
     def _shared_source(self):

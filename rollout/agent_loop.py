@@ -40,8 +40,8 @@ from __future__ import annotations
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from typing import Callable
 
 import envs
 from rollout.chat import ChatFormat
@@ -80,9 +80,15 @@ class _Episode:
         self.context_limit = 0  # the most tokens one context may hold
         self.segments = 1  # calls it has run in (partial rollouts)
         self.tools: list | None = None
-        self.context_start = 0  # where the context the engine sees (the current context segment) begins in `ids`
-        self.sample_starts: list[int] = []  # every context segment's start, once there is more than one
-        self.own_ids: dict[int, list[int]] = {}  # acting turn -> its generated ids and its observation
+        self.context_start = (
+            0  # where the context the engine sees (the current context segment) begins in `ids`
+        )
+        self.sample_starts: list[
+            int
+        ] = []  # every context segment's start, once there is more than one
+        self.own_ids: dict[
+            int, list[int]
+        ] = {}  # acting turn -> its generated ids and its observation
         self.summarising = False  # the next turn is a compaction turn
         self.managed = FULL  # the context management it runs under (rollout/context.py)
 
@@ -92,7 +98,9 @@ class _Episode:
 
     def room(self) -> int:
         """Tokens the next turn may take: what both the context and the episode still hold."""
-        return min(self.context_limit - len(self.ids) + self.context_start, self.max_tokens - len(self.ids))
+        return min(
+            self.context_limit - len(self.ids) + self.context_start, self.max_tokens - len(self.ids)
+        )
 
     def fail(self, message: str) -> None:
         self.stop_reason, self.infra_error = "infra_error", message
@@ -110,8 +118,14 @@ def _room_to_generate(ep: _Episode) -> bool:
     return ep.room() >= 2
 
 
-def _start(task: EpisodeTask, make_env, chat: ChatFormat, max_episode_tokens: int, context: ContextConfig,
-           max_model_len: int) -> _Episode:
+def _start(
+    task: EpisodeTask,
+    make_env,
+    chat: ChatFormat,
+    max_episode_tokens: int,
+    context: ContextConfig,
+    max_model_len: int,
+) -> _Episode:
     """Make and reset one episode's environment and render its prompt."""
     t0 = time.perf_counter()
     try:
@@ -178,10 +192,21 @@ def run_episodes(
     max_model_len: int = 0,
 ) -> list[Trajectory]:
     """Run the tasks' episodes to their ends; their trajectories in task order."""
-    done, suspended = continue_episodes(engine, chat, make_env, env_id, tasks, max_turns=max_turns,
-                                        max_new_tokens=max_new_tokens, max_episode_tokens=max_episode_tokens,
-                                        temperature=temperature, top_p=top_p, run_seed=run_seed, context=context,
-                                        max_model_len=max_model_len)
+    done, suspended = continue_episodes(
+        engine,
+        chat,
+        make_env,
+        env_id,
+        tasks,
+        max_turns=max_turns,
+        max_new_tokens=max_new_tokens,
+        max_episode_tokens=max_episode_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        run_seed=run_seed,
+        context=context,
+        max_model_len=max_model_len,
+    )
     assert not suspended  # no token budget: every episode ran to its end
     return done
 
@@ -217,12 +242,23 @@ def continue_episodes(
     carried = list(suspended or [])
     for ep in carried:
         ep.segments += 1
-    sampling = dict(max_turns=max_turns, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                    run_seed=run_seed)
+    sampling = dict(
+        max_turns=max_turns,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        run_seed=run_seed,
+    )
     ok = False
     try:
-        started = list(pool.map(lambda task: _start(task, make_env, chat, max_episode_tokens, context, max_model_len),
-                                tasks))
+        started = list(
+            pool.map(
+                lambda task: _start(
+                    task, make_env, chat, max_episode_tokens, context, max_model_len
+                ),
+                tasks,
+            )
+        )
         episodes = carried + started
         budget = _Budget(token_budget, max_segments)
         if getattr(engine, "continuous_batching", False):
@@ -257,7 +293,9 @@ class _Budget:
         return bool(self.tokens) and self.generated + self.in_flight >= self.tokens
 
     def _goes_on(self, ep: _Episode, spent: bool) -> bool:
-        return not ep.stop_reason and (not spent or ep.segments >= self.max_segments)  # its last call: to the end
+        return not ep.stop_reason and (
+            not spent or ep.segments >= self.max_segments
+        )  # its last call: to the end
 
     def live(self, episodes: list[_Episode]) -> list[_Episode]:
         with self._lock:
@@ -281,22 +319,44 @@ class _Budget:
             self.generated += n
 
 
-def _turn(engine, chat: ChatFormat, live: list[_Episode], pool, *, max_turns, max_new_tokens,
-          temperature, top_p, run_seed) -> int:
+def _turn(
+    engine,
+    chat: ChatFormat,
+    live: list[_Episode],
+    pool,
+    *,
+    max_turns,
+    max_new_tokens,
+    temperature,
+    top_p,
+    run_seed,
+) -> int:
     """Lockstep: one batched generation over the live episodes, then all their env steps at once;
     returns the number of tokens generated. Each episode is at its own turn (partial rollouts mix them)."""
     t0 = time.perf_counter()
     gens = _generate(engine, chat, live, max_new_tokens, temperature, top_p, run_seed)
     dt = (time.perf_counter() - t0) / max(1, len(live))
     texts = [_sampled(ep, gen, chat, dt) for ep, gen in zip(live, gens)]
-    steps = list(pool.map(lambda pair: _step(pair[0], pair[1], len(pair[0].turns)), zip(live, texts)))
+    steps = list(
+        pool.map(lambda pair: _step(pair[0], pair[1], len(pair[0].turns)), zip(live, texts))
+    )
     for ep, gen, text, step in zip(live, gens, texts, steps):
         _stepped(ep, engine, chat, gen, text, step, max_turns, max_new_tokens, run_seed)
     return sum(len(g.token_ids) for g in gens)
 
 
-def _each_on_its_own(engine, chat: ChatFormat, episodes: list[_Episode], budget: _Budget, *, max_turns,
-                     max_new_tokens, temperature, top_p, run_seed) -> None:
+def _each_on_its_own(
+    engine,
+    chat: ChatFormat,
+    episodes: list[_Episode],
+    budget: _Budget,
+    *,
+    max_turns,
+    max_new_tokens,
+    temperature,
+    top_p,
+    run_seed,
+) -> None:
     """Per-episode asynchrony: each episode runs its turns on its own thread (generate, then its env
     step, until it ends or the budget suspends it); the engine batches whichever are generating."""
     failed = threading.Event()  # one episode's engine error stops the others at their next turn
@@ -304,13 +364,27 @@ def _each_on_its_own(engine, chat: ChatFormat, episodes: list[_Episode], budget:
     def run(ep: _Episode) -> None:
         first = True
         try:
-            while not failed.is_set() and budget.start_turn(ep, first, at_most := _turn_limit(ep, max_new_tokens)):
+            while not failed.is_set() and budget.start_turn(
+                ep, first, at_most := _turn_limit(ep, max_new_tokens)
+            ):
                 first = False
                 t0 = time.perf_counter()
                 gen = _generate(engine, chat, [ep], max_new_tokens, temperature, top_p, run_seed)[0]
-                budget.end_turn(at_most, len(gen.token_ids))  # (an error ends the call: nothing to give back)
+                budget.end_turn(
+                    at_most, len(gen.token_ids)
+                )  # (an error ends the call: nothing to give back)
                 text = _sampled(ep, gen, chat, time.perf_counter() - t0)
-                _stepped(ep, engine, chat, gen, text, _step(ep, text, len(ep.turns)), max_turns, max_new_tokens, run_seed)
+                _stepped(
+                    ep,
+                    engine,
+                    chat,
+                    gen,
+                    text,
+                    _step(ep, text, len(ep.turns)),
+                    max_turns,
+                    max_new_tokens,
+                    run_seed,
+                )
         except BaseException:
             failed.set()
             raise
@@ -329,7 +403,9 @@ def _turn_limit(ep: _Episode, max_new_tokens: int) -> int:
     return min(ep.managed.summary_tokens if ep.summarising else max_new_tokens, ep.room() - 1)
 
 
-def _generate(engine, chat: ChatFormat, live: list[_Episode], max_new_tokens, temperature, top_p, run_seed):
+def _generate(
+    engine, chat: ChatFormat, live: list[_Episode], max_new_tokens, temperature, top_p, run_seed
+):
     return engine.generate(
         [ep.context for ep in live],
         max_tokens=[_turn_limit(ep, max_new_tokens) for ep in live],
@@ -352,7 +428,9 @@ def _sampled(ep: _Episode, gen, chat: ChatFormat, gen_s: float) -> str:
     ep.ids += gen.token_ids
     ep.mask += [1] * len(gen.token_ids)
     ep.logprobs += gen.logprobs
-    ep.routed += gen.routed_experts if gen.routed_experts is not None else [[] for _ in gen.token_ids]
+    ep.routed += (
+        gen.routed_experts if gen.routed_experts is not None else [[] for _ in gen.token_ids]
+    )
     ep.any_routed |= gen.routed_experts is not None
     if not gen.token_ids or gen.token_ids[-1] != chat.eot_id:
         # Cut by the token limit: close the turn so the next observation is well formed.
@@ -364,19 +442,42 @@ def _sampled(ep: _Episode, gen, chat: ChatFormat, gen_s: float) -> str:
     return chat.decode(gen.token_ids)
 
 
-def _stepped(ep: _Episode, engine, chat: ChatFormat, gen, text: str, step: tuple | None, max_turns: int,
-             max_new_tokens: int, run_seed: int) -> None:
+def _stepped(
+    ep: _Episode,
+    engine,
+    chat: ChatFormat,
+    gen,
+    text: str,
+    step: tuple | None,
+    max_turns: int,
+    max_new_tokens: int,
+    run_seed: int,
+) -> None:
     """Record a turn from its env step: reward, milestones, the observation appended (the context
     rebuilt or a summary asked for, when it passes the threshold) or the end. A compaction turn
     (`step` None) rebuilds the context from its summary."""
     gen_start, gen_end = ep.turn_start, len(ep.ids)
     turn = len(ep.turns)
-    record = dict(gen_start=gen_start, gen_end=gen_end, text=text,
-                  policy_version=engine.version if gen.version is None else gen.version,
-                  seed=turn_seed(run_seed, ep.task.episode_id, turn), finish_reason=gen.finish_reason)
+    record = dict(
+        gen_start=gen_start,
+        gen_end=gen_end,
+        text=text,
+        policy_version=engine.version if gen.version is None else gen.version,
+        seed=turn_seed(run_seed, ep.task.episode_id, turn),
+        finish_reason=gen.finish_reason,
+    )
     if step is None:  # a compaction turn: the summary is written, the episode goes on from it
         ep.summarising = False
-        ep.turns.append(Turn(obs_end=gen_end, observation="", tool_calls=0, tool_errors=0, kind="summary", **record))
+        ep.turns.append(
+            Turn(
+                obs_end=gen_end,
+                observation="",
+                tool_calls=0,
+                tool_errors=0,
+                kind="summary",
+                **record,
+            )
+        )
         _rebuild(ep, chat, text)
         return
     obs, reward, terminated, truncated, info = step
@@ -397,23 +498,40 @@ def _stepped(ep: _Episode, engine, chat: ChatFormat, gen, text: str, step: tuple
         obs_ids = chat.observation_ids(info["messages"])
         m = ep.managed
         if m.mode != "full":
-            ep.own_ids[turn] = ep.ids[gen_start:gen_end] + obs_ids  # what a rebuilt context copies of it
+            ep.own_ids[turn] = (
+                ep.ids[gen_start:gen_end] + obs_ids
+            )  # what a rebuilt context copies of it
         past = len(ep.context) + len(obs_ids) > m.threshold(ep.context_limit)
-        if m.mode == "compact":  # ask for the summary with this observation, while there is room for it
-            asking = chat.observation_ids(info["messages"] + [{"role": "user", "content": COMPACT_INSTRUCTION}])
+        if (
+            m.mode == "compact"
+        ):  # ask for the summary with this observation, while there is room for it
+            asking = chat.observation_ids(
+                info["messages"] + [{"role": "user", "content": COMPACT_INSTRUCTION}]
+            )
             if past or len(ep.context) + len(asking) + m.summary_tokens + 1 > ep.context_limit:
                 obs_ids, ep.summarising = asking, True
         elif m.mode == "window":  # the observation goes to the new context only
             rebuild = past or len(ep.context) + len(obs_ids) + max_new_tokens + 1 > ep.context_limit
         if rebuild:
             pass
-        elif len(ep.context) + len(obs_ids) + 2 > ep.context_limit or len(ep.ids) + len(obs_ids) + 2 > ep.max_tokens:
+        elif (
+            len(ep.context) + len(obs_ids) + 2 > ep.context_limit
+            or len(ep.ids) + len(obs_ids) + 2 > ep.max_tokens
+        ):
             ep.stop_reason = "max_tokens"
         else:
             ep.append(obs_ids)
-    ep.turns.append(Turn(obs_end=len(ep.ids), observation=obs, tool_calls=n_calls, tool_errors=n_errors,
-                         sandbox_events=list(info.get("sandbox_events", [])), failures=list(info.get("failures", [])),
-                         **record))
+    ep.turns.append(
+        Turn(
+            obs_end=len(ep.ids),
+            observation=obs,
+            tool_calls=n_calls,
+            tool_errors=n_errors,
+            sandbox_events=list(info.get("sandbox_events", [])),
+            failures=list(info.get("failures", [])),
+            **record,
+        )
+    )
     if rebuild:
         _rebuild(ep, chat, None)
 
@@ -425,15 +543,21 @@ def _rebuild(ep: _Episode, chat: ChatFormat, summary: str | None) -> None:
     Ends the episode (`max_tokens`) when even the task and the note do not leave room for a turn,
     or the episode's budget has no room for them."""
     acting = [i for i, t in enumerate(ep.turns) if t.kind == "action"]
-    keep = acting[len(acting) - ep.managed.keep_turns:] if ep.managed.keep_turns else []
+    keep = acting[len(acting) - ep.managed.keep_turns :] if ep.managed.keep_turns else []
     # at most half the room between the task's prompt and the threshold: the new context must not
     # pass the threshold again within a turn or two
     first_prompt = ep.turns[0].gen_start
     limit = first_prompt + (ep.managed.threshold(ep.context_limit) - first_prompt) // 2
     while True:
         shown = len(acting) - len(keep)  # acting turns 1..shown are no longer shown
-        note = (summary_note(summary, 1, shown) if summary is not None else window_note(1, shown, len(keep)))
-        ids = chat.prompt_ids([{"role": "user", "content": ep.task_text}, {"role": "user", "content": note}], ep.tools)
+        note = (
+            summary_note(summary, 1, shown)
+            if summary is not None
+            else window_note(1, shown, len(keep))
+        )
+        ids = chat.prompt_ids(
+            [{"role": "user", "content": ep.task_text}, {"role": "user", "content": note}], ep.tools
+        )
         for i in keep:
             ids += ep.own_ids[i]
         if len(ids) <= limit or not keep:
@@ -486,7 +610,9 @@ def _record(ep: _Episode, env_id: str) -> Trajectory:
     )
 
 
-def play(engine, chat, env_id: str, env_kwargs: dict | None, tasks: list[EpisodeTask], **loop) -> list[Trajectory]:
+def play(
+    engine, chat, env_id: str, env_kwargs: dict | None, tasks: list[EpisodeTask], **loop
+) -> list[Trajectory]:
     """Evaluation episodes to their ends, in environments made here (`loop`: the agent loop's limits
     and sampling); nothing is suspended or kept. Held-out evaluation
     (rl/evaluate.py) runs this way, on the rollout workers."""

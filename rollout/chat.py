@@ -14,7 +14,9 @@ class ChatFormat:
         self.tok = tokenizer
         self.eot_id = tokenizer.eos_token_id
         if self.eot_id is None:
-            raise ValueError("tokenizer has no eos_token (the end-of-turn token the agent loop stops on)")
+            raise ValueError(
+                "tokenizer has no eos_token (the end-of-turn token the agent loop stops on)"
+            )
         self.eot_text = tokenizer.convert_ids_to_tokens(self.eot_id)
         self._base = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
         base = self.text(self._base, gen=False)
@@ -28,7 +30,9 @@ class ChatFormat:
 
     def text(self, messages: list[dict], tools: list[dict] | None = None, *, gen: bool) -> str:
         """The conversation rendered (`gen`: ending with the assistant generation header)."""
-        return self.tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=gen)
+        return self.tok.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=gen
+        )
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         """The episode's first prompt, ending with the assistant generation header."""
@@ -42,7 +46,9 @@ class ChatFormat:
         """
         full = self.text(self._base + list(messages), gen=True)
         if not full.startswith(self._base_text):
-            raise ValueError("chat template is not prefix-preserving for these observation messages")
+            raise ValueError(
+                "chat template is not prefix-preserving for these observation messages"
+            )
         return self.encode(full[len(self._base_text) :])
 
     def decode(self, ids: list[int]) -> str:

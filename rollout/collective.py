@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import datetime
 import json
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
+
 
 class NotInGroup(RuntimeError):
     """A rollout worker asked to receive before it joined the sync group (Ray restarted it since)."""
@@ -71,8 +72,14 @@ class SyncGroup:
         opts.rootRank = 0
         self.pg.broadcast([t], opts).wait()
 
-    def send(self, named: Iterable[tuple[str, np.ndarray]], version: int, bucket_mb: float,
-             adapter: bool = False, bf16: bool = False) -> dict:
+    def send(
+        self,
+        named: Iterable[tuple[str, np.ndarray]],
+        version: int,
+        bucket_mb: float,
+        adapter: bool = False,
+        bf16: bool = False,
+    ) -> dict:
         """Broadcast (name, array) pairs in buckets (rank 0); returns bytes and buckets sent. `bf16`:
         the int16 arrays are bf16 bits (rollout/weights.py `to_wire`), received as bf16 tensors."""
         from rollout.weights import bucketize
@@ -84,10 +91,18 @@ class SyncGroup:
                 tensors.append([name, str(arr.dtype), list(arr.shape), offset])
                 offset += -(-arr.nbytes // ALIGN) * ALIGN
             buf = torch.zeros(offset, dtype=torch.uint8)
-            for (name, arr), (_, _, _, off) in zip(group, tensors):
+            for (_, arr), (_, _, _, off) in zip(group, tensors):
                 flat = torch.from_numpy(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
-                buf[off:off + flat.numel()] = flat
-            desc = json.dumps({"version": version, "adapter": adapter, "bf16": bf16, "nbytes": offset, "tensors": tensors}).encode()
+                buf[off : off + flat.numel()] = flat
+            desc = json.dumps(
+                {
+                    "version": version,
+                    "adapter": adapter,
+                    "bf16": bf16,
+                    "nbytes": offset,
+                    "tensors": tensors,
+                }
+            ).encode()
             self._broadcast(torch.tensor([len(desc)], dtype=torch.int64, device=self.device))
             self._broadcast(torch.frombuffer(bytearray(desc), dtype=torch.uint8).to(self.device))
             self._broadcast(buf.to(self.device))
@@ -116,7 +131,7 @@ def _views(buf: torch.Tensor, tensors: list, bf16: bool) -> Iterator[tuple[str, 
     for name, dtype, shape, off in tensors:
         dt = torch.bfloat16 if bf16 and dtype == "int16" else getattr(torch, np.dtype(dtype).name)
         n = int(np.prod(shape)) * torch.empty(0, dtype=dt).element_size()
-        yield name, buf[off:off + n].view(dt).reshape(shape)
+        yield name, buf[off : off + n].view(dt).reshape(shape)
 
 
 def received_weights(group: SyncGroup, meta: dict) -> Iterator[tuple[str, torch.Tensor]]:
@@ -125,7 +140,9 @@ def received_weights(group: SyncGroup, meta: dict) -> Iterator[tuple[str, torch.
     meta.update(version=None, adapter=False, bytes=0, buckets=0)
     for desc, views in group.receive():
         if meta["version"] is not None and desc["version"] != meta["version"]:
-            raise RuntimeError(f"weight sync: a bucket of version {desc['version']} inside version {meta['version']}")
+            raise RuntimeError(
+                f"weight sync: a bucket of version {desc['version']} inside version {meta['version']}"
+            )
         meta.update(version=desc["version"], adapter=desc["adapter"], buckets=meta["buckets"] + 1)
         for name, t in views:
             meta["bytes"] += t.numel() * t.element_size()

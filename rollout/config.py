@@ -58,9 +58,16 @@ class RolloutConfig:
     def loop(self, **overrides) -> dict:
         """The agent loop's limits, sampling and context management as keywords of
         `rollout.agent_loop.run_episodes` (`overrides` replace any of them)."""
-        return {"max_turns": self.max_turns, "max_new_tokens": self.max_new_tokens,
-                "max_episode_tokens": self.max_episode_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "context": self.context, "max_model_len": self.max_model_len, **overrides}
+        return {
+            "max_turns": self.max_turns,
+            "max_new_tokens": self.max_new_tokens,
+            "max_episode_tokens": self.max_episode_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "context": self.context,
+            "max_model_len": self.max_model_len,
+            **overrides,
+        }
 
     def engine_dtype(self, policy_dtype: str = "float32") -> str:
         """The dtype the engines load the weights in, under a policy of `policy_dtype`."""

@@ -74,15 +74,25 @@ class ContextConfig:
         at = self.threshold(max_model_len)
         managed = self.mode != "full"
         return [
-            ("rollout.context.at_tokens", self.at_tokens >= 0, "must be >= 0 (0: 3/4 of rollout.max_model_len)"),
+            (
+                "rollout.context.at_tokens",
+                self.at_tokens >= 0,
+                "must be >= 0 (0: 3/4 of rollout.max_model_len)",
+            ),
             ("rollout.context.keep_turns", self.keep_turns >= 0, "must be >= 0"),
             ("rollout.context.summary_tokens", self.summary_tokens >= 8, "must be >= 8"),
-            ("rollout.context.at_tokens", not managed or at + max_new_tokens < max_model_len,
-             f"({at}) plus rollout.max_new_tokens ({max_new_tokens}) must stay below rollout.max_model_len "
-             f"({max_model_len}): a turn must fit after the threshold"),
-            ("rollout.context.at_tokens", self.mode != "compact" or at + self.summary_tokens + 96 <= max_model_len,
-             f"({at}) plus rollout.context.summary_tokens ({self.summary_tokens}) and ~96 tokens for the "
-             f"instruction must fit rollout.max_model_len ({max_model_len})"),
+            (
+                "rollout.context.at_tokens",
+                not managed or at + max_new_tokens < max_model_len,
+                f"({at}) plus rollout.max_new_tokens ({max_new_tokens}) must stay below rollout.max_model_len "
+                f"({max_model_len}): a turn must fit after the threshold",
+            ),
+            (
+                "rollout.context.at_tokens",
+                self.mode != "compact" or at + self.summary_tokens + 96 <= max_model_len,
+                f"({at}) plus rollout.context.summary_tokens ({self.summary_tokens}) and ~96 tokens for the "
+                f"instruction must fit rollout.max_model_len ({max_model_len})",
+            ),
         ]
 
 

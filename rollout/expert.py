@@ -29,16 +29,26 @@ class _Task:
     def __init__(self, chat, env, obs: str, tools):
         messages = [{"role": "user", "content": obs}]
         self.prompt = chat.prompt_ids(messages, tools)
-        self.head = chat.encode(chat.text(messages, tools, gen=False))  # a rebuilt context starts with it too
+        self.head = chat.encode(
+            chat.text(messages, tools, gen=False)
+        )  # a rebuilt context starts with it too
         self.turns = env.expert_turns()
-        self.summaries = [env.expert_summary(done) for done in range(len(self.turns))]  # after the last: no turn left
+        self.summaries = [
+            env.expert_summary(done) for done in range(len(self.turns))
+        ]  # after the last: no turn left
 
 
 class ExpertEngine:
     version = 0
 
-    def __init__(self, chat, seeds, env_id: str = "tools/calculator-v0", turns: list[str] | None = None,
-                 **env_kwargs):
+    def __init__(
+        self,
+        chat,
+        seeds,
+        env_id: str = "tools/calculator-v0",
+        turns: list[str] | None = None,
+        **env_kwargs,
+    ):
         self.chat = chat
         self.tasks: list[_Task] = []
         for s in seeds:
@@ -49,29 +59,46 @@ class ExpertEngine:
                 task.turns = list(turns)
             self.tasks.append(task)
             env.close()
-        self._served: dict[tuple, int] = {}  # a served context followed by its reply -> that reply's turn
+        self._served: dict[
+            tuple, int
+        ] = {}  # a served context followed by its reply -> that reply's turn
         # what a context asking for a summary ends with: the instruction and the assistant's header
         asks = chat.observation_ids([{"role": "user", "content": COMPACT_INSTRUCTION}])
         self._asks = chat.tok.decode(asks, skip_special_tokens=False).lstrip("\n")
         self._tail = len(asks) + 8  # tokens of a context's end that hold it
 
-    def generate(self, prompts, *, max_tokens, temperature=1.0, top_p=1.0, stop_token_ids=None, seeds=None,
-                 min_tokens=0):
+    def generate(
+        self,
+        prompts,
+        *,
+        max_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        stop_token_ids=None,
+        seeds=None,
+        min_tokens=0,
+    ):
         out = []
         limits = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)
         for p, limit in zip(prompts, limits):
             task = next(t for t in self.tasks if p[: len(t.head)] == t.head)
-            text = self.chat.tok.decode(p[-self._tail:], skip_special_tokens=False)
+            text = self.chat.tok.decode(p[-self._tail :], skip_special_tokens=False)
             turn = self._turn(task, p)
             if text.endswith(self._asks):
                 reply = task.summaries[min(turn, len(task.summaries) - 1)]
             else:
                 if turn >= len(task.turns):
-                    raise ValueError(f"the scripted expert has {len(task.turns)} turns; asked for turn {turn + 1}")
+                    raise ValueError(
+                        f"the scripted expert has {len(task.turns)} turns; asked for turn {turn + 1}"
+                    )
                 reply = task.turns[turn]
             ids = self.chat.encode(reply) + [self.chat.eot_id]
-            ids, finish = (ids, "stop") if len(ids) <= limit else (ids[:limit], "length")  # cut, as an engine would
-            if not text.endswith(self._asks):  # after a summary the context is rebuilt: nothing extends it
+            ids, finish = (
+                (ids, "stop") if len(ids) <= limit else (ids[:limit], "length")
+            )  # cut, as an engine would
+            if not text.endswith(
+                self._asks
+            ):  # after a summary the context is rebuilt: nothing extends it
                 self._served[tuple(p) + tuple(ids)] = turn
             out.append(Generation(ids, [-0.5] * len(ids), finish))
         return out
@@ -80,13 +107,19 @@ class ExpertEngine:
         """How many of its turns the expert has played before this context."""
         if p == task.prompt:
             return 0
-        extended = [t for k, t in self._served.items() if len(k) < len(p) and tuple(p[: len(k)]) == k]
+        extended = [
+            t for k, t in self._served.items() if len(k) < len(p) and tuple(p[: len(k)]) == k
+        ]
         if extended:
             return 1 + max(extended)
         text = self.chat.tok.decode(p, skip_special_tokens=False)  # a rebuilt context
         shown = [i + 1 for i, turn in enumerate(task.turns) if turn in text]
-        shown += [done for done, summary in enumerate(task.summaries) if done and summary.strip() in text]
+        shown += [
+            done for done, summary in enumerate(task.summaries) if done and summary.strip() in text
+        ]
         if not shown:
-            raise ValueError("the scripted expert cannot tell its progress from this context: it shows none of "
-                             "its turns or summaries")
+            raise ValueError(
+                "the scripted expert cannot tell its progress from this context: it shows none of "
+                "its turns or summaries"
+            )
         return max(shown)

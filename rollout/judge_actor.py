@@ -24,7 +24,14 @@ import time
 import ray
 
 import envs
-from rewards.judge import LETTERS, JudgeCache, JudgeRequest, likelihood_score, rank_scores, verdict_score
+from rewards.judge import (
+    LETTERS,
+    JudgeCache,
+    JudgeRequest,
+    likelihood_score,
+    rank_scores,
+    verdict_score,
+)
 from rollout.trajectory import Trajectory
 
 
@@ -50,8 +57,16 @@ def apply_rubric(rubric, t: Trajectory, judged: dict | None = None) -> Trajector
 class JudgeScorer:
     """A judge model answering judge requests, with a score cache (see the module doc)."""
 
-    def __init__(self, model_path: str, cache_path: str | None = None, *, name: str = "", seed: int = 0,
-                 max_model_len: int = 4096, kv_cache_gib: float = 1.0):
+    def __init__(
+        self,
+        model_path: str,
+        cache_path: str | None = None,
+        *,
+        name: str = "",
+        seed: int = 0,
+        max_model_len: int = 4096,
+        kv_cache_gib: float = 1.0,
+    ):
         from transformers import AutoTokenizer
 
         self.model_path, self.name = str(model_path), name or str(model_path)
@@ -61,8 +76,10 @@ class JudgeScorer:
         self.tok = AutoTokenizer.from_pretrained(self.model_path)
         yes, no = (self.tok.encode(w, add_special_tokens=False) for w in ("Yes", "No"))
         if len(yes) != 1 or len(no) != 1:
-            raise ValueError(f"judge {self.name}: 'Yes' and 'No' must be one token each in its tokenizer "
-                             f"(got {yes}, {no})")
+            raise ValueError(
+                f"judge {self.name}: 'Yes' and 'No' must be one token each in its tokenizer "
+                f"(got {yes}, {no})"
+            )
         self.yes, self.no = yes[0], no[0]
         self.stats = {"requests": 0, "cache_hits": 0, "engine_s": 0.0}
 
@@ -73,32 +90,47 @@ class JudgeScorer:
         if self.engine is None:
             from rollout.engines.vllm_engine import VLLMEngine
 
-            self.engine = VLLMEngine(self.model_path, seed=self.seed, max_model_len=self.max_model_len,
-                                     kv_cache_gib=self.kv_cache_gib)
+            self.engine = VLLMEngine(
+                self.model_path,
+                seed=self.seed,
+                max_model_len=self.max_model_len,
+                kv_cache_gib=self.kv_cache_gib,
+            )
         return self.engine
 
     def _chat_ids(self, messages) -> list[int]:
-        text = self.tok.apply_chat_template([{"role": role, "content": c} for role, c in messages],
-                                            tokenize=False, add_generation_prompt=True)
+        text = self.tok.apply_chat_template(
+            [{"role": role, "content": c} for role, c in messages],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
         return self.tok.encode(text, add_special_tokens=False)
 
     def _letters(self, n: int) -> list[int]:
         ids = [self.tok.encode(c, add_special_tokens=False) for c in LETTERS[:n]]
         if any(len(i) != 1 for i in ids):
-            raise ValueError(f"judge {self.name}: the letters A-{LETTERS[n - 1]} must be one token each")
+            raise ValueError(
+                f"judge {self.name}: the letters A-{LETTERS[n - 1]} must be one token each"
+            )
         return [i[0] for i in ids]
 
     def _sequences(self, r: JudgeRequest) -> tuple[list[list[int]], object]:
         """The sequences to score for one request, and how to read its score from their log-probs."""
         if r.mode == "verdict":
             ids = self._chat_ids(r.messages)
-            return [ids + [self.yes], ids + [self.no]], lambda lp: verdict_score(lp[0][-1], lp[1][-1])
+            return [ids + [self.yes], ids + [self.no]], lambda lp: verdict_score(
+                lp[0][-1], lp[1][-1]
+            )
         if r.mode == "likelihood":
             target = self.tok.encode(r.target, add_special_tokens=False)
-            return [self.tok.encode(r.prompt) + target], lambda lp: likelihood_score(lp[0][-len(target):])
+            return [self.tok.encode(r.prompt) + target], lambda lp: likelihood_score(
+                lp[0][-len(target) :]
+            )
         letters = self._letters(r.size)
         seqs = [ids + [c] for ids in map(self._chat_ids, r.chats) for c in letters]
-        return seqs, lambda lp: rank_scores([[lp[i * r.size + k][-1] for k in range(r.size)] for i in range(len(r.chats))])
+        return seqs, lambda lp: rank_scores(
+            [[lp[i * r.size + k][-1] for k in range(r.size)] for i in range(len(r.chats))]
+        )
 
     def score(self, requests: list[JudgeRequest]) -> list[float]:
         """The requests' scores in [0, 1], flat (`JudgeRequest.size` each), from the cache or the
@@ -116,13 +148,15 @@ class JudgeScorer:
                 seqs += more
             too_long = max(len(s) for s in seqs)
             if too_long >= self.max_model_len:
-                raise ValueError(f"a judge prompt of {too_long} tokens does not fit the judge's max_model_len "
-                                 f"{self.max_model_len} (lower the judge part's max_chars)")
+                raise ValueError(
+                    f"a judge prompt of {too_long} tokens does not fit the judge's max_model_len "
+                    f"{self.max_model_len} (lower the judge part's max_chars)"
+                )
             t0 = time.perf_counter()
             logps = self._engine().score_batch(seqs)
             self.stats["engine_s"] += time.perf_counter() - t0
             for i, start, n, read in readers:
-                found[i] = read(logps[start:start + n])
+                found[i] = read(logps[start : start + n])
             self.cache.put([(keys[i], found[i]) for i in todo], self.name)
         return [x for v in found for x in (v if isinstance(v, list) else [v])]
 
@@ -161,7 +195,9 @@ def _send(judge, requests: list[JudgeRequest]):
         return exc
 
 
-def ask(rubric, trajectories: list[Trajectory], judge, env_kwargs: dict | None = None) -> list[Trajectory]:
+def ask(
+    rubric, trajectories: list[Trajectory], judge, env_kwargs: dict | None = None
+) -> list[Trajectory]:
     """Score the ended episodes: with judge parts that score episodes alone, send their requests to
     `judge` (an actor: without waiting; each episode keeps in `judging` its pending scores, for
     `settle`); without judge parts, apply the rubric now. `judge` may also be an in-process
@@ -235,7 +271,9 @@ def settle(rubric, trajectories: list[Trajectory], timeout_s: float) -> dict:
     for key, p in pending.items():
         if isinstance(p, ray.ObjectRef):
             if p in late:
-                answers[key] = TimeoutError(f"the judge did not answer within reward.judge.timeout_s={timeout_s:g}s")
+                answers[key] = TimeoutError(
+                    f"the judge did not answer within reward.judge.timeout_s={timeout_s:g}s"
+                )
                 continue
             try:
                 answers[key] = ray.get(p)

@@ -76,9 +76,18 @@ from rollout.splice import Splicer, message_key
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # fields of ChatCompletionRequest this server does not honour, with the value that means "unused"
-UNSUPPORTED = {"logit_bias": None, "frequency_penalty": None, "presence_penalty": None,
-               "response_format": None, "use_beam_search": False, "repetition_penalty": None, "top_k": None,
-               "min_p": None, "prompt_logprobs": None, "echo": False}
+UNSUPPORTED = {
+    "logit_bias": None,
+    "frequency_penalty": None,
+    "presence_penalty": None,
+    "response_format": None,
+    "use_beam_search": False,
+    "repetition_penalty": None,
+    "top_k": None,
+    "min_p": None,
+    "prompt_logprobs": None,
+    "echo": False,
+}
 
 
 @dataclass
@@ -120,12 +129,25 @@ class Batcher:
         self.batch_sizes: list[int] = []
         self._q: queue.Queue = queue.Queue()
         self._closed = False
-        self._thread = threading.Thread(target=self._loop, name="openai-batcher", daemon=True) if own_thread else None
+        self._thread = (
+            threading.Thread(target=self._loop, name="openai-batcher", daemon=True)
+            if own_thread
+            else None
+        )
         if self._thread is not None:
             self._thread.start()
 
-    def submit(self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float, seed: int,
-               stop_token_ids: list[int], stop: list[str]) -> concurrent.futures.Future:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int,
+        stop_token_ids: list[int],
+        stop: list[str],
+    ) -> concurrent.futures.Future:
         fut: concurrent.futures.Future = concurrent.futures.Future()
         key = (temperature, top_p, tuple(stop_token_ids), tuple(stop))
         self._q.put((key, prompt_ids, max_tokens, seed, fut))
@@ -169,16 +191,23 @@ class Batcher:
             items.append(item)
         groups: dict = {}
         for item in items:
-            if item[4].set_running_or_notify_cancel():  # a call cancelled while it waited never starts
+            if item[
+                4
+            ].set_running_or_notify_cancel():  # a call cancelled while it waited never starts
                 groups.setdefault(item[0], []).append(item)
         for (temperature, top_p, stop_ids, stop), group in groups.items():
             self.batch_sizes.append(len(group))
             try:
                 version = self.engine.version
-                gens = self.engine.generate([g[1] for g in group], max_tokens=[g[2] for g in group],
-                                            temperature=temperature, top_p=top_p,
-                                            stop_token_ids=list(stop_ids) or None, seeds=[g[3] for g in group],
-                                            **({"stop": list(stop)} if stop else {}))
+                gens = self.engine.generate(
+                    [g[1] for g in group],
+                    max_tokens=[g[2] for g in group],
+                    temperature=temperature,
+                    top_p=top_p,
+                    stop_token_ids=list(stop_ids) or None,
+                    seeds=[g[3] for g in group],
+                    **({"stop": list(stop)} if stop else {}),
+                )
                 for g, gen in zip(group, gens):
                     g[4].set_result((gen, version if gen.version is None else gen.version))
             except Exception as exc:  # noqa: BLE001  (each waiting call answers with it)
@@ -196,7 +225,9 @@ def _text(content, where: str) -> str:
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise RequestError(f"{where}: only text content is supported, not {kind!r}", "messages")
+                raise RequestError(
+                    f"{where}: only text content is supported, not {kind!r}", "messages"
+                )
             out.append(str(part.get("text", "")))
         return "".join(out)
     raise RequestError(f"{where}: content must be a string or a list of text parts", "messages")
@@ -212,12 +243,17 @@ def render_messages(messages: list) -> list[dict]:
             try:
                 m = dict(m)
             except (TypeError, ValueError):
-                raise RequestError(f"messages[{i}] must be a {{role, content}} object", "messages") from None
+                raise RequestError(
+                    f"messages[{i}] must be a {{role, content}} object", "messages"
+                ) from None
         m = dict(m)
         role = m.get("role")
         if role not in ("system", "developer", "user", "assistant", "tool"):
             raise RequestError(f"messages[{i}]: unknown role {role!r}", "messages")
-        msg = {"role": "system" if role == "developer" else role, "content": _text(m.get("content"), f"messages[{i}]")}
+        msg = {
+            "role": "system" if role == "developer" else role,
+            "content": _text(m.get("content"), f"messages[{i}]"),
+        }
         if role == "assistant" and m.get("tool_calls"):
             msg["tool_calls"] = [dict(tc) for tc in m["tool_calls"]]
         out.append(msg)
@@ -234,19 +270,38 @@ def completion_message(text: str) -> tuple[str | None, list[dict]]:
     if not calls or errors:
         return text, []
     content = text[: text.find(OPEN)].strip()
-    return content or None, [{"id": f"call_{secrets.token_hex(8)}", "type": "function",
-                              "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}}
-                             for c in calls]
+    return content or None, [
+        {
+            "id": f"call_{secrets.token_hex(8)}",
+            "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)},
+        }
+        for c in calls
+    ]
 
 
 class OpenAIServer:
     """The API over `engine` (see the module doc); `start()` serves it from a background thread."""
 
-    def __init__(self, engine, tokenizer, model: str, *, max_model_len: int, default_max_tokens: int = 512,
-                 api_key: str = "", training: dict | None = None, own_thread: bool = True,
-                 max_body_bytes: int = 4 << 20, max_request_tokens: int = 1 << 15, request_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        model: str,
+        *,
+        max_model_len: int,
+        default_max_tokens: int = 512,
+        api_key: str = "",
+        training: dict | None = None,
+        own_thread: bool = True,
+        max_body_bytes: int = 4 << 20,
+        max_request_tokens: int = 1 << 15,
+        request_timeout_s: float = 600.0,
+    ):
         if api_key and not api_key.strip():
-            raise ValueError("api_key is blank (only whitespace): give a real token, or none on loopback")
+            raise ValueError(
+                "api_key is blank (only whitespace): give a real token, or none on loopback"
+            )
         self.engine, self.model, self.max_model_len = engine, model, max_model_len
         # limits per request (see the module doc)
         self.max_body_bytes, self.max_request_tokens = max_body_bytes, max_request_tokens
@@ -256,7 +311,9 @@ class OpenAIServer:
         self.training, self.overridden = training, 0
         self.chat = ChatFormat(tokenizer)
         self.default_max_tokens, self.api_key = default_max_tokens, api_key
-        self.batcher = Batcher(engine, own_thread=own_thread)  # own_thread=False: the caller drives the engine
+        self.batcher = Batcher(
+            engine, own_thread=own_thread
+        )  # own_thread=False: the caller drives the engine
         self.records: dict[str, list[CallRecord]] = {}
         self.splicer = Splicer(self.chat)
         self._lock = threading.Lock()
@@ -268,7 +325,10 @@ class OpenAIServer:
         """Within the block, a training run's calls sample at `temperature` (held-out evaluation's
         `eval.temperature`) instead of the run's."""
         saved = self.training
-        self.training = {**(saved or {"top_p": 1.0, "max_tokens": self.default_max_tokens}), "temperature": temperature}
+        self.training = {
+            **(saved or {"top_p": 1.0, "max_tokens": self.default_max_tokens}),
+            "temperature": temperature,
+        }
         try:
             yield self
         finally:
@@ -291,9 +351,14 @@ class OpenAIServer:
             if getattr(req, name, unused) not in (unused, None):
                 raise RequestError(f"{name} is not supported by this server", name)
         if req.logprobs and req.top_logprobs:
-            raise RequestError("top_logprobs is not supported (logprobs gives the sampled token's own)", "top_logprobs")
-        max_tokens = next((x for x in (req.max_completion_tokens, req.max_tokens) if x is not None),
-                          self.default_max_tokens)
+            raise RequestError(
+                "top_logprobs is not supported (logprobs gives the sampled token's own)",
+                "top_logprobs",
+            )
+        max_tokens = next(
+            (x for x in (req.max_completion_tokens, req.max_tokens) if x is not None),
+            self.default_max_tokens,
+        )
         if max_tokens < 1:
             raise RequestError("max_tokens must be >= 1", "max_tokens")
         n = req.n or 1
@@ -301,94 +366,177 @@ class OpenAIServer:
             raise RequestError("n must be from 1 to 64", "n")
         temperature = 1.0 if req.temperature is None else float(req.temperature)
         top_p = 1.0 if req.top_p is None else float(req.top_p)
-        if not (math.isfinite(temperature) and temperature >= 0) or not (math.isfinite(top_p) and 0 < top_p <= 1):
-            raise RequestError("temperature must be a finite number >= 0 and top_p in (0, 1]", "temperature")
+        if not (math.isfinite(temperature) and temperature >= 0) or not (
+            math.isfinite(top_p) and 0 < top_p <= 1
+        ):
+            raise RequestError(
+                "temperature must be a finite number >= 0 and top_p in (0, 1]", "temperature"
+            )
         if self.training is not None:
             t = self.training
-            if (req.temperature not in (None, t["temperature"])) or (req.top_p not in (None, t["top_p"])):
+            if (req.temperature not in (None, t["temperature"])) or (
+                req.top_p not in (None, t["top_p"])
+            ):
                 self.overridden += 1
-            temperature, top_p, max_tokens = t["temperature"], t["top_p"], min(max_tokens, t["max_tokens"])
+            temperature, top_p, max_tokens = (
+                t["temperature"],
+                t["top_p"],
+                min(max_tokens, t["max_tokens"]),
+            )
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        if stop and self.engine is not None and "stop" not in inspect.signature(self.engine.generate).parameters:
-            raise RequestError(f"stop strings are not supported by this engine ({type(self.engine).__name__}); "
-                               "use stop_token_ids", "stop")
-        return dict(max_tokens=max_tokens, n=n, temperature=temperature, top_p=top_p, stop=stop,
-                    stop_token_ids=list(req.stop_token_ids or []) + [self.chat.eot_id])
+        if (
+            stop
+            and self.engine is not None
+            and "stop" not in inspect.signature(self.engine.generate).parameters
+        ):
+            raise RequestError(
+                f"stop strings are not supported by this engine ({type(self.engine).__name__}); "
+                "use stop_token_ids",
+                "stop",
+            )
+        return dict(
+            max_tokens=max_tokens,
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            stop=stop,
+            stop_token_ids=list(req.stop_token_ids or []) + [self.chat.eot_id],
+        )
 
     async def complete(self, session: str, body: dict, gone=None) -> dict:
         """The answer to one chat request. `gone`: an async callable telling whether the client has
         left (its generation is then cancelled, as past `request_timeout_s`)."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
         if body.get("model") not in (None, self.model):
-            raise RequestError(f"model {str(body['model'])[:80]!r} is not served here; this server serves "
-                               f"{self.model!r}", "model", status=404)
+            raise RequestError(
+                f"model {str(body['model'])[:80]!r} is not served here; this server serves "
+                f"{self.model!r}",
+                "model",
+                status=404,
+            )
         from pydantic import ValidationError
 
-        if not isinstance(body.get("messages"), list):  # vLLM's own validators iterate it before pydantic checks it
+        if not isinstance(
+            body.get("messages"), list
+        ):  # vLLM's own validators iterate it before pydantic checks it
             raise RequestError("messages must be a list of {role, content} objects", "messages")
         try:
             req = ChatCompletionRequest(**body)
         except ValidationError as exc:
             first = exc.errors()[0]
-            raise RequestError(f"{'.'.join(map(str, first['loc']))}: {first['msg']}",
-                               str(first["loc"][0]) if first["loc"] else None) from None
-        except (TypeError, ValueError, AttributeError) as exc:  # a validator of vLLM's that met a wrong type
-            raise RequestError(f"the request does not fit the chat completion schema: {' '.join(str(exc).split())[:200]}"
-                               ) from None
+            raise RequestError(
+                f"{'.'.join(map(str, first['loc']))}: {first['msg']}",
+                str(first["loc"][0]) if first["loc"] else None,
+            ) from None
+        except (
+            TypeError,
+            ValueError,
+            AttributeError,
+        ) as exc:  # a validator of vLLM's that met a wrong type
+            raise RequestError(
+                f"the request does not fit the chat completion schema: {' '.join(str(exc).split())[:200]}"
+            ) from None
         s = self._sampling(req)
         messages = render_messages(req.messages)
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
         try:
             prompt, text = self.splicer.prompt(session, messages, tools)
         except Exception as exc:  # noqa: BLE001  (the template's own complaint, named)
-            raise RequestError(f"the chat template cannot render these messages: {exc}", "messages") from None
+            raise RequestError(
+                f"the chat template cannot render these messages: {exc}", "messages"
+            ) from None
         room = self.max_model_len - len(prompt)
         if room < 1:
-            raise RequestError(f"the prompt is {len(prompt)} tokens; the model's context is {self.max_model_len}",
-                               "messages")
+            raise RequestError(
+                f"the prompt is {len(prompt)} tokens; the model's context is {self.max_model_len}",
+                "messages",
+            )
         max_tokens = min(s["max_tokens"], room)
         if s["n"] * max_tokens > self.max_request_tokens:
-            raise RequestError(f"n × max_tokens = {s['n']} × {max_tokens} = {s['n'] * max_tokens} tokens is more than "
-                               f"this server generates for one request ({self.max_request_tokens}); ask for fewer",
-                               "max_tokens")
+            raise RequestError(
+                f"n × max_tokens = {s['n']} × {max_tokens} = {s['n'] * max_tokens} tokens is more than "
+                f"this server generates for one request ({self.max_request_tokens}); ask for fewer",
+                "max_tokens",
+            )
         seed0 = req.seed if req.seed is not None else secrets.randbelow(1 << 31)
         seeds = [(seed0 + i) & 0x7FFFFFFF for i in range(s["n"])]
         results = await self._generate(prompt, seeds, max_tokens, s, gone)
         choices, completion_tokens = [], 0
         for i, (gen, version) in enumerate(results):
             finish = "length" if gen.finish_reason == "length" else "stop"
-            self._record(CallRecord(session, list(prompt), list(gen.token_ids), list(gen.logprobs), version, finish,
-                                    seeds[i]))
+            self._record(
+                CallRecord(
+                    session,
+                    list(prompt),
+                    list(gen.token_ids),
+                    list(gen.logprobs),
+                    version,
+                    finish,
+                    seeds[i],
+                )
+            )
             choice = self._choice(i, gen, finish, s["stop"], bool(req.logprobs))
-            self.splicer.add(session, text, prompt, gen.token_ids,
-                             message_key(choice.message.content, [tc.model_dump() for tc in choice.message.tool_calls]))
+            self.splicer.add(
+                session,
+                text,
+                prompt,
+                gen.token_ids,
+                message_key(
+                    choice.message.content, [tc.model_dump() for tc in choice.message.tool_calls]
+                ),
+            )
             choices.append(choice)
             completion_tokens += len(gen.token_ids)
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponse
         from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
-        usage = UsageInfo(prompt_tokens=len(prompt), completion_tokens=completion_tokens,
-                          total_tokens=len(prompt) + completion_tokens)
-        return ChatCompletionResponse(model=self.model, choices=choices, usage=usage).model_dump(exclude_none=True)
+        usage = UsageInfo(
+            prompt_tokens=len(prompt),
+            completion_tokens=completion_tokens,
+            total_tokens=len(prompt) + completion_tokens,
+        )
+        return ChatCompletionResponse(model=self.model, choices=choices, usage=usage).model_dump(
+            exclude_none=True
+        )
 
-    async def _generate(self, prompt: list[int], seeds: list[int], max_tokens: int, s: dict, gone) -> list:
+    async def _generate(
+        self, prompt: list[int], seeds: list[int], max_tokens: int, s: dict, gone
+    ) -> list:
         """[(Generation, policy version)] per seed. A shared engine gets the n prompts as one request
         that joins its running batch; any other engine, one Batcher call per prompt. Cancelled when
         `gone()` says the client left (a 499) or past `request_timeout_s` (a 504)."""
         from rollout.engines.shared import Cancelled
 
-        sampling = dict(temperature=s["temperature"], top_p=s["top_p"], stop_token_ids=s["stop_token_ids"])
+        sampling = dict(
+            temperature=s["temperature"], top_p=s["top_p"], stop_token_ids=s["stop_token_ids"]
+        )
         cancel = threading.Event()
-        if getattr(self.engine, "continuous_batching", None) is not None:  # a SharedEngine: its own thread
+        if (
+            getattr(self.engine, "continuous_batching", None) is not None
+        ):  # a SharedEngine: its own thread
+
             def run():
-                gens = self.engine.generate([prompt] * len(seeds), max_tokens=max_tokens, seeds=seeds, cancel=cancel,
-                                            **sampling, **({"stop": s["stop"]} if s["stop"] else {}))
-                return [(g, g.version if g.version is not None else self.engine.version) for g in gens]
+                gens = self.engine.generate(
+                    [prompt] * len(seeds),
+                    max_tokens=max_tokens,
+                    seeds=seeds,
+                    cancel=cancel,
+                    **sampling,
+                    **({"stop": s["stop"]} if s["stop"] else {}),
+                )
+                return [
+                    (g, g.version if g.version is not None else self.engine.version) for g in gens
+                ]
 
             waiting, shared = [asyncio.ensure_future(asyncio.to_thread(run))], True
         else:
-            futures = [self.batcher.submit(prompt, max_tokens=max_tokens, seed=seed, stop=s["stop"], **sampling)
-                       for seed in seeds]
+            futures = [
+                self.batcher.submit(
+                    prompt, max_tokens=max_tokens, seed=seed, stop=s["stop"], **sampling
+                )
+                for seed in seeds
+            ]
             waiting, shared = [asyncio.wrap_future(f) for f in futures], False
         deadline = time.monotonic() + self.request_timeout_s
         why = None
@@ -397,7 +545,10 @@ class OpenAIServer:
             if all(w.done() for w in waiting):
                 break
             if time.monotonic() > deadline:
-                why = (f"the request ran past this server's limit of {self.request_timeout_s:g} s and was cancelled", 504)
+                why = (
+                    f"the request ran past this server's limit of {self.request_timeout_s:g} s and was cancelled",
+                    504,
+                )
             elif gone is not None and await gone():
                 why = ("the client disconnected; its generation was cancelled", 499)
             if why:
@@ -413,7 +564,11 @@ class OpenAIServer:
 
     def _choice(self, index: int, gen: Generation, finish: str, stop: list[str], logprobs: bool):
         from vllm.entrypoints.openai.chat_completion.protocol import (
-            ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionResponseChoice, ChatMessage)
+            ChatCompletionLogProbs,
+            ChatCompletionLogProbsContent,
+            ChatCompletionResponseChoice,
+            ChatMessage,
+        )
 
         text = self.chat.decode(gen.token_ids)
         cuts = [text.find(s) for s in stop if s in text]
@@ -423,12 +578,20 @@ class OpenAIServer:
         lp = None
         if logprobs:
             toks = self.chat.tok.convert_ids_to_tokens(gen.token_ids)
-            lp = ChatCompletionLogProbs(content=[ChatCompletionLogProbsContent(token=t, logprob=x, bytes=list(t.encode()))
-                                                 for t, x in zip(toks, gen.logprobs)])
+            lp = ChatCompletionLogProbs(
+                content=[
+                    ChatCompletionLogProbsContent(token=t, logprob=x, bytes=list(t.encode()))
+                    for t, x in zip(toks, gen.logprobs)
+                ]
+            )
         message = ChatMessage(role="assistant", content=content, tool_calls=tool_calls)
-        return ChatCompletionResponseChoice(index=index, message=message, logprobs=lp,
-                                            finish_reason="tool_calls" if tool_calls and finish == "stop" else finish,
-                                            token_ids=list(gen.token_ids))
+        return ChatCompletionResponseChoice(
+            index=index,
+            message=message,
+            logprobs=lp,
+            finish_reason="tool_calls" if tool_calls and finish == "stop" else finish,
+            token_ids=list(gen.token_ids),
+        )
 
     # --- HTTP ---
     def app(self):
@@ -437,10 +600,17 @@ class OpenAIServer:
 
         app = FastAPI(title="longhorizon OpenAI-compatible API", docs_url=None, redoc_url=None)
 
-        def error(message: str, status: int = 400, param: str | None = None, kind: str = "invalid_request_error"):
+        def error(
+            message: str,
+            status: int = 400,
+            param: str | None = None,
+            kind: str = "invalid_request_error",
+        ):
             from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse
 
-            body = ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status))
+            body = ErrorResponse(
+                error=ErrorInfo(message=message, type=kind, param=param, code=status)
+            )
             return JSONResponse(body.model_dump(), status_code=status)
 
         expected = f"Bearer {self.api_key}".encode() if self.api_key else None
@@ -453,9 +623,16 @@ class OpenAIServer:
                 self.inner = inner
 
             async def __call__(self, scope, receive, send):
-                if expected and scope["type"] == "http" and dict(scope["headers"]).get(b"authorization") != expected:
-                    answer = error("a valid bearer token is required (Authorization: Bearer ...)", 401,
-                                   kind="authentication_error")
+                if (
+                    expected
+                    and scope["type"] == "http"
+                    and dict(scope["headers"]).get(b"authorization") != expected
+                ):
+                    answer = error(
+                        "a valid bearer token is required (Authorization: Bearer ...)",
+                        401,
+                        kind="authentication_error",
+                    )
                     return await answer(scope, receive, send)
                 await self.inner(scope, receive, send)
 
@@ -464,8 +641,13 @@ class OpenAIServer:
         async def models():
             from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
 
-            return ModelList(data=[ModelCard(id=self.model, owned_by="longhorizon", max_model_len=self.max_model_len)]
-                             ).model_dump(exclude_none=True)
+            return ModelList(
+                data=[
+                    ModelCard(
+                        id=self.model, owned_by="longhorizon", max_model_len=self.max_model_len
+                    )
+                ]
+            ).model_dump(exclude_none=True)
 
         async def chat(request: Request, session: str = ""):
             raw = await self._body(request)
@@ -485,14 +667,26 @@ class OpenAIServer:
                     from fastapi.responses import StreamingResponse
 
                     usage = bool((body.get("stream_options") or {}).get("include_usage"))
-                    return StreamingResponse(iter(stream_chunks(answer, usage)), media_type="text/event-stream")
+                    return StreamingResponse(
+                        iter(stream_chunks(answer, usage)), media_type="text/event-stream"
+                    )
                 return answer
             except RequestError as exc:
                 return error(str(exc), exc.status, exc.param)
-            except (TypeError, ValueError, RecursionError) as exc:  # a request no check above foresaw: the client's
-                return error(f"the request cannot be answered: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}")
+            except (
+                TypeError,
+                ValueError,
+                RecursionError,
+            ) as exc:  # a request no check above foresaw: the client's
+                return error(
+                    f"the request cannot be answered: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+                )
             except Exception as exc:  # noqa: BLE001  (the engine's failure: a 500 with its reason, the server lives)
-                return error(f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}", 500, kind="server_error")
+                return error(
+                    f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}",
+                    500,
+                    kind="server_error",
+                )
 
         app.get("/v1/models")(models)
         app.get("/sessions/{session}/v1/models")(models)
@@ -503,7 +697,9 @@ class OpenAIServer:
     async def _body(self, request) -> bytes | RequestError:
         """The request body, read no further than `max_body_bytes` (a 413 error beyond)."""
         limit = self.max_body_bytes
-        too_big = RequestError(f"the request body is larger than this server takes ({limit:,} bytes)", None, status=413)
+        too_big = RequestError(
+            f"the request body is larger than this server takes ({limit:,} bytes)", None, status=413
+        )
         try:
             if int(request.headers.get("content-length") or 0) > limit:
                 return too_big
@@ -522,8 +718,12 @@ class OpenAIServer:
         import uvicorn
 
         if host not in LOOPBACK and not self.api_key:
-            raise ValueError(f"serving on {host} (not loopback) needs an api_key: a bearer token every request must carry")
-        config = uvicorn.Config(self.app(), host=host, port=port, log_level="warning", access_log=False)
+            raise ValueError(
+                f"serving on {host} (not loopback) needs an api_key: a bearer token every request must carry"
+            )
+        config = uvicorn.Config(
+            self.app(), host=host, port=port, log_level="warning", access_log=False
+        )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="openai-http", daemon=True)
         self._thread.start()
@@ -555,29 +755,78 @@ def stream_chunks(answer: dict, include_usage: bool = False) -> list[str]:
     """A finished chat completion (`complete`'s answer) as the server-sent events of a stream: per
     choice a role chunk, its content, each tool call whole (with its index and id), a chunk with the
     finish reason (and the sampled ids); then the usage if asked; then `[DONE]`."""
-    from vllm.entrypoints.generate.base.protocol import DeltaFunctionCall, DeltaMessage, DeltaToolCall
-    from vllm.entrypoints.openai.chat_completion.protocol import (ChatCompletionResponseStreamChoice,
-                                                                   ChatCompletionStreamResponse)
+    from vllm.entrypoints.generate.base.protocol import (
+        DeltaFunctionCall,
+        DeltaMessage,
+        DeltaToolCall,
+    )
+    from vllm.entrypoints.openai.chat_completion.protocol import (
+        ChatCompletionResponseStreamChoice,
+        ChatCompletionStreamResponse,
+    )
 
     head = {"id": answer["id"], "created": answer["created"], "model": answer["model"]}
 
     def event(choices: list, usage=None) -> str:
-        body = ChatCompletionStreamResponse(**head, choices=choices, usage=usage).model_dump(exclude_none=True)
+        body = ChatCompletionStreamResponse(**head, choices=choices, usage=usage).model_dump(
+            exclude_none=True
+        )
         return f"data: {json.dumps(body)}\n\n"
 
     out = []
     for c in answer["choices"]:
         i, message = c["index"], c["message"]
-        out.append(event([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]))
+        out.append(
+            event(
+                [
+                    ChatCompletionResponseStreamChoice(
+                        index=i, delta=DeltaMessage(role="assistant", content="")
+                    )
+                ]
+            )
+        )
         if message.get("content"):
-            out.append(event([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=message["content"]),
-                                                                 logprobs=c.get("logprobs"))]))
+            out.append(
+                event(
+                    [
+                        ChatCompletionResponseStreamChoice(
+                            index=i,
+                            delta=DeltaMessage(content=message["content"]),
+                            logprobs=c.get("logprobs"),
+                        )
+                    ]
+                )
+            )
         for k, tc in enumerate(message.get("tool_calls") or []):
-            call = DeltaToolCall(index=k, id=tc["id"], type="function",
-                                 function=DeltaFunctionCall(name=tc["function"]["name"], arguments=tc["function"]["arguments"]))
-            out.append(event([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(tool_calls=[call]))]))
-        out.append(event([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(), finish_reason=c["finish_reason"],
-                                                             token_ids=c.get("token_ids"))]))
+            call = DeltaToolCall(
+                index=k,
+                id=tc["id"],
+                type="function",
+                function=DeltaFunctionCall(
+                    name=tc["function"]["name"], arguments=tc["function"]["arguments"]
+                ),
+            )
+            out.append(
+                event(
+                    [
+                        ChatCompletionResponseStreamChoice(
+                            index=i, delta=DeltaMessage(tool_calls=[call])
+                        )
+                    ]
+                )
+            )
+        out.append(
+            event(
+                [
+                    ChatCompletionResponseStreamChoice(
+                        index=i,
+                        delta=DeltaMessage(),
+                        finish_reason=c["finish_reason"],
+                        token_ids=c.get("token_ids"),
+                    )
+                ]
+            )
+        )
     if include_usage:
         out.append(event([], usage=answer["usage"]))
     return out + ["data: [DONE]\n\n"]

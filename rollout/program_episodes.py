@@ -30,6 +30,7 @@ from rollout.chat import ChatFormat
 from rollout.openai_api import CallRecord
 from rollout.trajectory import EpisodeTask, Trajectory, Turn, failure_kind, first_difference
 
+
 def extends(prev: CallRecord, rec: CallRecord) -> bool:
     """`rec`'s prompt starts with `prev`'s prompt and completion, token for token."""
     seq = prev.prompt_ids + prev.completion_ids
@@ -47,15 +48,35 @@ def chains(records: list[CallRecord]) -> list[list[CallRecord]]:
     return out
 
 
-def assemble(task: EpisodeTask, env_id: str, records: list[CallRecord], result: AgentResult | None, error: str,
-             chat: ChatFormat, seconds: float = 0.0) -> Trajectory:
+def assemble(
+    task: EpisodeTask,
+    env_id: str,
+    records: list[CallRecord],
+    result: AgentResult | None,
+    error: str,
+    chat: ChatFormat,
+    seconds: float = 0.0,
+) -> Trajectory:
     """The episode's trajectory from its session's calls (see the module doc)."""
-    t = Trajectory(task.episode_id, task.iteration, task.group_id, env_id, task.seed, 0, [], [], [],
-                   task=result.task if result else "", timings={"agent_s": seconds})
+    t = Trajectory(
+        task.episode_id,
+        task.iteration,
+        task.group_id,
+        env_id,
+        task.seed,
+        0,
+        [],
+        [],
+        [],
+        task=result.task if result else "",
+        timings={"agent_s": seconds},
+    )
     if not records and not error:
         error = "the agent program made no call to the model"
     parts = chains(records)
-    following = {id(chain[-1]): nxt[0] for chain, nxt in zip(parts, parts[1:])}  # the call that departs
+    following = {
+        id(chain[-1]): nxt[0] for chain, nxt in zip(parts, parts[1:])
+    }  # the call that departs
     for chain in parts:
         offset, last = len(t.token_ids), chain[-1]
         if len(parts) > 1:
@@ -73,25 +94,43 @@ def assemble(task: EpisodeTask, env_id: str, records: list[CallRecord], result: 
             observation = chat.tok.decode(t.token_ids[end:obs_end])
             if id(rec) in following:  # what the next call was prompted with, from where it departs
                 nxt = following[id(rec)].prompt_ids
-                observation = chat.tok.decode(nxt[first_difference(rec.prompt_ids + rec.completion_ids, nxt):])
+                observation = chat.tok.decode(
+                    nxt[first_difference(rec.prompt_ids + rec.completion_ids, nxt) :]
+                )
             text = chat.decode(rec.completion_ids)
             calls, bad = parse_tool_calls(text)
-            t.turns.append(Turn(start, end, obs_end, text, observation, len(calls), len(bad),
-                                rec.policy_version, rec.seed, rec.finish_reason, failures=["malformed_call"] * len(bad)))
+            t.turns.append(
+                Turn(
+                    start,
+                    end,
+                    obs_end,
+                    text,
+                    observation,
+                    len(calls),
+                    len(bad),
+                    rec.policy_version,
+                    rec.seed,
+                    rec.finish_reason,
+                    failures=["malformed_call"] * len(bad),
+                )
+            )
     t.prompt_len = len(records[0].prompt_ids) if records else 0
     if error:
         t.infra_error, t.stop_reason, t.failure = error, "infra_error", "infra_error"
         return t
     end = t.turns[-1].gen_end
-    t.milestones = [{"name": m["name"], "reward": float(m["reward"]), "turn": len(t.turns) - 1, "token": end}
-                    for m in result.milestones]
+    t.milestones = [
+        {"name": m["name"], "reward": float(m["reward"]), "turn": len(t.turns) - 1, "token": end}
+        for m in result.milestones
+    ]
     t.reward, t.stop_reason = result.total(), "terminated"
     t.failure = failure_kind("terminated", t.turns, solved(t.milestones))
     return t
 
 
-def run_agent_episodes(server, env_id: str, env_kwargs: dict, tasks: list[EpisodeTask], chat: ChatFormat,
-                       model: str) -> list[Trajectory]:
+def run_agent_episodes(
+    server, env_id: str, env_kwargs: dict, tasks: list[EpisodeTask], chat: ChatFormat, model: str
+) -> list[Trajectory]:
     """Each task as one run of the agent program registered as `env_id`, all at once (a thread
     each: the endpoint batches their calls), through `server`'s sessions."""
     program = envs.env_class(env_id)
@@ -100,23 +139,47 @@ def run_agent_episodes(server, env_id: str, env_kwargs: dict, tasks: list[Episod
     def one(task: EpisodeTask) -> Trajectory:
         t0, result, error = time.perf_counter(), None, ""
         try:
-            result = run_program(program, AgentTask(task.episode_id, task.seed, server.base_url(task.episode_id), model,
-                                                    server.api_key or "unused"), kwargs)
+            result = run_program(
+                program,
+                AgentTask(
+                    task.episode_id,
+                    task.seed,
+                    server.base_url(task.episode_id),
+                    model,
+                    server.api_key or "unused",
+                ),
+                kwargs,
+            )
         except Exception as exc:  # noqa: BLE001  (user code: its failure is the episode's, named)
             error = f"agent program: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
-        return assemble(task, env_id, server.take(task.episode_id), result, error, chat, time.perf_counter() - t0)
+        return assemble(
+            task,
+            env_id,
+            server.take(task.episode_id),
+            result,
+            error,
+            chat,
+            time.perf_counter() - t0,
+        )
 
     if not tasks:
         return []
     with ThreadPoolExecutor(max_workers=min(64, len(tasks)), thread_name_prefix="agent") as pool:
         futures = [pool.submit(one, task) for task in tasks]
-        if server.batcher.needs_driver:  # the engine is this thread's to drive (rollout/openai_api.py Batcher)
+        if (
+            server.batcher.needs_driver
+        ):  # the engine is this thread's to drive (rollout/openai_api.py Batcher)
             server.batcher.drive(lambda: all(f.done() for f in futures))
         return [f.result() for f in futures]
 
 
-def check_agent_program(env_id: str, kwargs: dict, tokenizer, seed: int = 0,
-                        reply: str = "I am not sure how to do this.") -> dict:
+def check_agent_program(
+    env_id: str,
+    kwargs: dict,
+    tokenizer,
+    seed: int = 0,
+    reply: str = "I am not sure how to do this.",
+) -> dict:
     """`envs check` for an agent program: three episodes (`seed` twice, then `seed + 1`) through an
     endpoint whose engine answers every call with `reply` (rollout/recorded.py `FixedEngine`, no
     model), checking what a run relies on: each episode makes calls, ends without an error and
@@ -127,7 +190,9 @@ def check_agent_program(env_id: str, kwargs: dict, tokenizer, seed: int = 0,
     from rollout.recorded import FixedEngine
 
     chat = ChatFormat(tokenizer)
-    server = OpenAIServer(FixedEngine(chat.encode(reply) + [chat.eot_id]), tokenizer, "check", max_model_len=1 << 20)
+    server = OpenAIServer(
+        FixedEngine(chat.encode(reply) + [chat.eot_id]), tokenizer, "check", max_model_len=1 << 20
+    )
     server.start()
     try:
         tasks = [EpisodeTask(f"check-{k}", 0, s, 0) for k, s in enumerate((seed, seed, seed + 1))]
@@ -136,10 +201,23 @@ def check_agent_program(env_id: str, kwargs: dict, tokenizer, seed: int = 0,
         server.stop()
     problems = [f"seed {t.seed}: {t.infra_error}" for t in trajs if t.infra_error]
     a, b = trajs[0], trajs[1]
-    if a.turns and b.turns and (a.task != b.task or a.token_ids[:a.turns[0].gen_start] != b.token_ids[:b.turns[0].gen_start]):
-        problems.append(f"seed {seed} posed two different tasks (its first prompts differ): the same seed must "
-                        "give the same task, or groups compare episodes of different tasks")
+    if (
+        a.turns
+        and b.turns
+        and (
+            a.task != b.task
+            or a.token_ids[: a.turns[0].gen_start] != b.token_ids[: b.turns[0].gen_start]
+        )
+    ):
+        problems.append(
+            f"seed {seed} posed two different tasks (its first prompts differ): the same seed must "
+            "give the same task, or groups compare episodes of different tasks"
+        )
     if problems:
         raise EnvCheckError(problems)
-    return {"calls": [len(t.turns) for t in trajs], "samples": [len(t.sample_spans()) for t in trajs],
-            "rewards": [t.reward for t in trajs], "task": a.task}
+    return {
+        "calls": [len(t.turns) for t in trajs],
+        "samples": [len(t.sample_spans()) for t in trajs],
+        "rewards": [t.reward for t in trajs],
+        "task": a.task,
+    }

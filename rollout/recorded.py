@@ -31,9 +31,12 @@ def recorded_calls(t: Trajectory) -> list[tuple[list[int], Generation]]:
     out = []
     for turn in t.turns:
         start = max((s for s, _ in t.sample_spans() if s <= turn.gen_start), default=0)
-        gen = Generation(list(t.token_ids[turn.gen_start:turn.gen_end]), list(t.rollout_logprobs[turn.gen_start:turn.gen_end]),
-                         turn.finish_reason)
-        out.append((list(t.token_ids[start:turn.gen_start]), gen))
+        gen = Generation(
+            list(t.token_ids[turn.gen_start : turn.gen_end]),
+            list(t.rollout_logprobs[turn.gen_start : turn.gen_end]),
+            turn.finish_reason,
+        )
+        out.append((list(t.token_ids[start : turn.gen_start]), gen))
     return out
 
 
@@ -47,11 +50,20 @@ class RecordedEngine:
         self.departure = ""
         self._lock = threading.Lock()
 
-    def generate(self, prompts, *, max_tokens, temperature, top_p, stop_token_ids, seeds, stop=None, **_):
+    def generate(
+        self, prompts, *, max_tokens, temperature, top_p, stop_token_ids, seeds, stop=None, **_
+    ):
         out = []
         with self._lock:
             for prompt in prompts:
-                k = next((k for k, (p, _) in enumerate(self.calls) if not self.used[k] and p == list(prompt)), None)
+                k = next(
+                    (
+                        k
+                        for k, (p, _) in enumerate(self.calls)
+                        if not self.used[k] and p == list(prompt)
+                    ),
+                    None,
+                )
                 if k is None:
                     self.departure = self.departure or self._why(list(prompt))
                     raise RequestError(f"replay: {self.departure}", "messages")
@@ -65,9 +77,13 @@ class RecordedEngine:
             return f"call {len(self.calls)} was never made in the recorded episode ({len(self.calls)} calls)"
         want = self.calls[nxt][0]
         at = first_difference(want, prompt)  # not None: an equal prompt would have been answered
-        show = (lambda ids: repr(self.detok(ids)[:80])) if self.detok else (lambda ids: str(ids[:8]))
-        return (f"call {nxt}'s prompt departs from the record at token {at} of {len(want)}: "
-                f"recorded {show(want[at:])}, replayed {show(prompt[at:])}")
+        show = (
+            (lambda ids: repr(self.detok(ids)[:80])) if self.detok else (lambda ids: str(ids[:8]))
+        )
+        return (
+            f"call {nxt}'s prompt departs from the record at token {at} of {len(want)}: "
+            f"recorded {show(want[at:])}, replayed {show(prompt[at:])}"
+        )
 
     @property
     def answered(self) -> int:
@@ -81,10 +97,14 @@ class FixedEngine:
     def __init__(self, ids: list[int]):
         self.ids, self.version, self.calls = list(ids), 0, 0
 
-    def generate(self, prompts, *, max_tokens, temperature, top_p, stop_token_ids, seeds, stop=None, **_):
+    def generate(
+        self, prompts, *, max_tokens, temperature, top_p, stop_token_ids, seeds, stop=None, **_
+    ):
         self.calls += len(prompts)
         out = []
-        for m in (max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts)):
+        for m in max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(prompts):
             ids = self.ids[:m]
-            out.append(Generation(ids, [0.0] * len(ids), "stop" if len(ids) == len(self.ids) else "length"))
+            out.append(
+                Generation(ids, [0.0] * len(ids), "stop" if len(ids) == len(self.ids) else "length")
+            )
         return out

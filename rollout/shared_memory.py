@@ -57,7 +57,9 @@ class CudaIpc:
     """Where a slab in GPU memory is (`Manifest.shared` for engines on the learner's GPU)."""
 
     gpu: str  # the device's UUID (`gpu_uuid`)
-    rebuild: tuple  # torch.multiprocessing.reductions.reduce_tensor's (function, args) for its bytes
+    rebuild: (
+        tuple  # torch.multiprocessing.reductions.reduce_tensor's (function, args) for its bytes
+    )
 
 
 def gpu_uuid(index: int) -> str:
@@ -85,7 +87,9 @@ class Slab:
             from torch.multiprocessing.reductions import reduce_tensor
 
             self.bytes = torch.zeros(HEADER + nbytes, dtype=torch.uint8, device=self.device)
-            self.address: str | CudaIpc = CudaIpc(gpu_uuid(self.bytes.device.index), reduce_tensor(self.bytes))
+            self.address: str | CudaIpc = CudaIpc(
+                gpu_uuid(self.bytes.device.index), reduce_tensor(self.bytes)
+            )
         else:
             self.fd = os.memfd_create("longhorizon-weights", os.MFD_CLOEXEC)
             os.ftruncate(self.fd, HEADER + nbytes)
@@ -108,7 +112,7 @@ class Slab:
     def region(self, offset: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         """The contiguous tensor of `shape` at byte `offset` (past the header), to write into."""
         nbytes = torch.Size(shape).numel() * dtype.itemsize
-        return self.bytes[HEADER + offset:HEADER + offset + nbytes].view(dtype).view(shape)
+        return self.bytes[HEADER + offset : HEADER + offset + nbytes].view(dtype).view(shape)
 
 
 def view(slab_bytes: torch.Tensor, ref: SharedTensor) -> torch.Tensor:
@@ -116,10 +120,14 @@ def view(slab_bytes: torch.Tensor, ref: SharedTensor) -> torch.Tensor:
     dtype = getattr(torch, ref.dtype)
     size = dtype.itemsize
     if ref.offset % size:
-        raise ValueError(f"weight sync: a shared tensor at byte {ref.offset} is not aligned to its {ref.dtype} elements")
+        raise ValueError(
+            f"weight sync: a shared tensor at byte {ref.offset} is not aligned to its {ref.dtype} elements"
+        )
     body = slab_bytes[HEADER:]
-    typed = body[:len(body) // size * size].view(dtype)
-    return typed.as_strided(ref.shape, ref.stride, typed.storage_offset() + ref.offset // size)  # offsets count from the storage's start
+    typed = body[: len(body) // size * size].view(dtype)
+    return typed.as_strided(
+        ref.shape, ref.stride, typed.storage_offset() + ref.offset // size
+    )  # offsets count from the storage's start
 
 
 class SlabReader:
@@ -138,9 +146,11 @@ class SlabReader:
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as exc:
-            raise RuntimeError(f"weight sync: cannot open the learner's shared-memory slab {path} ({exc.strerror}); "
-                               "shared-memory syncs serve only rollout workers on the learner's node "
-                               "(sync.shared_memory: false sends every version through Ray's object store)") from None
+            raise RuntimeError(
+                f"weight sync: cannot open the learner's shared-memory slab {path} ({exc.strerror}); "
+                "shared-memory syncs serve only rollout workers on the learner's node "
+                "(sync.shared_memory: false sends every version through Ray's object store)"
+            ) from None
         try:
             st = os.fstat(fd)
             key = (path, st.st_ino, st.st_size)
@@ -148,10 +158,14 @@ class SlabReader:
                 m = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
                 import warnings
 
-                with warnings.catch_warnings():  # read-only on purpose: the engine copies what it keeps
+                with (
+                    warnings.catch_warnings()
+                ):  # read-only on purpose: the engine copies what it keeps
                     warnings.filterwarnings("ignore", message="The given buffer is not writable")
                     self._maps[key] = (m, torch.frombuffer(m, dtype=torch.uint8))
-                while len(self._maps) > self.keep:  # the oldest: a learner that restarted, or slabs gone
+                while (
+                    len(self._maps) > self.keep
+                ):  # the oldest: a learner that restarted, or slabs gone
                     self._maps.pop(next(iter(self._maps)))
             return self._maps[key][1]
         finally:
@@ -163,9 +177,11 @@ class SlabReader:
         if key not in self._maps:
             seen = visible_gpus()
             if address.gpu not in seen:
-                raise RuntimeError(f"weight sync: the learner's slab lies on GPU {address.gpu}, which this rollout "
-                                   f"worker does not see (its GPUs: {', '.join(seen) or 'none'}); CUDA IPC serves "
-                                   "engines on the learner's own GPU")
+                raise RuntimeError(
+                    f"weight sync: the learner's slab lies on GPU {address.gpu}, which this rollout "
+                    f"worker does not see (its GPUs: {', '.join(seen) or 'none'}); CUDA IPC serves "
+                    "engines on the learner's own GPU"
+                )
             args = list(args)
             args[6] = seen.index(address.gpu)  # the device index as this process numbers that GPU
             self._maps[key] = (None, fn(*args))

@@ -67,10 +67,22 @@ class Splicer:
         self._sessions: dict[str, list[_Sampled]] = {}
         self._lock = threading.Lock()
 
-    def add(self, session: str, prompt_text: str, prompt_ids: list[int], completion_ids: list[int], key: tuple) -> None:
+    def add(
+        self,
+        session: str,
+        prompt_text: str,
+        prompt_ids: list[int],
+        completion_ids: list[int],
+        key: tuple,
+    ) -> None:
         ids = list(prompt_ids) + list(completion_ids)
-        entry = _Sampled(prompt_text, ids, self.chat.tok.decode(ids, skip_special_tokens=False), key,
-                         bool(completion_ids) and completion_ids[-1] == self.chat.eot_id)
+        entry = _Sampled(
+            prompt_text,
+            ids,
+            self.chat.tok.decode(ids, skip_special_tokens=False),
+            key,
+            bool(completion_ids) and completion_ids[-1] == self.chat.eot_id,
+        )
         with self._lock:
             self._sessions.setdefault(session, []).append(entry)
 
@@ -78,7 +90,9 @@ class Splicer:
         with self._lock:
             self._sessions.pop(session, None)
 
-    def prompt(self, session: str, messages: list[dict], tools: list | None) -> tuple[list[int], str]:
+    def prompt(
+        self, session: str, messages: list[dict], tools: list | None
+    ) -> tuple[list[int], str]:
         """(ids to prompt with, the rendered text they stand for); see the module doc."""
         chat = self.chat
         full = chat.text(messages, tools, gen=True)
@@ -88,14 +102,16 @@ class Splicer:
         if entries and last is not None:
             key = message_key(messages[last].get("content"), messages[last].get("tool_calls"))
             before = chat.text(messages[:last], tools, gen=True)
-            ours = next((e for e in reversed(entries) if e.key == key and e.prompt_text == before), None)
+            ours = next(
+                (e for e in reversed(entries) if e.key == key and e.prompt_text == before), None
+            )
             if ours is not None:
                 head = chat.text(messages[: last + 1], tools, gen=False)
                 cut = head.rfind(chat.eot_text)
                 if head.startswith(before) and full.startswith(head) and cut >= len(before):
-                    tail = head[cut + len(chat.eot_text):] if ours.eot else head[cut:]
-                    return ours.ids + chat.encode(tail + full[len(head):]), full
+                    tail = head[cut + len(chat.eot_text) :] if ours.eot else head[cut:]
+                    return ours.ids + chat.encode(tail + full[len(head) :]), full
         for e in sorted(entries, key=lambda e: -len(e.ids)):
             if full.startswith(e.text):
-                return e.ids + chat.encode(full[len(e.text):]), full
+                return e.ids + chat.encode(full[len(e.text) :]), full
         return chat.encode(full), full

@@ -84,7 +84,9 @@ FAILURE_KINDS = {
 """Why an episode ended as it did, one kind per episode (`failure_kind`)."""
 
 
-def failure_kind(stop_reason: str, turns: list["Turn"], succeeded: bool, infra_error: str = "") -> str:
+def failure_kind(
+    stop_reason: str, turns: list[Turn], succeeded: bool, infra_error: str = ""
+) -> str:
     """One kind per episode (`FAILURE_KINDS`). An episode that ran out of turns or tokens is put
     down to the failure of most of its turns when at least half of them failed (ties: the later
     failure), else to the limit itself."""
@@ -195,7 +197,9 @@ class Trajectory:
     def in_prompt(self, p: int) -> bool:
         """Whether token `p` belongs to a prompt: the tokens of its sample before the sample's first
         generated one (the episode's first prompt, or a later sample's own)."""
-        start, end = next(((s, e) for s, e in self.sample_spans() if s <= p < e), (0, len(self.token_ids)))
+        start, end = next(
+            ((s, e) for s, e in self.sample_spans() if s <= p < e), (0, len(self.token_ids))
+        )
         if start == 0:
             return p < self.prompt_len
         return p < min((t.gen_start for t in self.turns if start <= t.gen_start < end), default=end)

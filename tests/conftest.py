@@ -32,10 +32,10 @@ def thinking_policy(tiny_policy, tmp_path_factory) -> str:
     for f in Path(tiny_policy).iterdir():
         (out / f.name).symlink_to(f)
     template = (Path(tiny_policy) / "chat_template.jinja").read_text()
-    rewrites = {"'<|im_start|>assistant\\n' + (message.content or '')":
-                "'<|im_start|>assistant\\n' + (message.content or '').split('</think>')[-1].lstrip('\\n')",
-                "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}":
-                "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}"}
+    rewrites = {
+        "'<|im_start|>assistant\\n' + (message.content or '')": "'<|im_start|>assistant\\n' + (message.content or '').split('</think>')[-1].lstrip('\\n')",
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}": "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n<think>\\n' }}",
+    }
     for old, new in rewrites.items():
         assert old in template, old
         template = template.replace(old, new)
@@ -146,8 +146,16 @@ def e2e_run(ray_cluster, tiny_policy, tmp_path_factory):
 
     cfg = load_config(
         REPO / "configs" / "quickstart.yaml",
-        ["iterations=2", f"policy.path={tiny_policy}", "algo.entropy_coef=0.01", "env.workers=1",
-         "sync.bucket_mb=0.25", "eval.every=1", "eval.episodes=6", "eval.k=2"],
+        [
+            "iterations=2",
+            f"policy.path={tiny_policy}",
+            "algo.entropy_coef=0.01",
+            "env.workers=1",
+            "sync.bucket_mb=0.25",
+            "eval.every=1",
+            "eval.episodes=6",
+            "eval.k=2",
+        ],
     )
     run_dir = tmp_path_factory.mktemp("e2e-run")
     trainer = Trainer(cfg, run_dir)
@@ -204,14 +212,31 @@ def chromium_flags() -> list[str]:
 
     chromium = shutil.which("chromium")
     if chromium is None:
-        pytest.skip("chromium is not installed (make test installs Debian's chromium when run as root)")
-    return [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-            "--disable-background-networking", "--disable-component-update", "--disable-sync",
-            f"--user-data-dir={tempfile.mkdtemp()}", "--window-size=1400,1000", "--virtual-time-budget=5000"]
+        pytest.skip(
+            "chromium is not installed (make test installs Debian's chromium when run as root)"
+        )
+    return [
+        chromium,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tempfile.mkdtemp()}",
+        "--window-size=1400,1000",
+        "--virtual-time-budget=5000",
+    ]
 
 
 def chromium_dom(page: Path) -> str:
     import subprocess
 
-    return subprocess.run(chromium_flags() + ["--dump-dom", page.as_uri()], capture_output=True, text=True,
-                          timeout=120).stdout
+    return subprocess.run(
+        chromium_flags() + ["--dump-dom", page.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout

@@ -37,8 +37,12 @@ main()
 """
 
 # Ray notices a dead node after ~15 s by default; these make it ~2 s (read by the GCS at start).
-FAST_HEALTH_CHECKS = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "1000",
-                      "RAY_health_check_failure_threshold": "3", "RAY_health_check_initial_delay_ms": "0"}
+FAST_HEALTH_CHECKS = {
+    "RAY_health_check_period_ms": "500",
+    "RAY_health_check_timeout_ms": "1000",
+    "RAY_health_check_failure_threshold": "3",
+    "RAY_health_check_initial_delay_ms": "0",
+}
 
 
 def free_ports(n: int) -> list[int]:
@@ -77,29 +81,66 @@ class LocalCluster:
     """Head (`head_resources`, `head_cpus`) plus one worker node per entry of `nodes` (its custom
     resources; each also gets `node<k>: 1`), all on 127.0.0.1."""
 
-    def __init__(self, nodes: list[dict], *, head_resources: dict, head_cpus: int = 1, node_cpus: int = 2,
-                 object_store_mb: int = 200):
+    def __init__(
+        self,
+        nodes: list[dict],
+        *,
+        head_resources: dict,
+        head_cpus: int = 1,
+        node_cpus: int = 2,
+        object_store_mb: int = 200,
+    ):
         self.temp = f"/tmp/lhc-{os.getpid()}-{int(time.time()) % 100000}"  # short: unix sockets live under it
-        self.env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
-                    "RAY_USAGE_STATS_ENABLED": "0", **FAST_HEALTH_CHECKS}
+        self.env = {
+            **os.environ,
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            "RAY_AUTH_MODE": "disabled",
+            "RAY_USAGE_STATS_ENABLED": "0",
+            **FAST_HEALTH_CHECKS,
+        }
         self.node_ports: list[int] = []  # each worker node's node-manager port: finds its raylet
         self.raylets: list[psutil.Process] = []
         self.started: list[psutil.Process] = []
         store = str(object_store_mb << 20)
         try:
             gcs, nm, *rest = free_ports(7)
-            self._start([str(Path(sys.executable).parent / "ray"), "start", "--head", f"--port={gcs}",
-                         f"--node-manager-port={nm}", "--include-dashboard=false", *self._ports(rest),
-                         f"--num-cpus={head_cpus}", f"--resources={json.dumps(head_resources)}",
-                         f"--temp-dir={self.temp}", f"--object-store-memory={store}"], nm)
+            self._start(
+                [
+                    str(Path(sys.executable).parent / "ray"),
+                    "start",
+                    "--head",
+                    f"--port={gcs}",
+                    f"--node-manager-port={nm}",
+                    "--include-dashboard=false",
+                    *self._ports(rest),
+                    f"--num-cpus={head_cpus}",
+                    f"--resources={json.dumps(head_resources)}",
+                    f"--temp-dir={self.temp}",
+                    f"--object-store-memory={store}",
+                ],
+                nm,
+            )
             self.head_port = nm
             self.address = f"127.0.0.1:{gcs}"
             for k, resources in enumerate(nodes):
                 nm, om, *rest = free_ports(7)
-                self._start([sys.executable, "-c", _RAY_START, "start", f"--address={self.address}",
-                             f"--node-manager-port={nm}", f"--object-manager-port={om}", *self._ports(rest[:4]),
-                             f"--num-cpus={node_cpus}", f"--resources={json.dumps({**resources, f'node{k}': 1})}",
-                             f"--temp-dir={self.temp}-n{k}", f"--object-store-memory={store}"], nm)
+                self._start(
+                    [
+                        sys.executable,
+                        "-c",
+                        _RAY_START,
+                        "start",
+                        f"--address={self.address}",
+                        f"--node-manager-port={nm}",
+                        f"--object-manager-port={om}",
+                        *self._ports(rest[:4]),
+                        f"--num-cpus={node_cpus}",
+                        f"--resources={json.dumps({**resources, f'node{k}': 1})}",
+                        f"--temp-dir={self.temp}-n{k}",
+                        f"--object-store-memory={store}",
+                    ],
+                    nm,
+                )
                 self.node_ports.append(nm)
         except BaseException:
             self.stop()
@@ -107,14 +148,24 @@ class LocalCluster:
 
     @staticmethod
     def _ports(ports: list[int]) -> list[str]:
-        flags = ["--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--metrics-export-port",
-                 "--runtime-env-agent-port", "--ray-client-server-port"]
-        return [f"{f}={p}" for f, p in zip(flags, ports)] + ["--node-ip-address=127.0.0.1", "--disable-usage-stats"]
+        flags = [
+            "--dashboard-agent-listen-port",
+            "--dashboard-agent-grpc-port",
+            "--metrics-export-port",
+            "--runtime-env-agent-port",
+            "--ray-client-server-port",
+        ]
+        return [f"{f}={p}" for f, p in zip(flags, ports)] + [
+            "--node-ip-address=127.0.0.1",
+            "--disable-usage-stats",
+        ]
 
     def _start(self, cmd: list[str], node_port: int) -> None:
         r = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=120)
         if r.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd[:3])} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+            raise RuntimeError(
+                f"{' '.join(cmd[:3])} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+            )
         self.raylets.append(self.raylet(node_port))
 
     @staticmethod
@@ -155,7 +206,10 @@ class LocalCluster:
     def kill_node(self, k: int) -> None:
         """Worker node `k` vanishes: its raylet and every process under it, at once (SIGKILL)."""
         raylet = self.raylets[k + 1]
-        _kill([raylet, *raylet.children(recursive=True)] + [psutil.Process(p) for p in pids_with(f"{self.temp}-n{k}/")])
+        _kill(
+            [raylet, *raylet.children(recursive=True)]
+            + [psutil.Process(p) for p in pids_with(f"{self.temp}-n{k}/")]
+        )
 
     def stop(self) -> None:
         procs = []

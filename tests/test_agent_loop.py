@@ -8,23 +8,35 @@ import pytest
 import envs
 import envs.calculator
 from rollout.agent_loop import run_episodes
-from rollout.trajectory import EpisodeTask
 from rollout.chat import ChatFormat
 from rollout.expert import ExpertEngine
+from rollout.trajectory import EpisodeTask
 
-
-ExpertPolicy = ExpertEngine  # plays an env's scripted expert turns (a policy, not an engine stand-in)
+ExpertPolicy = (
+    ExpertEngine  # plays an env's scripted expert turns (a policy, not an engine stand-in)
+)
 
 
 def test_expert_episode_through_the_loop(tokenizer):
     chat = ChatFormat(tokenizer)
     tasks = [EpisodeTask("e0", 0, 21, 0), EpisodeTask("e1", 1, 22, 0)]
-    trajs = run_episodes(ExpertPolicy(chat, [21, 22]), chat, lambda: envs.make("tools/calculator-v0"),
-                         "tools/calculator-v0", tasks, max_turns=5, max_new_tokens=64, max_episode_tokens=4096)
+    trajs = run_episodes(
+        ExpertPolicy(chat, [21, 22]),
+        chat,
+        lambda: envs.make("tools/calculator-v0"),
+        "tools/calculator-v0",
+        tasks,
+        max_turns=5,
+        max_new_tokens=64,
+        max_episode_tokens=4096,
+    )
     for t, seed in zip(trajs, [21, 22]):
         assert t.reward == pytest.approx(1.25) and t.stop_reason == "terminated"
         assert [(m["name"], m["turn"]) for m in t.milestones] == [("product", 0), ("solved", 2)]
-        assert [m["token"] for m in t.milestones] == [t.turns[0].gen_end - 1, t.turns[2].gen_end - 1]
+        assert [m["token"] for m in t.milestones] == [
+            t.turns[0].gen_end - 1,
+            t.turns[2].gen_end - 1,
+        ]
         assert len(t.turns) == 3 and t.turns[-1].obs_end == t.turns[-1].gen_end == len(t.token_ids)
         assert sum(t.loss_mask) == sum(turn.gen_end - turn.gen_start for turn in t.turns)
         # the token stream is exactly what the chat template renders for the whole conversation
@@ -46,13 +58,22 @@ def test_episode_token_budget_with_the_real_engine(engine, tokenizer):
     obs, info = env.reset(seed=5)
     prompt_len = len(chat.prompt_ids([{"role": "user", "content": obs}], info["tools"]))
     budget = prompt_len + 60
-    trajs = run_episodes(engine, chat, lambda: envs.make("tools/calculator-v0"), "tools/calculator-v0",
-                         [EpisodeTask(f"b{k}", 0, 5, 0) for k in range(3)],
-                         max_turns=6, max_new_tokens=40, max_episode_tokens=budget)
+    trajs = run_episodes(
+        engine,
+        chat,
+        lambda: envs.make("tools/calculator-v0"),
+        "tools/calculator-v0",
+        [EpisodeTask(f"b{k}", 0, 5, 0) for k in range(3)],
+        max_turns=6,
+        max_new_tokens=40,
+        max_episode_tokens=budget,
+    )
     for t in trajs:
         assert len(t.token_ids) <= budget
         assert t.stop_reason in ("max_tokens", "terminated")
-        assert t.turns[0].gen_end - t.turns[0].gen_start <= 41  # 40 sampled + a closing token at most
+        assert (
+            t.turns[0].gen_end - t.turns[0].gen_start <= 41
+        )  # 40 sampled + a closing token at most
     assert any(t.stop_reason == "max_tokens" for t in trajs)
 
 
@@ -79,11 +100,26 @@ def test_environment_failures_end_only_their_episode(tokenizer):
     chat = ChatFormat(tokenizer)
     seeds = [21, 22, 23, 24]
     tasks = [EpisodeTask(f"e{s}", s, s, 0) for s in seeds]
-    trajs = run_episodes(ExpertPolicy(chat, [21, 22, 24]), chat, FlakyCalculator, "test/flaky-v0", tasks,
-                         max_turns=5, max_new_tokens=64, max_episode_tokens=4096)
+    trajs = run_episodes(
+        ExpertPolicy(chat, [21, 22, 24]),
+        chat,
+        FlakyCalculator,
+        "test/flaky-v0",
+        tasks,
+        max_turns=5,
+        max_new_tokens=64,
+        max_episode_tokens=4096,
+    )
     by = {t.seed: t for t in trajs}
-    assert by[21].stop_reason == "terminated" and by[21].reward == pytest.approx(1.25) and not by[21].infra_error
-    assert by[22].stop_reason == "infra_error" and by[22].infra_error == "step 1: RuntimeError: sandbox died"
+    assert (
+        by[21].stop_reason == "terminated"
+        and by[21].reward == pytest.approx(1.25)
+        and not by[21].infra_error
+    )
+    assert (
+        by[22].stop_reason == "infra_error"
+        and by[22].infra_error == "step 1: RuntimeError: sandbox died"
+    )
     assert len(by[22].turns) == 2
     assert by[23].stop_reason == "infra_error" and by[23].infra_error.startswith("reset: OSError")
     assert by[23].token_ids == [] and by[23].turns == []
@@ -104,28 +140,67 @@ def test_learner_keeps_infra_failures_out_of_group_statistics():
     from rollout.trajectory import Trajectory
 
     def ep(i, group, reward, infra=""):
-        return Trajectory(episode_id=f"e{i}", iteration=0, group_id=group, env_id="x", seed=0, prompt_len=1,
-                          token_ids=[1, 2], loss_mask=[0, 1], rollout_logprobs=[0.0, -1.0], reward=reward,
-                          infra_error=infra)
+        return Trajectory(
+            episode_id=f"e{i}",
+            iteration=0,
+            group_id=group,
+            env_id="x",
+            seed=0,
+            prompt_len=1,
+            token_ids=[1, 2],
+            loss_mask=[0, 1],
+            rollout_logprobs=[0.0, -1.0],
+            reward=reward,
+            infra_error=infra,
+        )
 
-    batch = [ep(0, 0, 1.0), ep(1, 0, 0.0), ep(2, 0, 0.0, "sandbox died"), ep(3, 1, 1.0), ep(4, 1, 0.0, "timeout")]
+    batch = [
+        ep(0, 0, 1.0),
+        ep(1, 0, 0.0),
+        ep(2, 0, 0.0, "sandbox died"),
+        ep(3, 1, 1.0),
+        ep(4, 1, 0.0, "timeout"),
+    ]
     kept, stats = usable_episodes(batch)
-    assert [t.episode_id for t in kept] == ["e0", "e1"]  # group 1 has one real episode left: dropped
-    assert stats == {"infra_errors_dropped": 2, "stale_episodes_dropped": 0, "groups_dropped": 1,
-                     "groups_with_signal": 1, "reward_spread": 1.0}  # e0 and e1 earned different rewards
+    assert [t.episode_id for t in kept] == [
+        "e0",
+        "e1",
+    ]  # group 1 has one real episode left: dropped
+    assert stats == {
+        "infra_errors_dropped": 2,
+        "stale_episodes_dropped": 0,
+        "groups_dropped": 1,
+        "groups_with_signal": 1,
+        "reward_spread": 1.0,
+    }  # e0 and e1 earned different rewards
 
     # a staleness bound: an episode with a turn older than min_version leaves too (and its group with it)
     from rollout.trajectory import Turn
 
     def turn(version):
-        return Turn(gen_start=1, gen_end=2, obs_end=2, text="", observation="", tool_calls=0, tool_errors=0,
-                    policy_version=version, seed=0, finish_reason="stop")
+        return Turn(
+            gen_start=1,
+            gen_end=2,
+            obs_end=2,
+            text="",
+            observation="",
+            tool_calls=0,
+            tool_errors=0,
+            policy_version=version,
+            seed=0,
+            finish_reason="stop",
+        )
 
     fresh, stale = ep(5, 2, 1.0), ep(6, 2, 0.0)
     fresh.turns, stale.turns = [turn(3)], [turn(1)]
     kept, stats = usable_episodes([fresh, stale], min_version=2)
-    assert kept == [] and stats == {"infra_errors_dropped": 0, "stale_episodes_dropped": 1, "groups_dropped": 1,
-                                    "groups_with_signal": 0, "reward_spread": 0.0}
+    assert kept == [] and stats == {
+        "infra_errors_dropped": 0,
+        "stale_episodes_dropped": 1,
+        "groups_dropped": 1,
+        "groups_with_signal": 0,
+        "reward_spread": 0.0,
+    }
 
 
 class TamperedCalculator(envs.calculator.CalculatorEnv):
@@ -140,8 +215,16 @@ def test_replay_reproduces_expert_episodes_and_catches_a_tampered_env(tokenizer)
 
     chat = ChatFormat(tokenizer)
     tasks = [EpisodeTask(f"e{s}", s, s, 0) for s in (31, 32)]
-    trajs = run_episodes(ExpertPolicy(chat, [31, 32]), chat, lambda: envs.make("tools/calculator-v0"),
-                         "tools/calculator-v0", tasks, max_turns=5, max_new_tokens=64, max_episode_tokens=4096)
+    trajs = run_episodes(
+        ExpertPolicy(chat, [31, 32]),
+        chat,
+        lambda: envs.make("tools/calculator-v0"),
+        "tools/calculator-v0",
+        tasks,
+        max_turns=5,
+        max_new_tokens=64,
+        max_episode_tokens=4096,
+    )
     for t in trajs:
         assert t.task and t.task in tokenizer.decode(t.token_ids[: t.prompt_len])
         r = replay_episode(t)
@@ -159,9 +242,16 @@ def test_rescoring_functions_on_an_expert_episode(tokenizer):
     from rewards.milestones import discounted, milestone_sum, terminal_only, turn_rewards
 
     chat = ChatFormat(tokenizer)
-    (t,) = run_episodes(ExpertPolicy(chat, [41]), chat, lambda: envs.make("tools/calculator-v0"),
-                        "tools/calculator-v0", [EpisodeTask("e41", 0, 41, 0)], max_turns=5, max_new_tokens=64,
-                        max_episode_tokens=4096)
+    (t,) = run_episodes(
+        ExpertPolicy(chat, [41]),
+        chat,
+        lambda: envs.make("tools/calculator-v0"),
+        "tools/calculator-v0",
+        [EpisodeTask("e41", 0, 41, 0)],
+        max_turns=5,
+        max_new_tokens=64,
+        max_episode_tokens=4096,
+    )
     assert milestone_sum(t) == pytest.approx(t.reward) == pytest.approx(1.25)
     assert terminal_only(t) == 1.0
     # the product is reached on the first calculator call (turn 0), solved on the answer (turn 2)
@@ -172,8 +262,14 @@ def test_rescoring_functions_on_an_expert_episode(tokenizer):
     assert terminal_only(t) == 0.0 and milestone_sum(t) == pytest.approx(0.25)
 
 
-BUILTIN_KWARGS = {"tools/calculator-v0": {}, "tools/shell-v0": {}, "code/fix-tests-v0": {},
-                  "long/needle-v0": {}, "vision/maze-v0": {"size": 5, "max_turns": 12}, "long/oncall-v0": {"horizon": 6}}
+BUILTIN_KWARGS = {
+    "tools/calculator-v0": {},
+    "tools/shell-v0": {},
+    "code/fix-tests-v0": {},
+    "long/needle-v0": {},
+    "vision/maze-v0": {"size": 5, "max_turns": 12},
+    "long/oncall-v0": {"horizon": 6},
+}
 
 
 @pytest.mark.parametrize("env_id", sorted(BUILTIN_KWARGS))
@@ -184,12 +280,23 @@ def test_every_builtin_env_records_and_replays_through_the_loop(tokenizer, env_i
 
     chat = ChatFormat(tokenizer)
     kwargs = BUILTIN_KWARGS[env_id]
-    for s in (3, 4):  # one episode a call: some tasks' texts repeat across seeds, and the policy matches by prompt
-        (t,) = run_episodes(ExpertPolicy(chat, [s], env_id, **kwargs), chat, lambda: envs.make(env_id, **kwargs),
-                            env_id, [EpisodeTask(f"e{s}", s, s, 0)], max_turns=12, max_new_tokens=512,
-                            max_episode_tokens=16384)
-        assert t.stop_reason == "terminated" and t.reward == pytest.approx(1.25 if env_id in (
-            "tools/calculator-v0", "long/needle-v0") else 1.0), (t.stop_reason, t.milestones)
+    for s in (
+        3,
+        4,
+    ):  # one episode a call: some tasks' texts repeat across seeds, and the policy matches by prompt
+        (t,) = run_episodes(
+            ExpertPolicy(chat, [s], env_id, **kwargs),
+            chat,
+            lambda: envs.make(env_id, **kwargs),
+            env_id,
+            [EpisodeTask(f"e{s}", s, s, 0)],
+            max_turns=12,
+            max_new_tokens=512,
+            max_episode_tokens=16384,
+        )
+        assert t.stop_reason == "terminated" and t.reward == pytest.approx(
+            1.25 if env_id in ("tools/calculator-v0", "long/needle-v0") else 1.0
+        ), (t.stop_reason, t.milestones)
         r = replay_episode(t, kwargs)
         assert r.ok and r.turns_checked == len(t.turns), r.divergence
 
@@ -205,12 +312,26 @@ def test_expert_episodes_through_env_worker_actors(tokenizer, ray_cluster):
     seeds = [5, 6]
     trajs = []
     for s in seeds:
-        trajs += run_episodes(ExpertPolicy(chat, [s], "tools/shell-v0"), chat, lambda: RemoteEnv(actor, next(slots)),
-                              "tools/shell-v0", [EpisodeTask(f"r{s}", s, s, 0)], max_turns=6, max_new_tokens=256,
-                              max_episode_tokens=8192)
-    assert [t.reward for t in trajs] == [1.0, 1.0] and {t.stop_reason for t in trajs} == {"terminated"}
-    assert all(replay_episode(t).ok for t in trajs)  # recorded remotely, replayed in-process: the same
-    assert ray_cluster.get(actor.stats.remote()) == {"slots": 0, "failures": 0}  # closed after each episode
+        trajs += run_episodes(
+            ExpertPolicy(chat, [s], "tools/shell-v0"),
+            chat,
+            lambda: RemoteEnv(actor, next(slots)),
+            "tools/shell-v0",
+            [EpisodeTask(f"r{s}", s, s, 0)],
+            max_turns=6,
+            max_new_tokens=256,
+            max_episode_tokens=8192,
+        )
+    assert [t.reward for t in trajs] == [1.0, 1.0] and {t.stop_reason for t in trajs} == {
+        "terminated"
+    }
+    assert all(
+        replay_episode(t).ok for t in trajs
+    )  # recorded remotely, replayed in-process: the same
+    assert ray_cluster.get(actor.stats.remote()) == {
+        "slots": 0,
+        "failures": 0,
+    }  # closed after each episode
     ray_cluster.kill(actor)
 
 
@@ -224,16 +345,36 @@ def test_sandbox_events_are_recorded_stored_and_shown(tokenizer, tmp_path):
 
     chat = ChatFormat(tokenizer)
     turns = [call("bash", command="yes"), call("bash", command="echo calm"), call("submit")]
-    (t,) = run_episodes(ExpertPolicy(chat, [1], "tools/shell-v0", turns=turns), chat,
-                        lambda: envs.make("tools/shell-v0"), "tools/shell-v0", [EpisodeTask("i0-g0-e0", 0, 1, 0)],
-                        max_turns=4, max_new_tokens=128, max_episode_tokens=8192)
+    (t,) = run_episodes(
+        ExpertPolicy(chat, [1], "tools/shell-v0", turns=turns),
+        chat,
+        lambda: envs.make("tools/shell-v0"),
+        "tools/shell-v0",
+        [EpisodeTask("i0-g0-e0", 0, 1, 0)],
+        max_turns=4,
+        max_new_tokens=128,
+        max_episode_tokens=8192,
+    )
     assert any("output limit reached" in e for e in t.turns[0].sandbox_events)
     assert t.turns[1].sandbox_events == []
     TrajectoryStore(tmp_path).write("iter-000000", [t])
     (back,) = TrajectoryStore(tmp_path).trajectories()
     assert back.turns[0].sandbox_events == t.turns[0].sandbox_events
-    shown = subprocess.run([sys.executable, "-m", "longhorizon.cli", "inspect", str(tmp_path), "--episode", "i0-g0-e0"],
-                           cwd=REPO, capture_output=True, text=True, timeout=120)
+    shown = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "longhorizon.cli",
+            "inspect",
+            str(tmp_path),
+            "--episode",
+            "i0-g0-e0",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert "sandbox: bwrap: output limit reached" in shown.stdout, shown.stderr
 
 
@@ -243,21 +384,37 @@ class RoutingPolicy(ExpertPolicy):
     def generate(self, prompts, **kw):
         gens = super().generate(prompts, **kw)
         for g in gens:
-            g.routed_experts = [[[tid % 8, (tid + 1) % 8], [(tid * 3) % 8, 7]] for tid in g.token_ids]
+            g.routed_experts = [
+                [[tid % 8, (tid + 1) % 8], [(tid * 3) % 8, 7]] for tid in g.token_ids
+            ]
         return gens
 
 
 def test_routed_experts_from_the_engine_line_up_with_the_tokens(tokenizer):
     chat = ChatFormat(tokenizer)
-    (t,) = run_episodes(RoutingPolicy(chat, [21]), chat, lambda: envs.make("tools/calculator-v0"),
-                        "tools/calculator-v0", [EpisodeTask("e0", 0, 21, 0)], max_turns=5, max_new_tokens=64,
-                        max_episode_tokens=4096)
+    (t,) = run_episodes(
+        RoutingPolicy(chat, [21]),
+        chat,
+        lambda: envs.make("tools/calculator-v0"),
+        "tools/calculator-v0",
+        [EpisodeTask("e0", 0, 21, 0)],
+        max_turns=5,
+        max_new_tokens=64,
+        max_episode_tokens=4096,
+    )
     assert len(t.routed_experts) == len(t.token_ids)
     for p, (tid, m) in enumerate(zip(t.token_ids, t.loss_mask)):
         assert t.routed_experts[p] == ([[tid % 8, (tid + 1) % 8], [(tid * 3) % 8, 7]] if m else [])
-    (plain,) = run_episodes(ExpertPolicy(chat, [21]), chat, lambda: envs.make("tools/calculator-v0"),
-                            "tools/calculator-v0", [EpisodeTask("e0", 0, 21, 0)], max_turns=5, max_new_tokens=64,
-                            max_episode_tokens=4096)
+    (plain,) = run_episodes(
+        ExpertPolicy(chat, [21]),
+        chat,
+        lambda: envs.make("tools/calculator-v0"),
+        "tools/calculator-v0",
+        [EpisodeTask("e0", 0, 21, 0)],
+        max_turns=5,
+        max_new_tokens=64,
+        max_episode_tokens=4096,
+    )
     assert plain.routed_experts is None  # an engine that records nothing leaves nothing to store
 
 
@@ -292,10 +449,13 @@ def test_each_episode_on_its_own_gives_the_lockstep_episodes(engine, shared, tok
     assert [t.episode_id for t in own] == [t.episode_id for t in lockstep]
     for a, b in zip(own, lockstep):
         assert a.token_ids == b.token_ids and a.loss_mask == b.loss_mask and a.reward == b.reward
-        assert [(x.gen_start, x.gen_end, x.obs_end, x.seed) for x in a.turns] == \
-               [(x.gen_start, x.gen_end, x.obs_end, x.seed) for x in b.turns]
+        assert [(x.gen_start, x.gen_end, x.obs_end, x.seed) for x in a.turns] == [
+            (x.gen_start, x.gen_end, x.obs_end, x.seed) for x in b.turns
+        ]
         assert max(abs(x - y) for x, y in zip(a.rollout_logprobs, b.rollout_logprobs)) < 1e-4
-    assert shared.requests_merged > 0  # one request per episode and turn, batched together by the engine
+    assert (
+        shared.requests_merged > 0
+    )  # one request per episode and turn, batched together by the engine
 
 
 @pytest.mark.slow
@@ -303,9 +463,21 @@ def test_a_slow_environment_holds_back_only_its_own_episode(shared, tokenizer):
     chat = ChatFormat(tokenizer)
     SlowCalculator.log.clear()
     tasks = [EpisodeTask(f"s{k}", k, k + 1, 0) for k in range(3)]  # seed 1 is slow
-    trajs = run_episodes(shared, chat, SlowCalculator, "test/slow-v0", tasks,
-                         max_turns=3, max_new_tokens=16, max_episode_tokens=1024)
-    assert all(len(t.turns) == 3 for t in trajs)  # a random policy never solves it: every episode runs 3 turns
+    trajs = run_episodes(
+        shared,
+        chat,
+        SlowCalculator,
+        "test/slow-v0",
+        tasks,
+        max_turns=3,
+        max_new_tokens=16,
+        max_episode_tokens=1024,
+    )
+    assert all(
+        len(t.turns) == 3 for t in trajs
+    )  # a random policy never solves it: every episode runs 3 turns
     slow_first = min(t for seed, t in SlowCalculator.log if seed == 1)
     fast_last = max(t for seed, t in SlowCalculator.log if seed != 1)
-    assert fast_last < slow_first  # the fast episodes ran all their turns during the slow one's first step
+    assert (
+        fast_last < slow_first
+    )  # the fast episodes ran all their turns during the slow one's first step

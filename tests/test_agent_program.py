@@ -11,9 +11,9 @@ import torch
 
 import envs
 from envs.agent_program import AgentResult, AgentTask, result_of, run_program
-from rollout.program_episodes import assemble, run_agent_episodes
 from rollout.chat import ChatFormat
 from rollout.openai_api import CallRecord
+from rollout.program_episodes import assemble, run_agent_episodes
 from rollout.trajectory import EpisodeTask
 
 
@@ -22,11 +22,20 @@ def echo_agent(task: AgentTask, bonus: float = 0.0) -> AgentResult:
     client = task.client()
     messages = [{"role": "user", "content": f"Task {task.seed}: say something."}]
     for turn in range(2):
-        reply = client.chat.completions.create(model=task.model, messages=messages, max_tokens=6,
-                                               seed=task.seed * 10 + turn).choices[0].message
-        messages += [{"role": "assistant", "content": reply.content or ""},
-                     {"role": "user", "content": "Again."}]
-    return AgentResult(milestones=[{"name": "answered", "reward": 1.0 + bonus}], task=messages[0]["content"])
+        reply = (
+            client.chat.completions.create(
+                model=task.model, messages=messages, max_tokens=6, seed=task.seed * 10 + turn
+            )
+            .choices[0]
+            .message
+        )
+        messages += [
+            {"role": "assistant", "content": reply.content or ""},
+            {"role": "user", "content": "Again."},
+        ]
+    return AgentResult(
+        milestones=[{"name": "answered", "reward": 1.0 + bonus}], task=messages[0]["content"]
+    )
 
 
 async def async_agent(task: AgentTask) -> float:
@@ -39,7 +48,10 @@ def restless_agent(task: AgentTask) -> float:
     import random
 
     task.client(max_retries=0).chat.completions.create(
-        model=task.model, messages=[{"role": "user", "content": f"Add {random.random()} and 1."}], max_tokens=4)
+        model=task.model,
+        messages=[{"role": "user", "content": f"Add {random.random()} and 1."}],
+        max_tokens=4,
+    )
     return 0.0
 
 
@@ -60,12 +72,24 @@ def test_extending_calls_are_one_episode(tokenizer):
     a, b = _records(chat.eot_id)
     result = AgentResult(milestones=[{"name": "solved", "reward": 1.0}], task="the task")
     t = assemble(TASK, "agents/echo-v0", [a, b], result, "", chat, 1.5)
-    assert t.token_ids == b.prompt_ids + b.completion_ids and t.prompt_len == 3 and t.task == "the task"
+    assert (
+        t.token_ids == b.prompt_ids + b.completion_ids
+        and t.prompt_len == 3
+        and t.task == "the task"
+    )
     assert t.loss_mask == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
     assert t.rollout_logprobs == [0.0, 0.0, 0.0, -0.1, -0.2, -0.3, 0.0, 0.0, -0.4, -0.5]
-    assert [(u.gen_start, u.gen_end, u.obs_end, u.policy_version, u.seed) for u in t.turns] == [(3, 6, 8, 4, 70), (8, 10, 10, 5, 71)]
+    assert [(u.gen_start, u.gen_end, u.obs_end, u.policy_version, u.seed) for u in t.turns] == [
+        (3, 6, 8, 4, 70),
+        (8, 10, 10, 5, 71),
+    ]
     assert t.milestones == [{"name": "solved", "reward": 1.0, "turn": 1, "token": 10}]
-    assert t.reward == 1.0 and t.failure == "success" and t.stop_reason == "terminated" and not t.infra_error
+    assert (
+        t.reward == 1.0
+        and t.failure == "success"
+        and t.stop_reason == "terminated"
+        and not t.infra_error
+    )
     assert t.timings == {"agent_s": 1.5} and t.num_generated == 5
 
 
@@ -74,7 +98,9 @@ def test_a_rewritten_history_becomes_one_sample_per_sequence(tokenizer):
     do extend stay one sequence; the departing call's new tokens are the turn's observation."""
     chat = ChatFormat(tokenizer)
     a, b = _records(chat.eot_id, extend=False)
-    c = CallRecord("s", b.prompt_ids + b.completion_ids + [22], [13, chat.eot_id], [-0.6, -0.7], 5, "stop", 72)
+    c = CallRecord(
+        "s", b.prompt_ids + b.completion_ids + [22], [13, chat.eot_id], [-0.6, -0.7], 5, "stop", 72
+    )
     result = AgentResult(milestones=[{"name": "solved", "reward": 1.0}])
     t = assemble(TASK, "agents/echo-v0", [a, b, c], result, "", chat)
     assert not t.infra_error and t.reward == 1.0 and t.failure == "success"
@@ -82,19 +108,32 @@ def test_a_rewritten_history_becomes_one_sample_per_sequence(tokenizer):
     assert t.token_ids == a.prompt_ids + a.completion_ids + c.prompt_ids + c.completion_ids
     assert [i for i, m in enumerate(t.loss_mask) if m] == [3, 4, 5, 14, 15, 17, 18]
     assert [t.rollout_logprobs[i] for i in (3, 14, 15, 17, 18)] == [-0.1, -0.4, -0.5, -0.6, -0.7]
-    assert [(u.gen_start, u.gen_end, u.obs_end) for u in t.turns] == [(3, 6, 6), (14, 16, 17), (17, 19, 19)]
+    assert [(u.gen_start, u.gen_end, u.obs_end) for u in t.turns] == [
+        (3, 6, 6),
+        (14, 16, 17),
+        (17, 19, 19),
+    ]
     assert t.turns[1].observation == tokenizer.decode([22])  # call 2 extends call 1: one sequence
     # call 1 departs from call 0's sequence at its fifth token: [99, eot, 20, 21] is what it was shown
     assert t.turns[0].observation == tokenizer.decode([99, chat.eot_id, 20, 21])
     assert [p for p in range(len(t.token_ids)) if t.in_prompt(p)] == [0, 1, 2, *range(6, 14)]
-    assert t.prompt_len == 3 and t.milestones == [{"name": "solved", "reward": 1.0, "turn": 2, "token": 19}]
+    assert t.prompt_len == 3 and t.milestones == [
+        {"name": "solved", "reward": 1.0, "turn": 2, "token": 19}
+    ]
 
 
 def test_a_failed_agent_is_an_infrastructure_error(tokenizer):
     chat = ChatFormat(tokenizer)
     t = assemble(TASK, "agents/echo-v0", [], None, "agent program: KeyError: 'x'", chat)
-    assert t.infra_error == "agent program: KeyError: 'x'" and t.stop_reason == "infra_error" and t.reward == 0.0
-    assert "made no call" in assemble(TASK, "agents/echo-v0", [], AgentResult(reward=1.0), "", chat).infra_error
+    assert (
+        t.infra_error == "agent program: KeyError: 'x'"
+        and t.stop_reason == "infra_error"
+        and t.reward == 0.0
+    )
+    assert (
+        "made no call"
+        in assemble(TASK, "agents/echo-v0", [], AgentResult(reward=1.0), "", chat).infra_error
+    )
 
 
 def _split_batch(learner, tokenizer) -> list:
@@ -114,17 +153,37 @@ def _split_batch(learner, tokenizer) -> list:
         starts = [0, len(first)] if i == 0 else []
         turns = [turn(3, len(first), 0), turn(len(first) + 4, len(ids), 1)]
         mask = [int(any(u.gen_start <= p < u.gen_end for u in turns)) for p in range(len(ids))]
-        lps = [x for s in samples for x in [0.0] + learner.logprobs(s)]  # each sample scored on its own
-        milestones = [{"name": "half", "reward": reward / 4, "turn": 0, "token": turns[0].gen_end},
-                      {"name": "rest", "reward": 3 * reward / 4, "turn": 1, "token": len(ids)}]
-        out.append(Trajectory(f"e{i}", 0, i // 2, "agents/echo-v0", 0, 3, ids, mask,
-                              [lp if m else 0.0 for lp, m in zip(lps, mask)], turns, milestones, reward,
-                              sample_starts=starts))
+        lps = [
+            x for s in samples for x in [0.0] + learner.logprobs(s)
+        ]  # each sample scored on its own
+        milestones = [
+            {"name": "half", "reward": reward / 4, "turn": 0, "token": turns[0].gen_end},
+            {"name": "rest", "reward": 3 * reward / 4, "turn": 1, "token": len(ids)},
+        ]
+        out.append(
+            Trajectory(
+                f"e{i}",
+                0,
+                i // 2,
+                "agents/echo-v0",
+                0,
+                3,
+                ids,
+                mask,
+                [lp if m else 0.0 for lp, m in zip(lps, mask)],
+                turns,
+                milestones,
+                reward,
+                sample_starts=starts,
+            )
+        )
     return out
 
 
 @pytest.mark.parametrize("credit", ["episode", "milestone"])
-def test_the_learner_trains_each_sample_of_a_split_episode_with_the_episode_s_advantage(tiny_policy, tokenizer, credit):
+def test_the_learner_trains_each_sample_of_a_split_episode_with_the_episode_s_advantage(
+    tiny_policy, tokenizer, credit
+):
     """Against a naive reference: the split episode's samples are run as sequences of their own (the
     learner's pre-update log-probs equal each sample scored alone, and the engine's log-probs of
     the samples match them), and every sample's tokens get the episode's advantages (GRPO over the
@@ -134,7 +193,9 @@ def test_the_learner_trains_each_sample_of_a_split_episode_with_the_episode_s_ad
     from rl.grpo import group_advantages
     from rl.learner import Learner
 
-    learner = Learner(tiny_policy, AlgoConfig(threads=1, credit=credit, scale_rewards="none"), seed=0)
+    learner = Learner(
+        tiny_policy, AlgoConfig(threads=1, credit=credit, scale_rewards="none"), seed=0
+    )
     batch = _split_batch(learner, tokenizer)
     split = batch[0]
     alone = [[0.0] + learner.logprobs(split.token_ids[s:e]) for s, e in split.sample_spans()]
@@ -144,16 +205,26 @@ def test_the_learner_trains_each_sample_of_a_split_episode_with_the_episode_s_ad
     note = stats["annotations"]["e0"]
     gen = [p for p, m in enumerate(split.loss_mask) if m]
     joined = [x for s in alone for x in s]
-    assert [note["learner_logprobs"][p] for p in gen] == pytest.approx([joined[p] for p in gen], abs=1e-5)
+    assert [note["learner_logprobs"][p] for p in gen] == pytest.approx(
+        [joined[p] for p in gen], abs=1e-5
+    )
     if credit == "episode":
-        adv = group_advantages(torch.tensor([t.reward for t in batch]), torch.tensor([0, 0, 1, 1]), scale="none")
+        adv = group_advantages(
+            torch.tensor([t.reward for t in batch]), torch.tensor([0, 0, 1, 1]), scale="none"
+        )
         expected = [[float(adv[i]) if m else 0.0 for m in t.loss_mask] for i, t in enumerate(batch)]
     else:
-        expected = [[a if m else 0.0 for a, m in zip(row, t.loss_mask)]
-                    for row, t in zip(token_advantages(batch, baseline="loo"), batch)]
+        expected = [
+            [a if m else 0.0 for a, m in zip(row, t.loss_mask)]
+            for row, t in zip(token_advantages(batch, baseline="loo"), batch)
+        ]
     for i, t in enumerate(batch):
-        assert stats["annotations"][t.episode_id]["advantages"] == pytest.approx(expected[i], abs=1e-6)
-    assert len({round(a, 6) for a, m in zip(note["advantages"], split.loss_mask) if m}) == (1 if credit == "episode" else 2)
+        assert stats["annotations"][t.episode_id]["advantages"] == pytest.approx(
+            expected[i], abs=1e-6
+        )
+    assert len({round(a, 6) for a, m in zip(note["advantages"], split.loss_mask) if m}) == (
+        1 if credit == "episode" else 2
+    )
 
 
 def test_ppo_values_of_a_split_episode_s_samples_fit_their_returns(tiny_policy, tokenizer):
@@ -162,35 +233,65 @@ def test_ppo_values_of_a_split_episode_s_samples_fit_their_returns(tiny_policy, 
     from rl.config import AlgoConfig
     from rl.learner import Learner
 
-    learner = Learner(tiny_policy, AlgoConfig(name="ppo", lr=3e-3, vf_coef=1.0, value_clip=10.0, threads=1,
-                                              ppo_level="turn", gae_lambda=1.0))
+    learner = Learner(
+        tiny_policy,
+        AlgoConfig(
+            name="ppo",
+            lr=3e-3,
+            vf_coef=1.0,
+            value_clip=10.0,
+            threads=1,
+            ppo_level="turn",
+            gae_lambda=1.0,
+        ),
+    )
     split = _split_batch(learner, tokenizer)[0]
-    split.milestones = [{**split.milestones[0], "reward": 3.0}, {**split.milestones[1], "reward": -1.0}]
+    split.milestones = [
+        {**split.milestones[0], "reward": 3.0},
+        {**split.milestones[1], "reward": -1.0},
+    ]
     split.reward = 2.0
     losses = [learner.train_step([split, split])["value_loss"] for _ in range(30)]
     assert losses[-1] < 0.2 * losses[0]
     for (s, e), turn, target in zip(split.sample_spans(), split.turns, (2.0, -1.0)):
         with torch.no_grad():
-            v = learner.value_head(learner.lm.hidden(torch.tensor([split.token_ids[s:e]]))[:, :-1])[0]
+            v = learner.value_head(learner.lm.hidden(torch.tensor([split.token_ids[s:e]]))[:, :-1])[
+                0
+            ]
         assert v[turn.gen_start - s - 1].item() == pytest.approx(target, abs=0.3)
 
 
 def test_agent_results_and_registration():
-    assert result_of(0.5).total() == 0.5 and result_of({"milestones": [{"name": "a", "reward": 0.25}]}).total() == 0.25
-    assert result_of(AgentResult(reward=2.0, milestones=[{"name": "a", "reward": 0.25}])).total() == 2.0
-    for bad, message in [("yes", "returns a number"), ({"score": 1}, "takes milestones, reward, task"),
-                         ({"milestones": [{"name": "a"}]}, "a milestone is"), (float("nan"), "NaN"),
-                         ({"milestones": [{"name": "a", "reward": 1}, {"name": "a", "reward": 1}]}, "reached twice")]:
+    assert (
+        result_of(0.5).total() == 0.5
+        and result_of({"milestones": [{"name": "a", "reward": 0.25}]}).total() == 0.25
+    )
+    assert (
+        result_of(AgentResult(reward=2.0, milestones=[{"name": "a", "reward": 0.25}])).total()
+        == 2.0
+    )
+    for bad, message in [
+        ("yes", "returns a number"),
+        ({"score": 1}, "takes milestones, reward, task"),
+        ({"milestones": [{"name": "a"}]}, "a milestone is"),
+        (float("nan"), "NaN"),
+        ({"milestones": [{"name": "a", "reward": 1}, {"name": "a", "reward": 1}]}, "reached twice"),
+    ]:
         with pytest.raises(TypeError, match=message):
             result_of(bad)
     task = AgentTask("e", 1, "http://127.0.0.1:1/sessions/e/v1", "m")
-    assert run_program(async_agent, task, {}).total() == 0.5  # a coroutine function runs in its own loop
+    assert (
+        run_program(async_agent, task, {}).total() == 0.5
+    )  # a coroutine function runs in its own loop
     assert str(task.client().base_url).rstrip("/") == task.base_url
     assert envs.is_agent_program(envs.env_class("agents/echo-v0"))
     assert envs.config_problem("agents/echo-v0", {"bonus": 1.0}) is None
     kind, why = envs.config_problem("agents/echo-v0", {"bonsu": 1.0})
     assert kind == "kwargs" and "does not accept them" in why and "bonus" in why
-    assert envs.judge_reference("agents/echo-v0", 3) == "" and envs.host_problem("agents/echo-v0") is None
+    assert (
+        envs.judge_reference("agents/echo-v0", 3) == ""
+        and envs.host_problem("agents/echo-v0") is None
+    )
     with pytest.raises(TypeError, match="is an agent program"):
         envs.make("agents/echo-v0")
 
@@ -206,14 +307,20 @@ def test_an_external_agent_command(tmp_path):
     from envs.agent_command import command_agent
 
     task = AgentTask("i0-g0-e1", 9, "http://127.0.0.1:1/sessions/i0-g0-e1/v1", "policy", "key")
-    script = ("import json, os; print('thinking...'); print(json.dumps({'task': ' '.join(os.environ[k] for k in "
-              "('OPENAI_BASE_URL', 'OPENAI_API_KEY', 'OPENAI_MODEL', 'LONGHORIZON_SEED', 'LONGHORIZON_EPISODE_ID', 'EXTRA')),"
-              " 'milestones': [{'name': 'solved', 'reward': 1}]}))")
+    script = (
+        "import json, os; print('thinking...'); print(json.dumps({'task': ' '.join(os.environ[k] for k in "
+        "('OPENAI_BASE_URL', 'OPENAI_API_KEY', 'OPENAI_MODEL', 'LONGHORIZON_SEED', 'LONGHORIZON_EPISODE_ID', 'EXTRA')),"
+        " 'milestones': [{'name': 'solved', 'reward': 1}]}))"
+    )
     result = command_agent(task, [sys.executable, "-c", script], env={"EXTRA": 5})
     assert result.task == f"{task.base_url} key policy 9 i0-g0-e1 5" and result.total() == 1.0
-    assert command_agent(task, f"{sys.executable} -c 'print(0.25)'").total() == 0.25  # a shell-quoted string
+    assert (
+        command_agent(task, f"{sys.executable} -c 'print(0.25)'").total() == 0.25
+    )  # a shell-quoted string
     with pytest.raises(RuntimeError, match="agent command exited 3: boom"):
-        command_agent(task, [sys.executable, "-c", "import sys; sys.stderr.write('boom'); sys.exit(3)"])
+        command_agent(
+            task, [sys.executable, "-c", "import sys; sys.stderr.write('boom'); sys.exit(3)"]
+        )
     with pytest.raises(ValueError, match="last line is not a number or a JSON object: 'done'"):
         command_agent(task, [sys.executable, "-c", "print('done')"])
     with pytest.raises(TypeError, match="returns a number"):
@@ -225,12 +332,19 @@ def test_an_external_agent_command(tmp_path):
     assert time.monotonic() - t0 < 10
     child = int(pid_file.read_text())
     time.sleep(0.2)
-    status = Path(f"/proc/{child}/status")  # the command's own child went with it (gone, or a zombie
+    status = Path(
+        f"/proc/{child}/status"
+    )  # the command's own child went with it (gone, or a zombie
     assert not status.exists() or "State:\tZ" in status.read_text()  # where PID 1 does not reap)
     problem = envs.config_problem("agents/command-v0", {"command": []})
     assert problem[0] == "kwargs" and "command must be a non-empty list" in problem[1]
-    assert "timeout_s must be" in envs.config_problem("agents/command-v0", {"command": "x", "timeout_s": 0})[1]
-    assert "not an executable program here" in envs.host_problem("agents/command-v0", {"command": ["no-such-agent-x"]})
+    assert (
+        "timeout_s must be"
+        in envs.config_problem("agents/command-v0", {"command": "x", "timeout_s": 0})[1]
+    )
+    assert "not an executable program here" in envs.host_problem(
+        "agents/command-v0", {"command": ["no-such-agent-x"]}
+    )
     assert envs.host_problem("agents/command-v0", {"command": [sys.executable]}) is None
 
 
@@ -245,20 +359,42 @@ def test_envs_check_runs_an_agent_program_without_a_model(tokenizer):
     from rollout.program_episodes import check_agent_program
 
     report = check_agent_program("agents/echo-v0", {"bonus": 1.0}, tokenizer, seed=4)
-    assert report["calls"] == [2, 2, 2] and report["rewards"] == [2.0, 2.0, 2.0] and report["samples"] == [1, 1, 1]
+    assert (
+        report["calls"] == [2, 2, 2]
+        and report["rewards"] == [2.0, 2.0, 2.0]
+        and report["samples"] == [1, 1, 1]
+    )
     assert report["task"] == "Task 4: say something."
     with pytest.raises(EnvCheckError) as err:
         check_agent_program("agents/restless-v0", {}, tokenizer)
-    assert err.value.problems == ["seed 0 posed two different tasks (its first prompts differ): the same seed must "
-                                  "give the same task, or groups compare episodes of different tasks"]
+    assert err.value.problems == [
+        "seed 0 posed two different tasks (its first prompts differ): the same seed must "
+        "give the same task, or groups compare episodes of different tasks"
+    ]
     with pytest.raises(EnvCheckError) as err:
         check_agent_program("agents/echo-v0", {"bonus": "x"}, tokenizer)
-    assert len(err.value.problems) == 3 and all("agent program: TypeError" in p for p in err.value.problems)
-    out = subprocess.run([sys.executable, "-m", "longhorizon.cli", "envs", "check", "agents/calculator-openai-v0",
-                          "max_turns=2"], capture_output=True, text=True, timeout=300)
+    assert len(err.value.problems) == 3 and all(
+        "agent program: TypeError" in p for p in err.value.problems
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "longhorizon.cli",
+            "envs",
+            "check",
+            "agents/calculator-openai-v0",
+            "max_turns=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == ("agents/calculator-openai-v0: ok — an agent program; calls per episode [2, 2, 2], "
-                                  "rewards [0.0, 0.0, 0.0]; every episode one token sequence")
+    assert out.stdout.strip() == (
+        "agents/calculator-openai-v0: ok — an agent program; calls per episode [2, 2, 2], "
+        "rewards [0.0, 0.0, 0.0]; every episode one token sequence"
+    )
 
 
 def _episodes(engine, tokenizer, env_id: str, kwargs: dict, tasks: list[EpisodeTask]):
@@ -277,17 +413,43 @@ def _episodes(engine, tokenizer, env_id: str, kwargs: dict, tasks: list[EpisodeT
 
 @pytest.mark.slow
 def test_an_openai_client_agent_runs_as_episodes_with_exact_tokens(engine, tokenizer):
-    trajs = _episodes(engine, tokenizer, "agents/echo-v0", {"bonus": 0.5},
-                      [EpisodeTask(f"i0-g0-e{k}", 0, 3 + k, 0) for k in range(3)])
+    trajs = _episodes(
+        engine,
+        tokenizer,
+        "agents/echo-v0",
+        {"bonus": 0.5},
+        [EpisodeTask(f"i0-g0-e{k}", 0, 3 + k, 0) for k in range(3)],
+    )
     for t in trajs:
-        assert not t.infra_error and t.reward == 1.5 and len(t.turns) == 2 and t.task.startswith(f"Task {t.seed}")
+        assert (
+            not t.infra_error
+            and t.reward == 1.5
+            and len(t.turns) == 2
+            and t.task.startswith(f"Task {t.seed}")
+        )
         first, second = t.turns
-        assert second.gen_start == first.obs_end > first.gen_end  # the second prompt extends the first call exactly
-        assert tokenizer.decode(t.token_ids[first.gen_end:first.obs_end]).endswith("Again.<|im_end|>\n<|im_start|>assistant\n")
-        gen = engine.generate([t.token_ids[:first.gen_start]], max_tokens=6, temperature=1.0, top_p=1.0,
-                              stop_token_ids=[tokenizer.eos_token_id], seeds=[t.seed * 10])[0]
-        assert t.token_ids[first.gen_start:first.gen_end] == gen.token_ids  # what the engine sampled, not re-rendered
-        assert sum(t.loss_mask) == t.num_generated == (first.gen_end - first.gen_start) + (second.gen_end - second.gen_start)
+        assert (
+            second.gen_start == first.obs_end > first.gen_end
+        )  # the second prompt extends the first call exactly
+        assert tokenizer.decode(t.token_ids[first.gen_end : first.obs_end]).endswith(
+            "Again.<|im_end|>\n<|im_start|>assistant\n"
+        )
+        gen = engine.generate(
+            [t.token_ids[: first.gen_start]],
+            max_tokens=6,
+            temperature=1.0,
+            top_p=1.0,
+            stop_token_ids=[tokenizer.eos_token_id],
+            seeds=[t.seed * 10],
+        )[0]
+        assert (
+            t.token_ids[first.gen_start : first.gen_end] == gen.token_ids
+        )  # what the engine sampled, not re-rendered
+        assert (
+            sum(t.loss_mask)
+            == t.num_generated
+            == (first.gen_end - first.gen_start) + (second.gen_end - second.gen_start)
+        )
 
 
 @pytest.mark.slow
@@ -298,20 +460,44 @@ def test_a_template_that_rewrites_history_gives_one_sample_per_call(engine, thin
     from transformers import AutoTokenizer
 
     thinking = AutoTokenizer.from_pretrained(thinking_policy)
-    trajs = _episodes(engine, thinking, "agents/echo-v0", {}, [EpisodeTask(f"i0-g0-e{k}", 0, 3 + k, 0) for k in range(2)])
+    trajs = _episodes(
+        engine,
+        thinking,
+        "agents/echo-v0",
+        {},
+        [EpisodeTask(f"i0-g0-e{k}", 0, 3 + k, 0) for k in range(2)],
+    )
     for t in trajs:
-        assert not t.infra_error and t.reward == 1.0 and len(t.turns) == 2 and len(t.sample_starts) == 2
+        assert (
+            not t.infra_error
+            and t.reward == 1.0
+            and len(t.turns) == 2
+            and len(t.sample_starts) == 2
+        )
         spans = t.sample_spans()
         for (s, e), turn, k in zip(spans, t.turns, range(2)):
-            prompt = t.token_ids[s:turn.gen_start]
-            assert thinking.decode(prompt).endswith("<|im_start|>assistant\n<think>\n") and turn.gen_end == e
-            gen = engine.generate([prompt], max_tokens=6, temperature=1.0, top_p=1.0,
-                                  stop_token_ids=[thinking.eos_token_id], seeds=[t.seed * 10 + k])[0]
-            assert t.token_ids[turn.gen_start:e] == gen.token_ids  # what the engine sampled for that prompt
-        second = thinking.decode(t.token_ids[spans[1][0]:t.turns[1].gen_start])
-        assert second.count("<think>") == 1 and "Again.<|im_end|>" in second  # history re-rendered without it
+            prompt = t.token_ids[s : turn.gen_start]
+            assert (
+                thinking.decode(prompt).endswith("<|im_start|>assistant\n<think>\n")
+                and turn.gen_end == e
+            )
+            gen = engine.generate(
+                [prompt],
+                max_tokens=6,
+                temperature=1.0,
+                top_p=1.0,
+                stop_token_ids=[thinking.eos_token_id],
+                seeds=[t.seed * 10 + k],
+            )[0]
+            assert (
+                t.token_ids[turn.gen_start : e] == gen.token_ids
+            )  # what the engine sampled for that prompt
+        second = thinking.decode(t.token_ids[spans[1][0] : t.turns[1].gen_start])
+        assert (
+            second.count("<think>") == 1 and "Again.<|im_end|>" in second
+        )  # history re-rendered without it
         first_seq = t.token_ids[: spans[0][1]]
-        assert t.token_ids[spans[1][0]: spans[1][0] + len(first_seq)] != first_seq
+        assert t.token_ids[spans[1][0] : spans[1][0] + len(first_seq)] != first_seq
 
 
 @pytest.mark.slow
@@ -322,17 +508,30 @@ def test_a_run_trains_the_samples_of_a_rewriting_template(ray_cluster, thinking_
     from conftest import started_trainer
     from rl.store import TrajectoryStore
 
-    overrides = ["policy.pretrained=", f"policy.path={thinking_policy}", "lora.enabled=false", "warm_start.demos=0",
-                 "warm_start.envs=[]", "rollout.cpus_per_worker=0.1", "rollout.groups_per_iteration=1",
-                 "rollout.group_size=4", "iterations=1", "stop_after_flat=0", "rollout.temperature=1.0",
-                 "algo.entropy_coef=0.01", "env.kwargs={max_turns: 2, max_tokens: 24}"]
+    overrides = [
+        "policy.pretrained=",
+        f"policy.path={thinking_policy}",
+        "lora.enabled=false",
+        "warm_start.demos=0",
+        "warm_start.envs=[]",
+        "rollout.cpus_per_worker=0.1",
+        "rollout.groups_per_iteration=1",
+        "rollout.group_size=4",
+        "iterations=1",
+        "stop_after_flat=0",
+        "rollout.temperature=1.0",
+        "algo.entropy_coef=0.01",
+        "env.kwargs={max_turns: 2, max_tokens: 24}",
+    ]
     with started_trainer("quickstart_openai.yaml", overrides, tmp_path / "run") as trainer:
         row = trainer.iteration(0)
     stored = list(TrajectoryStore(tmp_path / "run").trajectories())
     calls = [len(t.turns) for t in stored]
     assert row["infra_errors"] == 0 and row["episodes_trained"] == 4, row
     assert row["split_episodes"] == sum(n > 1 for n in calls) > 0, (row, calls)
-    assert row["rollout_logprob_diff_max"] < 1e-3  # each sample scored on its own, as the engine sampled it
+    assert (
+        row["rollout_logprob_diff_max"] < 1e-3
+    )  # each sample scored on its own, as the engine sampled it
     for t in stored:
         assert len(t.sample_spans()) == len(t.turns) and t.sample_spans()[-1][1] == len(t.token_ids)
     # replay: the recorded completions give the agent the same calls, split where they were split
@@ -357,7 +556,11 @@ def test_a_run_trains_the_samples_of_a_rewriting_template(ray_cluster, thinking_
     # stop token is kept unless it closes the think block, so the search from the end ends at once.
     replays = (answered_otherwise(pos) for pos in range(turn.gen_end - 2, turn.gen_start - 1, -1))
     bad = next((r for r in replays if not r.ok), None)
-    assert bad is not None and bad.turns_checked == 1 and "call 1's prompt departs from the record at token" in bad.divergence
+    assert (
+        bad is not None
+        and bad.turns_checked == 1
+        and "call 1's prompt departs from the record at token" in bad.divergence
+    )
     # inspect and the viewer show the samples: where each starts, its prompt as prompt, not observation
     import io
     import re
@@ -371,18 +574,24 @@ def test_a_run_trains_the_samples_of_a_rewriting_template(ray_cluster, thinking_
     console = Console(file=io.StringIO(), width=200)
     print_episode(tmp_path / "run", split.episode_id, console)
     shown = console.file.getvalue()
-    assert "2 samples" in shown and re.search(r"sample 2 of 2: the history was rewritten .* \((\d+) tokens\)", shown)
+    assert "2 samples" in shown and re.search(
+        r"sample 2 of 2: the history was rewritten .* \((\d+) tokens\)", shown
+    )
     page = token_rows(tmp_path / "run", split.episode_id, 0, len(split.token_ids))
     roles = [r["role"] for r in page["rows"]]
     second = split.sample_starts[1]
-    assert set(roles[second:split.turns[1].gen_start]) == {"prompt"} and "observation" not in roles
+    assert (
+        set(roles[second : split.turns[1].gen_start]) == {"prompt"} and "observation" not in roles
+    )
     assert all(r["learner_logprob"] is not None for r in page["rows"] if r["role"] == "generated")
     html = write_html(tmp_path / "run", tmp_path / "v.html").read_text()
     assert f'"samples": [0, {second}]' in html and "sample-start" in html
 
 
 @pytest.mark.slow
-def test_a_run_trains_an_openai_client_agent_through_the_endpoint(ray_cluster, tiny_policy, tmp_path):
+def test_a_run_trains_an_openai_client_agent_through_the_endpoint(
+    ray_cluster, tiny_policy, tmp_path
+):
     """configs/quickstart_openai.yaml with the tiny policy: the calculator agent written with the
     `openai` client runs as episodes; the stored trajectories hold the ids the engine sampled (the
     learner computes the engine's log-probs on them), turns carry their policy version, and the
@@ -390,16 +599,29 @@ def test_a_run_trains_an_openai_client_agent_through_the_endpoint(ray_cluster, t
     from conftest import started_trainer
     from rl.store import TrajectoryStore
 
-    overrides = ["policy.pretrained=", f"policy.path={tiny_policy}", "lora.enabled=false", "warm_start.demos=0",
-                 "warm_start.envs=[]", "rollout.cpus_per_worker=0.1", "rollout.groups_per_iteration=1",
-                 "rollout.group_size=4", "iterations=2", "stop_after_flat=0", "rollout.temperature=1.0",
-                 "algo.entropy_coef=0.01", "env.kwargs={max_turns: 2, max_tokens: 24}"]
+    overrides = [
+        "policy.pretrained=",
+        f"policy.path={tiny_policy}",
+        "lora.enabled=false",
+        "warm_start.demos=0",
+        "warm_start.envs=[]",
+        "rollout.cpus_per_worker=0.1",
+        "rollout.groups_per_iteration=1",
+        "rollout.group_size=4",
+        "iterations=2",
+        "stop_after_flat=0",
+        "rollout.temperature=1.0",
+        "algo.entropy_coef=0.01",
+        "env.kwargs={max_turns: 2, max_tokens: 24}",
+    ]
     run_dir = tmp_path / "run"
     with started_trainer("quickstart_openai.yaml", overrides, run_dir) as trainer:
         rows = [trainer.iteration(0), trainer.iteration(1)]
     for row in rows:
         assert row["episodes"] == 4 and row["infra_errors"] == 0, row
-        assert row["rollout_logprob_diff_max"] < 1e-3  # the learner scores the stored ids as the engine sampled them
+        assert (
+            row["rollout_logprob_diff_max"] < 1e-3
+        )  # the learner scores the stored ids as the engine sampled them
     stored = list(TrajectoryStore(run_dir).trajectories())
     assert len(stored) == 8 and all(t.env_id == "agents/calculator-openai-v0" for t in stored)
     for t in stored:
@@ -413,34 +635,52 @@ def test_a_run_trains_an_openai_client_agent_through_the_endpoint(ray_cluster, t
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "longhorizon.cli", "replay", str(run_dir), "--all", "--json"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "longhorizon.cli", "replay", str(run_dir), "--all", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     report = json.loads(out.stdout)
     assert report["replayed"] == 8 and report["diverged"] == 0
-    assert sorted(r["turns_checked"] for r in report["results"]) == sorted(len(t.turns) for t in stored)
+    assert sorted(r["turns_checked"] for r in report["results"]) == sorted(
+        len(t.turns) for t in stored
+    )
 
 
 @pytest.mark.slow
 def test_an_agent_command_runs_through_the_endpoint(engine, tokenizer):
     """`agents/calculator-command-v0`: the calculator agent in a process of its own, reading its session
     from OPENAI_BASE_URL, runs as episodes with the tokens the engine sampled."""
-    trajs = _episodes(engine, tokenizer, "agents/calculator-command-v0", {"max_turns": 2, "max_tokens": 16},
-                      [EpisodeTask(f"cmd-{k}", 0, 11 + k, 0) for k in range(2)])
+    trajs = _episodes(
+        engine,
+        tokenizer,
+        "agents/calculator-command-v0",
+        {"max_turns": 2, "max_tokens": 16},
+        [EpisodeTask(f"cmd-{k}", 0, 11 + k, 0) for k in range(2)],
+    )
     for t in trajs:
         assert not t.infra_error, t.infra_error
         assert t.task.startswith(("A warehouse", "A library", "A farm")) and 1 <= len(t.turns) <= 2
-        assert '"name": "calculator"' in tokenizer.decode(t.token_ids[:t.prompt_len])
+        assert '"name": "calculator"' in tokenizer.decode(t.token_ids[: t.prompt_len])
         assert sum(t.loss_mask) == sum(u.gen_end - u.gen_start for u in t.turns) > 0
 
 
 @pytest.mark.slow
 def test_an_agents_sdk_agent_runs_through_the_endpoint(engine, tokenizer):
     """The OpenAI Agents SDK, unchanged but for its model client, drives episodes through the endpoint."""
-    trajs = _episodes(engine, tokenizer, "agents/calculator-agents-sdk-v0", {"max_tokens": 16},
-                      [EpisodeTask(f"sdk-{k}", 0, 5 + k, 0) for k in range(2)])
+    trajs = _episodes(
+        engine,
+        tokenizer,
+        "agents/calculator-agents-sdk-v0",
+        {"max_tokens": 16},
+        [EpisodeTask(f"sdk-{k}", 0, 5 + k, 0) for k in range(2)],
+    )
     for t in trajs:
         assert not t.infra_error, t.infra_error
         assert t.task.startswith(("A warehouse", "A library", "A farm")) and len(t.turns) >= 1
-        assert tokenizer.decode(t.token_ids[:t.prompt_len]).startswith("<|im_start|>system\n# Tools")  # the SDK's tools
-        assert '"name": "calculator"' in tokenizer.decode(t.token_ids[:t.prompt_len])
+        assert tokenizer.decode(t.token_ids[: t.prompt_len]).startswith(
+            "<|im_start|>system\n# Tools"
+        )  # the SDK's tools
+        assert '"name": "calculator"' in tokenizer.decode(t.token_ids[: t.prompt_len])

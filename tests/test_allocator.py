@@ -23,8 +23,11 @@ def test_a_learner_process_runs_with_the_allocator_asked_for(ray_cluster):
     tcmalloc when it is installed, glibc's malloc otherwise; `system` keeps glibc's."""
     auto = actor_env("auto")
     assert (TCMALLOC in auto.get("LD_PRELOAD", "")) == tcmalloc_installed()
-    got = ray.get(_malloc_of_a_fresh_worker.options(runtime_env={"env_vars": auto}).remote() if auto
-                  else _malloc_of_a_fresh_worker.remote())
+    got = ray.get(
+        _malloc_of_a_fresh_worker.options(runtime_env={"env_vars": auto}).remote()
+        if auto
+        else _malloc_of_a_fresh_worker.remote()
+    )
     assert got == ("tcmalloc" if tcmalloc_installed() else "glibc")
     assert actor_env("system") == {}
 
@@ -37,13 +40,24 @@ def test_the_allocator_in_use_is_read_from_the_process_itself():
     import sys
 
     def fresh(preload: str | None) -> str:
-        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | ({"LD_PRELOAD": preload} if preload else {})
-        out = subprocess.run([sys.executable, "-c", "from rl.allocator import in_use; print(in_use())"], env=env,
-                             cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
+        env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"} | (
+            {"LD_PRELOAD": preload} if preload else {}
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", "from rl.allocator import in_use; print(in_use())"],
+            env=env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
         return out.stdout.strip()
 
     assert fresh(None) == "glibc"
-    if tcmalloc_installed():  # the Makefile's system-deps install it; a machine without is checked above
+    if (
+        tcmalloc_installed()
+    ):  # the Makefile's system-deps install it; a machine without is checked above
         assert fresh(TCMALLOC) == "tcmalloc"
 
 
@@ -57,7 +71,10 @@ def test_asking_for_a_missing_tcmalloc_is_a_config_error(monkeypatch):
     import rl.config
 
     monkeypatch.setattr(rl.config, "tcmalloc_installed", lambda: False)
-    with pytest.raises(ConfigError, match="learner.allocator is tcmalloc, which this machine does not have: apt-get "
-                                          "install libtcmalloc-minimal4"):
+    with pytest.raises(
+        ConfigError,
+        match="learner.allocator is tcmalloc, which this machine does not have: apt-get "
+        "install libtcmalloc-minimal4",
+    ):
         load_config(REPO / "configs" / "quickstart.yaml", ["learner.allocator=tcmalloc"])
     assert load_config(REPO / "configs" / "quickstart.yaml", []).learner.allocator == "auto"

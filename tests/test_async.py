@@ -23,12 +23,23 @@ def async_run(ray_cluster, tiny_policy, tmp_path_factory):
     from rl.config import load_config
     from rl.trainer import Trainer
 
-    cfg = load_config(REPO / "configs" / "quickstart.yaml", [
-        f"iterations={ITERATIONS}", f"policy.path={tiny_policy}", "algo.entropy_coef=0.01",
-        "rollout.num_workers=1", "rollout.groups_per_iteration=2", "rollout.group_size=2", "rollout.max_turns=2",
-        "schedule.mode=async", f"schedule.max_staleness={STALENESS}", "sync.bucket_mb=0.25",
-        "log.wandb_project=longhorizon-tests", "log.wandb_mode=offline",
-    ])
+    cfg = load_config(
+        REPO / "configs" / "quickstart.yaml",
+        [
+            f"iterations={ITERATIONS}",
+            f"policy.path={tiny_policy}",
+            "algo.entropy_coef=0.01",
+            "rollout.num_workers=1",
+            "rollout.groups_per_iteration=2",
+            "rollout.group_size=2",
+            "rollout.max_turns=2",
+            "schedule.mode=async",
+            f"schedule.max_staleness={STALENESS}",
+            "sync.bucket_mb=0.25",
+            "log.wandb_project=longhorizon-tests",
+            "log.wandb_mode=offline",
+        ],
+    )
     run_dir = tmp_path_factory.mktemp("async-run")
     trainer = Trainer(cfg, run_dir)
     trainer.start()
@@ -68,7 +79,10 @@ def test_each_iteration_is_generated_by_the_version_the_schedule_allows(async_ru
 def test_the_learner_measures_the_lag_of_stale_tokens(async_run):
     _, rows, _ = async_run
     # iteration 0: tokens of the weights being trained, so the engine's log-probs match the learner's
-    assert rows[0]["rollout_logprob_diff_mean_current"] < TOL and "rollout_logprob_diff_mean_stale" not in rows[0]
+    assert (
+        rows[0]["rollout_logprob_diff_mean_current"] < TOL
+        and "rollout_logprob_diff_mean_stale" not in rows[0]
+    )
     # later iterations' stale tokens: sampled by older weights, the learner's log-probs differ for real
     stale = [r for r in rows[1:] if r["staleness_max"] > 0]
     assert stale
@@ -80,7 +94,9 @@ def test_the_learner_measures_the_lag_of_stale_tokens(async_run):
 def test_every_sync_arrived_in_order(async_run):
     trainer, rows, _ = async_run
     synced = [r["sync_version"] for r in rows if "sync_version" in r]
-    assert synced == sorted(synced) and synced[-1] == ITERATIONS  # the final version reached the worker
+    assert (
+        synced == sorted(synced) and synced[-1] == ITERATIONS
+    )  # the final version reached the worker
     assert all(r["sync_buckets"] > 2 for r in rows if "sync_buckets" in r)
     assert ray.get([w.version.remote() for w in trainer.workers]) == [ITERATIONS]
 
@@ -106,7 +122,9 @@ def test_metrics_reach_an_offline_wandb_run(async_run):
     assert [x["iteration"] for x in lines] == list(range(ITERATIONS))
 
 
-def test_a_worker_runs_rollouts_at_once_and_one_waits_there_for_its_version(ray_cluster, tiny_policy):
+def test_a_worker_runs_rollouts_at_once_and_one_waits_there_for_its_version(
+    ray_cluster, tiny_policy
+):
     """What the async schedule relies on: with a threaded actor, a rollout that needs a version not
     loaded yet waits on the worker while another rollout runs and ends; the load, arriving later,
     releases it, and its turns are that version's. A worker whose calls run one at a time refuses
@@ -117,24 +135,35 @@ def test_a_worker_runs_rollouts_at_once_and_one_waits_there_for_its_version(ray_
     from rollout.weights import CheckpointTensors, publish, to_wire
     from rollout.worker import RolloutWorkerActor, StaleWorkerError
 
-    cfg = RolloutConfig(max_model_len=1024, max_episode_tokens=512, max_new_tokens=24, max_turns=2, kv_cache_gib=1.0)
+    cfg = RolloutConfig(
+        max_model_len=1024, max_episode_tokens=512, max_new_tokens=24, max_turns=2, kv_cache_gib=1.0
+    )
     env = EnvConfig(id="tools/calculator-v0", kwargs={"max_turns": 2})
     tasks = [EpisodeTask(f"e{i}", group_id=i, seed=i, iteration=0) for i in range(4)]
     worker = RolloutWorkerActor.options(num_cpus=0, max_concurrency=4).remote(
-        tiny_policy, cfg, env, seed=0, wait_for_version_s=120.0)
+        tiny_policy, cfg, env, seed=0, wait_for_version_s=120.0
+    )
     try:
         waiting = worker.rollout.remote(tasks[:2], 1)  # version 1 is not there yet
         running = worker.rollout.remote(tasks[2:], 0)
         done = ray.get(running, timeout=120)
         assert {turn.policy_version for t in done for turn in t.turns} == {0}
-        assert ray.wait([waiting], timeout=0)[1] == [waiting]  # still waiting: nothing loaded version 1
+        assert ray.wait([waiting], timeout=0)[1] == [
+            waiting
+        ]  # still waiting: nothing loaded version 1
         ckpt = CheckpointTensors(tiny_policy)
-        manifest = publish(to_wire(((n, ckpt[n]) for n in ckpt.files), torch.float32), 1, bucket_mb=1.0)
+        manifest = publish(
+            to_wire(((n, ckpt[n]) for n in ckpt.files), torch.float32), 1, bucket_mb=1.0
+        )
         assert ray.get(worker.load_weights.remote(manifest), timeout=120)["version"] == 1
         released = ray.get(waiting, timeout=120)
-        assert len(released) == 2 and {turn.policy_version for t in released for turn in t.turns} == {1}
+        assert len(released) == 2 and {
+            turn.policy_version for t in released for turn in t.turns
+        } == {1}
         # concurrent calls may start out of order: an older version arriving late never replaces a newer one
-        older = publish(to_wire(((n, ckpt[n]) for n in ckpt.files), torch.float32), 0, bucket_mb=1.0)
+        older = publish(
+            to_wire(((n, ckpt[n]) for n in ckpt.files), torch.float32), 0, bucket_mb=1.0
+        )
         assert ray.get(worker.load_weights.remote(older), timeout=120)["superseded"] == 1
         assert ray.get(worker.version.remote()) == 1
     finally:

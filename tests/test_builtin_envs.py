@@ -13,9 +13,9 @@ import pytest
 import envs
 from conftest import REPO
 from envs.check import EnvCheckError, check_env
+from envs.env_worker import EnvWorker
 from envs.sandbox import SandboxError
 from envs.tool_calls import format_tool_call as call
-from envs.env_worker import EnvWorker
 
 BUILTIN = {  # id -> (constructor arguments for the test, milestones the expert reaches, its total reward)
     "tools/calculator-v0": ({}, {"product", "solved"}, 1.25),
@@ -29,8 +29,15 @@ BUILTIN = {  # id -> (constructor arguments for the test, milestones the expert 
 
 
 def cli(*args, input=None, env=None):
-    return subprocess.run([sys.executable, "-m", "longhorizon.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          input=input, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "longhorizon.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        input=input,
+        env=env,
+        timeout=300,
+    )
 
 
 def test_every_builtin_is_registered():
@@ -46,8 +53,14 @@ def test_check_env_and_expert_solves(env_id, seed):
     assert report["expert_reward"] == pytest.approx(total)
     if isinstance(milestones, str):  # one found and one named per failing service, then solved
         names = report["expert_milestones"]
-        assert {m.split(":")[0] for m in names} == {"found", "named", "solved"} and names[-1] == "solved"
-        assert sum(m.startswith("found:") for m in names) == sum(m.startswith("named:") for m in names) >= 4
+        assert {m.split(":")[0] for m in names} == {"found", "named", "solved"} and names[
+            -1
+        ] == "solved"
+        assert (
+            sum(m.startswith("found:") for m in names)
+            == sum(m.startswith("named:") for m in names)
+            >= 4
+        )
     elif milestones is not None:
         assert set(report["expert_milestones"]) == milestones
     else:  # one milestone per test that was broken
@@ -79,7 +92,9 @@ def test_deterministic_given_seed(env_id):
 def test_no_reward_without_milestones():
     env = envs.make("tools/shell-v0")
     env.reset(seed=1)
-    _, r, term, _, info = env.step(call("bash", command="mkdir -p report && echo 0 > report/count.txt"))
+    _, r, term, _, info = env.step(
+        call("bash", command="mkdir -p report && echo 0 > report/count.txt")
+    )
     assert r == 0 and info["milestones"] == [] and not term
     _, r, term, _, info = env.step(call("submit"))
     assert r == 0 and term and info["messages"][0]["content"].startswith("rejected")
@@ -87,12 +102,16 @@ def test_no_reward_without_milestones():
 
 
 def test_shell_env_contains_hostile_commands_and_keeps_serving():
-    env = envs.make("tools/shell-v0", timeout_s=10)  # room for the fork bomb to exhaust itself on a loaded machine
+    env = envs.make(
+        "tools/shell-v0", timeout_s=10
+    )  # room for the fork bomb to exhaust itself on a loaded machine
     env.reset(seed=2)
     workspace = env.sandbox.path
-    for cmd, limit in [("python3 -c 'import os\nwhile True: os.fork()'", "processes"),
-                       ("python3 -c 'while True: pass'", "cpu_time"),
-                       ("yes", "output")]:
+    for cmd, limit in [
+        ("python3 -c 'import os\nwhile True: os.fork()'", "processes"),
+        ("python3 -c 'while True: pass'", "cpu_time"),
+        ("yes", "output"),
+    ]:
         obs, r, term, trunc, info = env.step(call("bash", command=cmd))
         assert f"{limit} limit reached" in obs, obs
         assert any(limit in e for e in info["sandbox_events"])
@@ -160,10 +179,14 @@ def test_check_env_names_every_problem():
     assert 'parameters must be a JSON schema with "type": "object"' in text
     assert "tools without a function in tool_functions(): ['a']" in text
     assert "must be deterministic given a seed" in text
-    assert "no scripted expert: define expert_turns()" in text  # "ok" would be a lie for a warm start
+    assert (
+        "no scripted expert: define expert_turns()" in text
+    )  # "ok" would be a lie for a warm start
     assert "declares no milestones: set the class attribute `milestones`" in text
     with pytest.raises(EnvCheckError) as err:
-        check_env(Broken(), expert=False)  # `envs check --no-expert`: everything else is still checked
+        check_env(
+            Broken(), expert=False
+        )  # `envs check --no-expert`: everything else is still checked
     assert "no scripted expert" not in str(err.value) and "deterministic" in str(err.value)
 
 
@@ -172,8 +195,13 @@ def test_milestones_are_declared_in_code_shown_and_checked():
     an expert that reaches a milestone the class does not declare fails `check_env`."""
     shown = json.loads(cli("envs", "show", "tools/calculator-v0", "--json").stdout)
     assert shown["milestones"] == [
-        {"name": "product", "reward": 0.25, "description": "a calculator result equals a * b, the first intermediate value"},
-        {"name": "solved", "reward": 1.0, "description": "the submitted answer is right"}]
+        {
+            "name": "product",
+            "reward": 0.25,
+            "description": "a calculator result equals a * b, the first intermediate value",
+        },
+        {"name": "solved", "reward": 1.0, "description": "the submitted answer is right"},
+    ]
     for spec in envs.list_specs():  # agent programs report what they reached when they return
         cls = envs.env_class(spec.id)
         assert envs.is_agent_program(cls) or cls.milestones, f"{spec.id} declares no milestones"
@@ -185,12 +213,16 @@ def test_milestones_are_declared_in_code_shown_and_checked():
     class Sneaky(CalculatorEnv):
         milestones = (envs.Milestone("solved", 1.0, "right answer"),)  # `product` left out
 
-    with pytest.raises(EnvCheckError, match=r"reached milestones the environment does not declare: \['product'\]"):
+    with pytest.raises(
+        EnvCheckError, match=r"reached milestones the environment does not declare: \['product'\]"
+    ):
         check_env(Sneaky(), seed=1)
 
 
 def test_infra_errors_are_reported_not_raised():
-    worker = EnvWorker("tools/shell-v0", {"backend": "docker", "docker_host": "unix:///nonexistent/docker.sock"})
+    worker = EnvWorker(
+        "tools/shell-v0", {"backend": "docker", "docker_host": "unix:///nonexistent/docker.sock"}
+    )
     obs, info = worker.reset(0, seed=1)
     assert "no Docker engine reachable" in info["infra_error"]
     out = worker.step(0, call("submit"))  # the slot was dropped; stepping it is reported too
@@ -214,9 +246,11 @@ def test_env_worker_actor_steps_concurrently_and_survives_hostile_calls(ray_clus
     actor = EnvWorkerActor.remote("tools/shell-v0", {"timeout_s": 10})
     for slot in range(3):
         ray_cluster.get(actor.reset.remote(slot, seed=slot))
-    hostile = [(0, call("bash", command="python3 -c 'import os\nwhile True: os.fork()'")),
-               (1, call("bash", command="sleep 100")),
-               (2, call("bash", command="mkdir -p report && echo hi"))]
+    hostile = [
+        (0, call("bash", command="python3 -c 'import os\nwhile True: os.fork()'")),
+        (1, call("bash", command="sleep 100")),
+        (2, call("bash", command="mkdir -p report && echo hi")),
+    ]
     results = ray_cluster.get(actor.step_many.remote(hostile))
     assert "processes limit reached" in results[0][0]
     assert "timed out" in results[1][0]
@@ -228,26 +262,64 @@ def test_env_worker_actor_steps_concurrently_and_survives_hostile_calls(ray_clus
 
 def test_plugin_package_is_found_by_entry_point_and_imported_lazily(tmp_path):
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--target", str(target), str(REPO / "tests" / "plugins" / "lh_demo_plugin")], check=True,
-                   capture_output=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(REPO / "tests" / "plugins" / "lh_demo_plugin"),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     env = {**os.environ, "PYTHONPATH": f"{target}{os.pathsep}{REPO}"}
-    probe = ("import sys, envs; ids = [s.id for s in envs.list_specs()]; "
-             "assert 'demo/echo-v0' in ids, ids; assert 'lh_demo_plugin' not in sys.modules; "
-             "e = envs.make('demo/echo-v0'); print(type(e).__module__, envs.check_env(e)['expert_reward'])")
-    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    probe = (
+        "import sys, envs; ids = [s.id for s in envs.list_specs()]; "
+        "assert 'demo/echo-v0' in ids, ids; assert 'lh_demo_plugin' not in sys.modules; "
+        "e = envs.make('demo/echo-v0'); print(type(e).__module__, envs.check_env(e)['expert_reward'])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["lh_demo_plugin.echo", "1.0"]
     r = cli("envs", "check", "demo/echo-v0", env=env)
     assert r.returncode == 0 and "expert reward 1.0" in r.stdout, r.stderr
     listing = json.loads(cli("envs", "list", "--json", env=env).stdout)
-    assert {"id": "demo/echo-v0", "entry_point": "lh_demo_plugin.echo:EchoEnv", "kwargs": {}} in listing
+    assert {
+        "id": "demo/echo-v0",
+        "entry_point": "lh_demo_plugin.echo:EchoEnv",
+        "kwargs": {},
+    } in listing
 
 
 def test_cli_sandbox_run_and_envs_commands(tmp_path):
-    r = cli("sandbox", "run", "--timeout", "2", "--workspace", str(tmp_path), "--", "sh", "-c", "echo hi > f; sleep 5")
+    r = cli(
+        "sandbox",
+        "run",
+        "--timeout",
+        "2",
+        "--workspace",
+        str(tmp_path),
+        "--",
+        "sh",
+        "-c",
+        "echo hi > f; sleep 5",
+    )
     res = json.loads(r.stdout)
-    assert r.returncode == 0 and res["timed_out"] and res["resource"] == "wall_time" and res["backend"] == "bwrap"
+    assert (
+        r.returncode == 0
+        and res["timed_out"]
+        and res["resource"] == "wall_time"
+        and res["backend"] == "bwrap"
+    )
     assert (tmp_path / "f").read_text() == "hi\n"
     r = cli("sandbox", "run", "--backend", "vm", "--", "true")
     assert r.returncode == 2 and "unknown sandbox backend 'vm'" in r.stderr

@@ -20,7 +20,10 @@ def test_observation_tokens_continue_a_full_render(tokenizer):
     ids = prompt + generated + chat.observation_ids(obs_messages)
     full = tokenizer.apply_chat_template(
         [{"role": "user", "content": obs}, {"role": "assistant", "content": turn}, *obs_messages],
-        tools=tools, tokenize=False, add_generation_prompt=True)
+        tools=tools,
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert tokenizer.decode(ids, skip_special_tokens=False) == full
     assert full.endswith("</tool_response><|im_end|>\n<|im_start|>assistant\n")
 
@@ -28,13 +31,28 @@ def test_observation_tokens_continue_a_full_render(tokenizer):
 def test_template_renders_tools_and_structured_tool_calls(tokenizer):
     tools, obs, _, _ = _conversation()
     text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": obs},
-         {"role": "assistant", "content": "", "tool_calls": [
-             {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "2*3"}}}]},
-         {"role": "tool", "content": "6"}],
-        tools=tools, tokenize=False)
+        [
+            {"role": "user", "content": obs},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {
+                        "type": "function",
+                        "function": {"name": "calculator", "arguments": {"expression": "2*3"}},
+                    }
+                ],
+            },
+            {"role": "tool", "content": "6"},
+        ],
+        tools=tools,
+        tokenize=False,
+    )
     assert '"name": "calculator"' in text and "<tools>" in text
-    assert '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>' in text
+    assert (
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n</tool_call>'
+        in text
+    )
     assert "<tool_response>\n6\n</tool_response>" in text
 
 
@@ -55,10 +73,19 @@ def test_an_expert_tool_call_is_written_as_the_template_renders_it(tokenizer):
     tools, obs, _, _ = _conversation()
     args = {"answer": "done ✓ — 5 °C, naïve"}
     text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": obs},
-         {"role": "assistant", "content": "", "tool_calls": [
-             {"type": "function", "function": {"name": "submit", "arguments": args}}]}],
-        tools=tools, tokenize=False)
+        [
+            {"role": "user", "content": obs},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"type": "function", "function": {"name": "submit", "arguments": args}}
+                ],
+            },
+        ],
+        tools=tools,
+        tokenize=False,
+    )
     written = format_tool_call("submit", **args)
     assert "✓" in written and "\\u" not in written
     assert written in text

@@ -27,7 +27,9 @@ class Member:
     def join(self, master: str, rank: int, world: int, timeout_s: float = 20.0) -> None:
         self.group = SyncGroup(master, rank, world, "gloo", timeout_s)
 
-    def send(self, named, version: int, bucket_mb: float, adapter: bool = False, bf16: bool = False) -> dict:
+    def send(
+        self, named, version: int, bucket_mb: float, adapter: bool = False, bf16: bool = False
+    ) -> dict:
         return self.group.send(named, version, bucket_mb, adapter=adapter, bf16=bf16)
 
     def receive(self) -> dict:
@@ -41,11 +43,19 @@ class Member:
 
 def _weights() -> list[tuple[str, np.ndarray]]:
     g = np.random.default_rng(0)
-    return [("a.weight", g.standard_normal((64, 33)).astype(np.float32)),  # 8448 bytes: not a multiple of 16
-            ("a.bias", g.standard_normal(33).astype(np.float16)),
-            ("steps", np.arange(7, dtype=np.int64)),
-            ("big", g.standard_normal((300, 300)).astype(np.float32)),  # larger than a bucket: one of its own
-            ("b.weight", g.standard_normal((5, 3, 2)).astype(np.float64))]
+    return [
+        (
+            "a.weight",
+            g.standard_normal((64, 33)).astype(np.float32),
+        ),  # 8448 bytes: not a multiple of 16
+        ("a.bias", g.standard_normal(33).astype(np.float16)),
+        ("steps", np.arange(7, dtype=np.int64)),
+        (
+            "big",
+            g.standard_normal((300, 300)).astype(np.float32),
+        ),  # larger than a bucket: one of its own
+        ("b.weight", g.standard_normal((5, 3, 2)).astype(np.float64)),
+    ]
 
 
 def _group(n_receivers: int, timeout_s: float = 20.0):
@@ -60,12 +70,17 @@ def test_a_broadcast_version_arrives_whole_in_every_receiver(ray_cluster):
     named = _weights()
     got = [r.receive.remote() for r in receivers]
     sent = ray.get(sender.send.remote(named, 7, 0.1, adapter=True))
-    assert sent == {"bytes": sum(a.nbytes for _, a in named), "buckets": 3}  # 0.1 MiB: [a, bias, steps], [big], [b]
+    assert sent == {
+        "bytes": sum(a.nbytes for _, a in named),
+        "buckets": 3,
+    }  # 0.1 MiB: [a, bias, steps], [big], [b]
     for out in ray.get(got):
         assert out["meta"] == {"version": 7, "adapter": True, "bytes": sent["bytes"], "buckets": 3}
         assert list(out["tensors"]) == [n for n, _ in named]
         for name, arr in named:
-            assert out["tensors"][name].dtype == arr.dtype and np.array_equal(out["tensors"][name], arr), name
+            assert out["tensors"][name].dtype == arr.dtype and np.array_equal(
+                out["tensors"][name], arr
+            ), name
 
 
 def test_bf16_bits_arrive_as_bf16_tensors(ray_cluster):
@@ -78,8 +93,13 @@ def test_bf16_bits_arrive_as_bf16_tensors(ray_cluster):
     got = receivers[0].receive.remote()
     ray.get(sender.send.remote(list(to_wire(named, torch.bfloat16)), 4, 0.1, bf16=True))
     out = ray.get(got)
-    assert out["dtypes"] == {"a.weight": "torch.bfloat16", "a.bias": "torch.bfloat16", "steps": "torch.int64",
-                             "big": "torch.bfloat16", "b.weight": "torch.bfloat16"}
+    assert out["dtypes"] == {
+        "a.weight": "torch.bfloat16",
+        "a.bias": "torch.bfloat16",
+        "steps": "torch.int64",
+        "big": "torch.bfloat16",
+        "b.weight": "torch.bfloat16",
+    }
     for name, t in named:
         want = t.to(torch.bfloat16).float() if t.is_floating_point() else t
         assert np.array_equal(out["tensors"][name], want.numpy()), name
@@ -110,16 +130,28 @@ def test_the_collective_transport_needs_the_synchronous_schedule_and_gpus_for_nc
 
 
 @pytest.mark.slow
-def test_the_loop_syncs_by_broadcast_and_survives_a_killed_worker(ray_cluster, tiny_policy, tmp_path):
+def test_the_loop_syncs_by_broadcast_and_survives_a_killed_worker(
+    ray_cluster, tiny_policy, tmp_path
+):
     """Two iterations of the quickstart through the collective transport (2 vLLM workers): every
     worker loads each version by broadcast, then a worker killed before the next sync is restarted
     by Ray, the group formed again, and the sync reaches everyone."""
     from conftest import started_trainer
 
-    with started_trainer("quickstart.yaml", [
-            "iterations=2", f"policy.path={tiny_policy}", "algo.entropy_coef=0.01", "sync.transport=collective",
-            "sync.bucket_mb=0.25", "rollout.max_new_tokens=16", "sync.timeout_s=90",
-            "rollout.cpus_per_worker=0.1"], tmp_path) as trainer:
+    with started_trainer(
+        "quickstart.yaml",
+        [
+            "iterations=2",
+            f"policy.path={tiny_policy}",
+            "algo.entropy_coef=0.01",
+            "sync.transport=collective",
+            "sync.bucket_mb=0.25",
+            "rollout.max_new_tokens=16",
+            "sync.timeout_s=90",
+            "rollout.cpus_per_worker=0.1",
+        ],
+        tmp_path,
+    ) as trainer:
         rows = trainer.run()
         assert [r["sync_version"] for r in rows] == [1, 2]
         assert all(r["sync_buckets"] > 1 and r["sync_workers_lost"] == 0 for r in rows)
@@ -132,7 +164,9 @@ def test_the_loop_syncs_by_broadcast_and_survives_a_killed_worker(ray_cluster, t
 
         ray.kill(trainer.workers[1], no_restart=False)
         batch = list(trainer.store.trajectories(trainer.store.shards()[-1]))
-        trainer.version = trainer.learner.call("train_step", batch)["policy_version"]  # 3, on the learner only
+        trainer.version = trainer.learner.call("train_step", batch)[
+            "policy_version"
+        ]  # 3, on the learner only
         out = trainer.sync_now()
         assert out["sync_workers_lost"] == 1 and trainer.worker_restarts == 1
         assert ray.get([w.version.remote() for w in trainer.workers]) == [3, 3]

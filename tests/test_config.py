@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from rl.config import ConfigError, RunConfig, field_docs, load_config
 from conftest import REPO
+from rl.config import ConfigError, RunConfig, field_docs, load_config
 
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
 
@@ -20,11 +20,12 @@ def test_quickstart_loads_with_types():
 
 
 def test_overrides_apply_and_parse_yaml_values():
-    cfg = load_config(QUICKSTART, ["rollout.group_size=8", "algo.lr=0.5", "env.kwargs={max_turns: 2}"])
+    cfg = load_config(
+        QUICKSTART, ["rollout.group_size=8", "algo.lr=0.5", "env.kwargs={max_turns: 2}"]
+    )
     assert cfg.rollout.group_size == 8
     assert cfg.algo.lr == 0.5
     assert cfg.env.kwargs == {"max_turns": 2}
-
 
 
 def test_scientific_notation_without_a_dot_is_a_float():
@@ -56,7 +57,10 @@ def test_literal_and_range_checks(tmp_path):
         load_config(QUICKSTART, ["algo.rollout_is=icepop"])
     with pytest.raises(ConfigError, match="algo.is_low must be in"):
         load_config(QUICKSTART, ["algo.is_low=1.5"])
-    assert load_config(QUICKSTART, ["algo.rollout_is=token_mask", "algo.is_low=0.5"]).algo.is_low == 0.5
+    assert (
+        load_config(QUICKSTART, ["algo.rollout_is=token_mask", "algo.is_low=0.5"]).algo.is_low
+        == 0.5
+    )
     with pytest.raises(ConfigError, match="override 'rollout.group_size=1'.*must be >= 2"):
         load_config(QUICKSTART, ["rollout.group_size=1"])
     with pytest.raises(ConfigError, match="unknown key 'nope'"):
@@ -64,12 +68,17 @@ def test_literal_and_range_checks(tmp_path):
     with pytest.raises(ConfigError, match="must look like section.key=value"):
         load_config(QUICKSTART, ["rollout.group_size"])
     # vLLM serves the policy/ model through the plugin: a flavour with the default engine is valid
-    assert load_config(QUICKSTART, ["policy.flavour=configs/policy/debug.yaml"]).rollout.engine == "vllm"
+    assert (
+        load_config(QUICKSTART, ["policy.flavour=configs/policy/debug.yaml"]).rollout.engine
+        == "vllm"
+    )
     with pytest.raises(ConfigError, match="rollout.engine native serves the policy/ model"):
         load_config(QUICKSTART, ["rollout.engine=native"])
     both = tmp_path / "policy.yaml"
     # the warm start runs on the learner (rl/warm_start.py): a policy/ model is warm-started like any other
-    both.write_text("policy: {flavour: configs/policy/debug.yaml}\nrollout: {engine: native}\nwarm_start: {demos: 4}\n")
+    both.write_text(
+        "policy: {flavour: configs/policy/debug.yaml}\nrollout: {engine: native}\nwarm_start: {demos: 4}\n"
+    )
     assert load_config(both).warm_start.demos == 4
     with pytest.raises(ConfigError, match="warm_start.demos needs learner.world_size 1"):
         load_config(QUICKSTART, ["warm_start.demos=4", "learner.world_size=2"])
@@ -77,17 +86,24 @@ def test_literal_and_range_checks(tmp_path):
         load_config(QUICKSTART, ["warm_start.rounds=0"])
     with pytest.raises(ConfigError, match="warm_start.patience must be >= 0"):
         load_config(QUICKSTART, ["warm_start.patience=-1"])
-    with pytest.raises(ConfigError, match="eval.test is wrong: cell 0: stages are rl, warm_start, warm_start_more"):
+    with pytest.raises(
+        ConfigError, match="eval.test is wrong: cell 0: stages are rl, warm_start, warm_start_more"
+    ):
         load_config(QUICKSTART, ["eval.test=[{stages: [final]}]"])
-    both.write_text("policy: {flavour: configs/policy/debug.yaml, path: /tmp/x}\nrollout: {engine: native}\n")
+    both.write_text(
+        "policy: {flavour: configs/policy/debug.yaml, path: /tmp/x}\nrollout: {engine: native}\n"
+    )
     with pytest.raises(ConfigError, match="policy.flavour and policy.path exclude each other"):
         load_config(both)
-    with pytest.raises(ConfigError, match="ray.learner_resources must map resource names to non-negative amounts"):
+    with pytest.raises(
+        ConfigError, match="ray.learner_resources must map resource names to non-negative amounts"
+    ):
         load_config(QUICKSTART, ["ray.learner_resources={learner: -1}"])
     with pytest.raises(ConfigError, match="ray.rollout_resources must be dict"):
         load_config(QUICKSTART, ["ray.rollout_resources=3"])
-    assert load_config(QUICKSTART, ["ray.env_worker_resources={env_worker: 0.5}"]).ray.env_worker_resources == {
-        "env_worker": 0.5}
+    assert load_config(
+        QUICKSTART, ["ray.env_worker_resources={env_worker: 0.5}"]
+    ).ray.env_worker_resources == {"env_worker": 0.5}
 
 
 def test_malformed_yaml_and_missing_file(tmp_path):
@@ -116,16 +132,38 @@ def test_every_field_has_a_docstring():
 def test_cli_reports_config_error_without_starting_anything(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("rollout:\n  temprature: 0.7\n")
-    out = subprocess.run([sys.executable, "-m", "longhorizon.cli", "train", str(bad), "--run-dir", str(tmp_path / "r")],
-                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "longhorizon.cli",
+            "train",
+            str(bad),
+            "--run-dir",
+            str(tmp_path / "r"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert out.returncode == 2
-    assert "rollout.temprature" in out.stderr and "bad.yaml" in out.stderr and "temperature" in out.stderr
+    assert (
+        "rollout.temprature" in out.stderr
+        and "bad.yaml" in out.stderr
+        and "temperature" in out.stderr
+    )
     assert not (tmp_path / "r").exists()
 
 
 def _cli(*argv: str, cwd=REPO) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "longhorizon.cli", *argv], capture_output=True, text=True,
-                          timeout=120, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "longhorizon.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=cwd,
+    )
 
 
 def _one_clean_line(out: subprocess.CompletedProcess) -> str:
@@ -138,28 +176,67 @@ def _one_clean_line(out: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("override, key, words", [
-    ("env.kwargs={bogus: 1}", "env.kwargs", ["bogus", "max_turns"]),  # the constructor's own parameters
-    ("env.id=nope/missing-v0", "env.id", ["nope/missing-v0", "tools/calculator-v0"]),  # and the known ids
-    ("warm_start.envs=[nope/x-v0]", "warm_start.envs", ["nope/x-v0"]),
-    ("eval.env_id=tools/nothing-v0", "eval.env_id", ["tools/nothing-v0"]),
-    ("env.kwargs={a: [", "env.kwargs={a: [", ["not valid YAML"]),
-    (("env.id=agents/command-v0", "env.kwargs={command: no-such-agent-binary}"), "env.id",
-     ["cannot run on this machine", "'no-such-agent-binary' is not an executable program here"]),
-    ("learner.backend=nccl", "learner.backend", ["gloo"]),
-    ("policy.path=/nonexistent/model", "policy.path", ["/nonexistent/model", "no config.json"]),
-    # a sandboxed environment's options: the backend's name, its own options, the values it needs
-    (("env.id=tools/shell-v0", "env.kwargs={backend: bwrp}"), "env.kwargs", ["unknown sandbox backend 'bwrp'", "bwrap"]),
-    (("env.id=tools/shell-v0", "env.kwargs={runtime: runsc}"), "env.kwargs", ["bwrap sandbox does not take 'runtime'",
-                                                                             "extra_ro"]),
-    (("env.id=code/fix-tests-v0", "env.kwargs={timeout_s: -1}"), "env.kwargs", ["timeout_s", "> 0"]),
-    # a local run's environments run here: a backend this machine lacks stops it before anything starts
-    (("env.id=tools/shell-v0", "env.kwargs={backend: docker, docker_host: 'unix:///nonexistent/docker.sock'}"),
-     "env.id", ["cannot run on this machine", "no Docker engine reachable at unix:///nonexistent/docker.sock"]),
-])
+@pytest.mark.parametrize(
+    "override, key, words",
+    [
+        (
+            "env.kwargs={bogus: 1}",
+            "env.kwargs",
+            ["bogus", "max_turns"],
+        ),  # the constructor's own parameters
+        (
+            "env.id=nope/missing-v0",
+            "env.id",
+            ["nope/missing-v0", "tools/calculator-v0"],
+        ),  # and the known ids
+        ("warm_start.envs=[nope/x-v0]", "warm_start.envs", ["nope/x-v0"]),
+        ("eval.env_id=tools/nothing-v0", "eval.env_id", ["tools/nothing-v0"]),
+        ("env.kwargs={a: [", "env.kwargs={a: [", ["not valid YAML"]),
+        (
+            ("env.id=agents/command-v0", "env.kwargs={command: no-such-agent-binary}"),
+            "env.id",
+            [
+                "cannot run on this machine",
+                "'no-such-agent-binary' is not an executable program here",
+            ],
+        ),
+        ("learner.backend=nccl", "learner.backend", ["gloo"]),
+        ("policy.path=/nonexistent/model", "policy.path", ["/nonexistent/model", "no config.json"]),
+        # a sandboxed environment's options: the backend's name, its own options, the values it needs
+        (
+            ("env.id=tools/shell-v0", "env.kwargs={backend: bwrp}"),
+            "env.kwargs",
+            ["unknown sandbox backend 'bwrp'", "bwrap"],
+        ),
+        (
+            ("env.id=tools/shell-v0", "env.kwargs={runtime: runsc}"),
+            "env.kwargs",
+            ["bwrap sandbox does not take 'runtime'", "extra_ro"],
+        ),
+        (
+            ("env.id=code/fix-tests-v0", "env.kwargs={timeout_s: -1}"),
+            "env.kwargs",
+            ["timeout_s", "> 0"],
+        ),
+        # a local run's environments run here: a backend this machine lacks stops it before anything starts
+        (
+            (
+                "env.id=tools/shell-v0",
+                "env.kwargs={backend: docker, docker_host: 'unix:///nonexistent/docker.sock'}",
+            ),
+            "env.id",
+            [
+                "cannot run on this machine",
+                "no Docker engine reachable at unix:///nonexistent/docker.sock",
+            ],
+        ),
+    ],
+)
 def test_cli_config_mistakes_stop_before_anything_starts(tmp_path, override, key, words):
     overrides = [override] if isinstance(override, str) else list(override)
-    line = _one_clean_line(_cli("train", "configs/quickstart.yaml", *overrides, "--run-dir", str(tmp_path / "r")))
+    line = _one_clean_line(
+        _cli("train", "configs/quickstart.yaml", *overrides, "--run-dir", str(tmp_path / "r"))
+    )
     assert key in line and all(w in line for w in words), line
     assert not (tmp_path / "r").exists()
 
@@ -172,20 +249,35 @@ def test_cli_config_that_is_not_a_yaml_file(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-@pytest.mark.parametrize("args, words", [
-    (["--k", "0"], "--k"),
-    (["--episodes", "0"], "--episodes"),
-    (["--env-kwargs", "{\"x\": 1}"], "does not accept"),
-    (["--env-kwargs", "[1"], "not JSON"),
-    (["--env", "tools/calc-v0"], "unknown environment"),
-    (["--temperature", "-1"], "--temperature must be >= 0"),
-    (["--env", "tools/shell-v0", "--env-kwargs", "{\"backend\": \"docker\", \"docker_host\": \"unix:///no/sock\"}"],
-     "cannot run on this machine"),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--k", "0"], "--k"),
+        (["--episodes", "0"], "--episodes"),
+        (["--env-kwargs", '{"x": 1}'], "does not accept"),
+        (["--env-kwargs", "[1"], "not JSON"),
+        (["--env", "tools/calc-v0"], "unknown environment"),
+        (["--temperature", "-1"], "--temperature must be >= 0"),
+        (
+            [
+                "--env",
+                "tools/shell-v0",
+                "--env-kwargs",
+                '{"backend": "docker", "docker_host": "unix:///no/sock"}',
+            ],
+            "cannot run on this machine",
+        ),
+    ],
+)
 def test_cli_eval_argument_mistakes(tmp_path, args, words):
     policy = tmp_path / "checkpoint"  # the arguments are checked before the checkpoint is read
     policy.mkdir()
     (policy / "config.json").write_text("{}")
-    argv = ["eval", str(policy), *(["--env", "tools/calculator-v0"] if "--env" not in args else []), *args]
+    argv = [
+        "eval",
+        str(policy),
+        *(["--env", "tools/calculator-v0"] if "--env" not in args else []),
+        *args,
+    ]
     line = _one_clean_line(_cli(*argv))
     assert words in line, line

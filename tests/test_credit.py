@@ -34,7 +34,9 @@ def sample(seed):
     a0 = torch.bernoulli(p[0, 1].expand(n), generator=g).long()
     s1 = torch.where(a0 == 1, 1, 2)
     a1 = torch.bernoulli(p[s1, 1], generator=g).long()
-    reached = torch.bernoulli(torch.full((n,), P_MILESTONE, dtype=torch.float64), generator=g).bool()
+    reached = torch.bernoulli(
+        torch.full((n,), P_MILESTONE, dtype=torch.float64), generator=g
+    ).bool()
     r0 = torch.where((a0 == 1) & reached, MILESTONE, 0.0)
     r1 = torch.where(((s1 == 1) & (a1 == 1)) | ((s1 == 2) & (a1 == 0)), SOLVE, 0.0)
     # score functions: d/dtheta[s] log softmax(theta[s])[a] = onehot(a) - p[s]
@@ -79,7 +81,9 @@ def test_group_mean_baseline_shrinks_the_gradient_by_one_minus_one_over_n(exact)
     est = estimates("milestone", "mean")
     mean = est.mean(0)
     ratio = (mean @ exact) / (exact @ exact)
-    assert ratio.item() == pytest.approx(1 - 1 / GROUP, abs=0.03)  # measured bias: 0.75 for groups of 4
+    assert ratio.item() == pytest.approx(
+        1 - 1 / GROUP, abs=0.03
+    )  # measured bias: 0.75 for groups of 4
 
 
 def test_milestone_credit_has_lower_variance_than_terminal_credit():
@@ -88,7 +92,9 @@ def test_milestone_credit_has_lower_variance_than_terminal_credit():
     var_milestone = estimates("milestone", "loo").var(0)
     var_episode = estimates("episode", "loo").var(0)
     assert var_milestone.sum() < var_episode.sum()  # measured: 0.081 vs 0.086
-    assert (var_milestone[2:4] < 0.8 * var_episode[2:4]).all()  # state B's parameters: 0.0062 vs 0.0089
+    assert (
+        var_milestone[2:4] < 0.8 * var_episode[2:4]
+    ).all()  # state B's parameters: 0.0062 vs 0.0089
 
 
 def _learner_default_estimates(scale: str):
@@ -113,7 +119,9 @@ def test_the_learners_default_advantages_and_the_bias_std_scaling_adds(exact):
     for scale in ("none", "group"):
         est = _learner_default_estimates(scale)
         perp = est - (est @ u)[:, None] * u[None]  # each group's estimate, off the exact direction
-        off_direction[scale] = (perp.mean(0) / (perp.std(0) / math.sqrt(N_GROUPS))).abs().max().item()
+        off_direction[scale] = (
+            (perp.mean(0) / (perp.std(0) / math.sqrt(N_GROUPS))).abs().max().item()
+        )
         if scale == "none":
             mean, se = est.mean(0), est.std(0) / math.sqrt(N_GROUPS)
             assert ((mean - exact * (1 - 1 / GROUP)).abs() <= 4 * se).all(), (mean, exact)
@@ -138,16 +146,32 @@ def test_token_advantages_follow_turn_spans_and_the_learner_uses_them(tiny_polic
     def ep(i, milestones):
         ids = tokenizer.encode(f"task {i} first turn then a second turn ok")
         n = len(ids)
-        t0, t1 = Turn(2, 5, 7, "a", "o", 1, 0, 0, 0, "stop"), Turn(7, n, n, "b", "", 1, 0, 0, 1, "stop")
+        t0, t1 = (
+            Turn(2, 5, 7, "a", "o", 1, 0, 0, 0, "stop"),
+            Turn(7, n, n, "b", "", 1, 0, 0, 1, "stop"),
+        )
         mask = [0] * n
         for p in list(range(2, 5)) + list(range(7, n)):
             mask[p] = 1
-        return Trajectory(episode_id=f"e{i}", iteration=0, group_id=0, env_id="x", seed=0, prompt_len=2,
-                          token_ids=ids, loss_mask=mask, rollout_logprobs=[-6.0 if m else 0.0 for m in mask],
-                          turns=[t0, t1], milestones=milestones, reward=sum(m["reward"] for m in milestones))
+        return Trajectory(
+            episode_id=f"e{i}",
+            iteration=0,
+            group_id=0,
+            env_id="x",
+            seed=0,
+            prompt_len=2,
+            token_ids=ids,
+            loss_mask=mask,
+            rollout_logprobs=[-6.0 if m else 0.0 for m in mask],
+            turns=[t0, t1],
+            milestones=milestones,
+            reward=sum(m["reward"] for m in milestones),
+        )
 
-    batch = [ep(0, [{"name": "product", "reward": 0.25, "turn": 0}]),
-             ep(1, [{"name": "solved", "reward": 1.0, "turn": 1}])]
+    batch = [
+        ep(0, [{"name": "product", "reward": 0.25, "turn": 0}]),
+        ep(1, [{"name": "solved", "reward": 1.0, "turn": 1}]),
+    ]
     adv = token_advantages(batch, baseline="loo")
     # turn 0: returns 0.25 vs 1.0 -> -0.75 / +0.75; turn 1: 0 vs 1 -> -1 / +1; prompt and observation: 0
     assert adv[0][2:5] == [-0.75] * 3 and adv[1][2:5] == [0.75] * 3

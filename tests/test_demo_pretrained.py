@@ -25,15 +25,39 @@ def test_shortened_real_model_demo_raises_held_out_success(ray_cluster, tmp_path
     from rl.pretrained import policy
 
     config = REPO / "configs" / "demo" / "calculator.yaml"
-    overrides = ["iterations=2", "eval.every=2", f"eval.episodes={EPISODES}", f"eval.test_episodes={EPISODES}",
-                 "warm_start.rounds=1", "eval.test=[{stages: [warm_start, rl]}]"]
+    overrides = [
+        "iterations=2",
+        "eval.every=2",
+        f"eval.episodes={EPISODES}",
+        f"eval.test_episodes={EPISODES}",
+        "warm_start.rounds=1",
+        "eval.test=[{stages: [warm_start, rl]}]",
+    ]
     cfg = load_config(config, overrides)
     upcycled = policy(cfg.policy.pretrained, cfg.policy.upcycle.experts, cfg.policy.upcycle.top_k)
     zero_shot = subprocess.run(
-        [sys.executable, "-m", "longhorizon.cli", "eval", str(upcycled), "--env", cfg.env.id,
-         "--env-kwargs", json.dumps(cfg.env.kwargs), "--episodes", str(EPISODES),
-         "--temperature", str(cfg.rollout.temperature), "--split", "test", "--json"],
-        capture_output=True, text=True, timeout=900)
+        [
+            sys.executable,
+            "-m",
+            "longhorizon.cli",
+            "eval",
+            str(upcycled),
+            "--env",
+            cfg.env.id,
+            "--env-kwargs",
+            json.dumps(cfg.env.kwargs),
+            "--episodes",
+            str(EPISODES),
+            "--temperature",
+            str(cfg.rollout.temperature),
+            "--split",
+            "test",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert zero_shot.returncode == 0, zero_shot.stderr[-2000:]
     before = json.loads(zero_shot.stdout)  # --json: the only thing on stdout
 
@@ -42,9 +66,16 @@ def test_shortened_real_model_demo_raises_held_out_success(ray_cluster, tmp_path
     assert before["episodes"] == warm["episodes"] == final["episodes"] == EPISODES
     # the pipeline's result lies above the policy it started from, 95% intervals apart
     assert final["ci95"][0] > before["ci95"][1], (before, res)
-    rows = [json.loads(line) for line in (tmp_path / "demo" / "calculator" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "demo" / "calculator" / "metrics.jsonl").read_text().splitlines()
+    ]
     first = rows[0]["policy_version"]  # after the warm start's version(s)
-    assert [r["policy_version"] for r in rows] == [first, first + 1] and all(r["grad_norm"] > 0 for r in rows)
-    assert rows[-1]["eval/policy_version"] == first + 1  # the final evaluation ran on the RL-trained weights
+    assert [r["policy_version"] for r in rows] == [first, first + 1] and all(
+        r["grad_norm"] > 0 for r in rows
+    )
+    assert (
+        rows[-1]["eval/policy_version"] == first + 1
+    )  # the final evaluation ran on the RL-trained weights
     table = (tmp_path / "demo" / "results.md").read_text()
     assert "| `tools/calculator-v0` |" in table and "2 iterations" in table

@@ -38,19 +38,21 @@ def test_the_readme_benchmark_figures_are_quoted_from_bench_results():
     assert len(starts) >= 4, "the README's benchmark paragraphs lost their markers"
     numbers = []
     for start in starts:
-        paragraph = text[text.index("-->", start) + 3: text.index("\n\n", start)]
+        paragraph = text[text.index("-->", start) + 3 : text.index("\n\n", start)]
         numbers += re.findall(r"(?<![\w.])\d[\d,]*(?:\.\d+)?", paragraph)
     assert len(numbers) >= 40, numbers
-    missing = [n for n in numbers if not re.search(rf"(?<![\d.,]){re.escape(n)}(?!\d|,\d|\.\d)", results)]
+    missing = [
+        n for n in numbers if not re.search(rf"(?<![\d.,]){re.escape(n)}(?!\d|,\d|\.\d)", results)
+    ]
     assert not missing, f"README benchmark figures not in bench/results.md: {missing}"
 
 
 def test_the_readme_plugin_example_is_the_tested_plugin():
-    """"Your own environment" shows the demo plugin's file verbatim (the one a test installs, makes
+    """ "Your own environment" shows the demo plugin's file verbatim (the one a test installs, makes
     by id and checks), so the example cannot drift from code that runs."""
     text = (REPO / "README.md").read_text()
     start = text.index("```python\n", text.index("**Your own environment**")) + len("```python\n")
-    shown = text[start: text.index("```\n", start)]
+    shown = text[start : text.index("```\n", start)]
     source = (REPO / "tests/plugins/lh_demo_plugin/lh_demo_plugin/echo.py").read_text()
     assert source.split('"""', 2)[2].lstrip("\n") == shown
 
@@ -63,18 +65,32 @@ def test_make_bench_keeps_the_gpu_checks_and_the_rows_it_did_not_run(tmp_path):
     import sys
 
     out = tmp_path / "results.md"
-    out.write_text("# old\n\n| row | benchmark | status | wall |\n| ---: | --- | --- | ---: |\n"
-                   "| 1 | old title | ok (run alone) | 7 s |\n\n## 1. old row\n\nkept figures 12.5\n\n"
-                   "## GPU checks (run by hand on a lent GPU machine)\n\nH200 numbers\n")
-    r = subprocess.run([sys.executable, "bench/run_all.py", "--only", "999", "--out", str(out)], cwd=REPO,
-                       capture_output=True, text=True, timeout=300)
+    out.write_text(
+        "# old\n\n| row | benchmark | status | wall |\n| ---: | --- | --- | ---: |\n"
+        "| 1 | old title | ok (run alone) | 7 s |\n\n## 1. old row\n\nkept figures 12.5\n\n"
+        "## GPU checks (run by hand on a lent GPU machine)\n\nH200 numbers\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "bench/run_all.py", "--only", "999", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     text = out.read_text()
     assert "## 1. old row\n\nkept figures 12.5\n" in text and "ok (run alone) | 7 s |" in text
     assert "# old" not in text.splitlines()  # the head is rewritten
     assert text.endswith("## GPU checks (run by hand on a lent GPU machine)\n\nH200 numbers\n")
-    r = subprocess.run([sys.executable, "bench/run_all.py", "--only", "999", "--out", str(out)], cwd=REPO,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "bench/run_all.py", "--only", "999", "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     text = out.read_text()
-    assert "stale" not in text and text.endswith("## GPU checks (run by hand on a lent GPU machine)\n\nH200 numbers\n")
+    assert "stale" not in text and text.endswith(
+        "## GPU checks (run by hand on a lent GPU machine)\n\nH200 numbers\n"
+    )

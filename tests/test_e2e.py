@@ -29,11 +29,16 @@ def test_versions_advance_on_every_worker(e2e_run):
     assert [r["policy_version"] for r in rows] == [1, 2]
     n_bytes = trainer.learner.call("weights")
     assert all(r["sync_bytes"] == sum(a.nbytes for _, a in n_bytes) > 0 for r in rows)
-    assert all(r["sync_buckets"] > 2 for r in rows)  # the fixture's small buckets: a sync in several parts
+    assert all(
+        r["sync_buckets"] > 2 for r in rows
+    )  # the fixture's small buckets: a sync in several parts
     # every tensor loaded straight where the engine reads it, none through vLLM's layerwise reload
     assert all(r["sync_tensors"] == r["sync_direct_tensors"] == len(n_bytes) for r in rows)
     assert [r["sync_version"] for r in rows] == [1, 2]
-    assert [r["staleness_max"] for r in rows] == [0, 0]  # synchronous: every token from the current weights
+    assert [r["staleness_max"] for r in rows] == [
+        0,
+        0,
+    ]  # synchronous: every token from the current weights
     assert all(r["episodes_per_s"] > 0 for r in rows)
     # synchronous: the engines generated, then idled while the learner trained and the weights moved
     assert all(0 < r["engine_busy"] < 1 for r in rows)
@@ -70,7 +75,10 @@ def test_tensorboard_events_written_as_the_run_goes(e2e_run):
 def test_learner_records_every_trained_episode(e2e_run, stored):
     _, _, run_dir = e2e_run
     store = TrajectoryStore(run_dir)
-    assert [p.name for p in store.learner_shards()] == ["iter-000000.parquet", "iter-000001.parquet"]
+    assert [p.name for p in store.learner_shards()] == [
+        "iter-000000.parquet",
+        "iter-000001.parquet",
+    ]
     for t in stored:
         rec = store.learner_record(t.episode_id)
         assert rec["policy_version"] == t.iteration  # the weights that generated the episode
@@ -78,7 +86,9 @@ def test_learner_records_every_trained_episode(e2e_run, stored):
         # before its update the learner holds the engine's weights: the same log-probs (fp32)
         assert max(abs(rec["learner_logprobs"][p] - t.rollout_logprobs[p]) for p in gen) < TOL
         assert all(rec["advantages"][p] == 0.0 for p, m in enumerate(t.loss_mask) if not m)
-        assert len({rec["advantages"][p] for p in gen}) == 1  # episode credit: one advantage per episode
+        assert (
+            len({rec["advantages"][p] for p in gen}) == 1
+        )  # episode credit: one advantage per episode
 
 
 def test_learner_weights_moved(e2e_run, hf_model, stored):
@@ -117,7 +127,9 @@ def test_loss_mask_marks_exactly_the_generated_tokens(stored, tokenizer):
         assert len(t.loss_mask) == len(t.rollout_logprobs) == n
         expect = [0] * n
         for turn in t.turns:
-            end = turn.gen_end - (1 if turn.finish_reason == "length" else 0)  # the closing token we appended
+            end = turn.gen_end - (
+                1 if turn.finish_reason == "length" else 0
+            )  # the closing token we appended
             for i in range(turn.gen_start, end):
                 expect[i] = 1
             if turn.finish_reason == "length":
@@ -128,7 +140,9 @@ def test_loss_mask_marks_exactly_the_generated_tokens(stored, tokenizer):
         assert all(lp < 0.0 for lp, m in zip(t.rollout_logprobs, t.loss_mask) if m)
         for turn in t.turns:  # observations sit between turns, as tokens of the tool response
             if turn.obs_end > turn.gen_end:
-                obs_text = tokenizer.decode(t.token_ids[turn.gen_end : turn.obs_end], skip_special_tokens=False)
+                obs_text = tokenizer.decode(
+                    t.token_ids[turn.gen_end : turn.obs_end], skip_special_tokens=False
+                )
                 assert turn.observation.split("\n")[0] in obs_text
     assert {t.turns[0].policy_version for t in stored if t.iteration == 0} == {0}
     assert {t.turns[0].policy_version for t in stored if t.iteration == 1} == {1}
@@ -148,18 +162,29 @@ def test_stored_ids_are_what_the_engine_sampled_not_a_retokenisation(engine, sto
             stored_gen = stored_gen[:-1]
         assert gen.token_ids == stored_gen, t.episode_id
         assert gen.logprobs == pytest.approx(
-            [t.rollout_logprobs[i] for i in range(turn.gen_start, turn.gen_start + len(stored_gen))], abs=TOL)
+            [
+                t.rollout_logprobs[i]
+                for i in range(turn.gen_start, turn.gen_start + len(stored_gen))
+            ],
+            abs=TOL,
+        )
         checked += 1
-        differs += chat.encode(chat.decode(stored_gen)) != [i for i in stored_gen if i != chat.eot_id]
+        differs += chat.encode(chat.decode(stored_gen)) != [
+            i for i in stored_gen if i != chat.eot_id
+        ]
     assert checked == 6
-    assert differs > 0, "no turn where re-encoding the decoded text changes the ids: the test shows nothing"
+    assert differs > 0, (
+        "no turn where re-encoding the decoded text changes the ids: the test shows nothing"
+    )
 
 
 def test_store_metrics_and_checkpoints(e2e_run, stored):
     import datasets
 
     _, rows, run_dir = e2e_run
-    ds = datasets.load_dataset("parquet", data_files=str(run_dir / "trajectories" / "*.parquet"), split="train")
+    ds = datasets.load_dataset(
+        "parquet", data_files=str(run_dir / "trajectories" / "*.parquet"), split="train"
+    )
     assert len(ds) == 32 and set(ds["episode_id"]) == {t.episode_id for t in stored}
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["iteration"] for x in lines] == [0, 1]
@@ -172,7 +197,9 @@ def test_store_metrics_and_checkpoints(e2e_run, stored):
 
     for x in lines:
         kinds = [t.failure for t in stored if t.iteration == x["iteration"]]
-        assert {k: x[f"failure/{k}"] for k in FAILURE_KINDS} == {k: kinds.count(k) / 16 for k in FAILURE_KINDS}
+        assert {k: x[f"failure/{k}"] for k in FAILURE_KINDS} == {
+            k: kinds.count(k) / 16 for k in FAILURE_KINDS
+        }
     assert all(t.failure in FAILURE_KINDS for t in stored)
     assert (run_dir / "config.yaml").exists()
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
@@ -182,30 +209,56 @@ def test_store_metrics_and_checkpoints(e2e_run, stored):
 
 def test_inspect_json_summary(e2e_run, stored):
     _, _, run_dir = e2e_run
-    out = subprocess.run([sys.executable, "-m", "longhorizon.cli", "inspect", str(run_dir), "--json"],
-                         capture_output=True, text=True, timeout=120, cwd=REPO, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "longhorizon.cli", "inspect", str(run_dir), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        check=True,
+    )
     s = json.loads(out.stdout)
     assert s["iterations"] == 2 and s["episodes"] == 32
     assert len(s["mean_reward"]) == 2 and all(isinstance(x, float) for x in s["mean_reward"])
-    assert s["mean_reward"][0] == pytest.approx(sum(t.reward for t in stored if t.iteration == 0) / 16)
+    assert s["mean_reward"][0] == pytest.approx(
+        sum(t.reward for t in stored if t.iteration == 0) / 16
+    )
     assert s["policy_versions"] == [0, 1]
     ep = stored[3].episode_id
-    out = subprocess.run([sys.executable, "-m", "longhorizon.cli", "inspect", str(run_dir), "--episode", ep],
-                         capture_output=True, text=True, timeout=120, cwd=REPO, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "longhorizon.cli", "inspect", str(run_dir), "--episode", ep],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        check=True,
+    )
     assert ep in out.stdout and "turn 0" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "longhorizon.cli", "inspect", str(run_dir), "--episode", "nope"],
-                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    bad = subprocess.run(
+        [sys.executable, "-m", "longhorizon.cli", "inspect", str(run_dir), "--episode", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert bad.returncode == 2 and "no episode 'nope'" in bad.stderr
 
 
 def test_ray_listens_on_loopback_only(e2e_run):
     import psutil
 
-    ray_pids = {p.pid for p in psutil.process_iter(["cmdline"])
-                if any("ray" in part for part in (p.info["cmdline"] or [])[:3])}
-    listening = [c for c in psutil.net_connections(kind="inet")
-                 if c.status == psutil.CONN_LISTEN and c.pid in ray_pids]
+    ray_pids = {
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if any("ray" in part for part in (p.info["cmdline"] or [])[:3])
+    }
+    listening = [
+        c
+        for c in psutil.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN and c.pid in ray_pids
+    ]
     assert listening, "found no Ray listening sockets to check"
+
     def loopback(ip: str) -> bool:
         addr = ip_address(ip)
         return (getattr(addr, "ipv4_mapped", None) or addr).is_loopback  # ::ffff:127.0.0.1 too
@@ -217,16 +270,40 @@ def test_ray_listens_on_loopback_only(e2e_run):
 def test_cli_train_then_inspect(tmp_path):
     """The user's path: `longhorizon train` in its own process (its own local Ray), then inspect."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "longhorizon.cli", "train", "configs/quickstart.yaml", "--run-dir", str(run_dir),
-           "--iterations", "1", "rollout.num_workers=1", "rollout.groups_per_iteration=2", "rollout.group_size=2",
-           "rollout.max_turns=2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "longhorizon.cli",
+        "train",
+        "configs/quickstart.yaml",
+        "--run-dir",
+        str(run_dir),
+        "--iterations",
+        "1",
+        "rollout.num_workers=1",
+        "rollout.groups_per_iteration=2",
+        "rollout.group_size=2",
+        "rollout.max_turns=2",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "done" in out.stderr and str(run_dir.resolve()) in out.stderr
     assert (run_dir / "policy-init" / "tokenizer.json").exists()  # made locally, nothing downloaded
-    summary = json.loads(subprocess.run([sys.executable, "-m", "longhorizon.cli", "inspect", str(run_dir), "--json"],
-                                        capture_output=True, text=True, timeout=120, cwd=REPO, check=True).stdout)
-    assert summary["iterations"] == 1 and summary["episodes"] == 4 and summary["policy_versions"] == [0]
+    summary = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "longhorizon.cli", "inspect", str(run_dir), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+            check=True,
+        ).stdout
+    )
+    assert (
+        summary["iterations"] == 1
+        and summary["episodes"] == 4
+        and summary["policy_versions"] == [0]
+    )
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert again.returncode != 0 and "already holds trajectories" in again.stderr
     assert len(list((run_dir / "trajectories").glob("*.parquet"))) == 1  # nothing overwritten
@@ -237,28 +314,52 @@ def test_a_run_without_learning_signal_stops_through_the_cli(tmp_path):
     `train` stops after the first flat iteration with exit 1 and one line that says why; the
     iteration it ran stays on disk."""
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "longhorizon.cli", "train", "configs/quickstart.yaml", "--run-dir", str(run_dir),
-           "--iterations", "3", "stop_after_flat=1", "rollout.num_workers=1", "rollout.groups_per_iteration=2",
-           "rollout.group_size=2", "rollout.max_turns=2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "longhorizon.cli",
+        "train",
+        "configs/quickstart.yaml",
+        "--run-dir",
+        str(run_dir),
+        "--iterations",
+        "3",
+        "stop_after_flat=1",
+        "rollout.num_workers=1",
+        "rollout.groups_per_iteration=2",
+        "rollout.group_size=2",
+        "rollout.max_turns=2",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert out.returncode == 1, out.stderr[-3000:]
     assert "Traceback" not in out.stderr and out.stdout == ""
-    assert "the run cannot learn: 1 iterations in a row in which no group's episodes earned different rewards" \
+    assert (
+        "the run cannot learn: 1 iterations in a row in which no group's episodes earned different rewards"
         in out.stderr
-    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1  # iteration 0 ran and was written
+    )
+    assert (
+        len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1
+    )  # iteration 0 ran and was written
     assert len(list((run_dir / "trajectories").glob("iter-*.parquet"))) == 1
 
 
 def test_replay_export_and_rescore_from_the_cli(e2e_run, stored):
     _, _, run_dir = e2e_run
-    run = lambda *a: subprocess.run([sys.executable, "-m", "longhorizon.cli", *a], capture_output=True, text=True,  # noqa: E731
-                                    timeout=300, cwd=REPO)
+    run = lambda *a: subprocess.run(
+        [sys.executable, "-m", "longhorizon.cli", *a],
+        capture_output=True,
+        text=True,  # noqa: E731
+        timeout=300,
+        cwd=REPO,
+    )
     out = run("replay", str(run_dir), "--all", "--json")
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     res = json.loads(out.stdout)
     assert res["replayed"] == 32 and res["diverged"] == 0
     assert sum(r["turns_checked"] for r in res["results"]) == sum(len(t.turns) for t in stored)
-    out = run("replay", str(run_dir), "--all", "--rescore", "rewards.milestones:milestone_sum", "--json")
+    out = run(
+        "replay", str(run_dir), "--all", "--rescore", "rewards.milestones:milestone_sum", "--json"
+    )
     rows = json.loads(out.stdout)
     assert [r["rescored"] for r in rows] == pytest.approx([r["recorded"] for r in rows])
     assert run("replay", str(run_dir), "--all", "--rescore", "nope:fn").returncode == 2
@@ -270,28 +371,48 @@ def test_replay_export_and_rescore_from_the_cli(e2e_run, stored):
 def test_html_viewer_renders_in_headless_chromium(e2e_run, stored):
     _, _, run_dir = e2e_run
     page = run_dir / "viewer.html"
-    out = subprocess.run([sys.executable, "-m", "longhorizon.cli", "inspect", str(run_dir), "--html", str(page)],
-                         capture_output=True, text=True, timeout=300, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, "-m", "longhorizon.cli", "inspect", str(run_dir), "--html", str(page)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     text = page.read_text()
-    assert "http://" not in text.replace("http://www.w3.org", "") and "https://" not in text  # self-contained
+    assert (
+        "http://" not in text.replace("http://www.w3.org", "") and "https://" not in text
+    )  # self-contained
     flags = chromium_flags()
     dom = chromium_dom(page)
     import re
 
     rows = re.findall(r'<tr class="episode-row(?: sel)?" data-id="(i\d+-g\d+-e\d+)"', dom)
-    assert sorted(rows) == sorted(t.episode_id for t in stored)  # the episode list, rendered by the page's script
+    assert sorted(rows) == sorted(
+        t.episode_id for t in stored
+    )  # the episode list, rendered by the page's script
     assert f'<h1 id="episode-title">{stored[0].episode_id}</h1>' in dom  # and the first episode
     assert 'id="timeline"' in dom and 'id="tokens"' in dom and 'id="group-title"' in dom
-    assert 'id="colour-by"' in dom and "· advantage " in dom  # token tips carry the learner's record
+    assert (
+        'id="colour-by"' in dom and "· advantage " in dom
+    )  # token tips carry the learner's record
     # each iteration's wall time, split: four stacked parts per iteration, with the learner's seconds
-    parts = re.findall(r'<rect class="time-part"[^>]*><title>iteration (\d+): ([a-z ]+) ([\d.]+) s</title>', dom)
-    assert len(parts) == 4 * 2 and {p[1] for p in parts} == {"rollout wait", "learner", "sync", "other"}
+    parts = re.findall(
+        r'<rect class="time-part"[^>]*><title>iteration (\d+): ([a-z ]+) ([\d.]+) s</title>', dom
+    )
+    assert len(parts) == 4 * 2 and {p[1] for p in parts} == {
+        "rollout wait",
+        "learner",
+        "sync",
+        "other",
+    }
     assert all(float(p[2]) > 0 for p in parts if p[1] == "learner")
     artifacts = REPO / "runs" / "test-artifacts"
     artifacts.mkdir(parents=True, exist_ok=True)
     shot = artifacts / "viewer.png"
-    subprocess.run(flags + [f"--screenshot={shot}", page.as_uri()], capture_output=True, timeout=120)
+    subprocess.run(
+        flags + [f"--screenshot={shot}", page.as_uri()], capture_output=True, timeout=120
+    )
     assert shot.exists() and shot.stat().st_size > 10_000
 
 
@@ -302,8 +423,10 @@ def test_train_from_store_replays_the_learning_without_rollouts(e2e_run, tiny_po
     from rl.trainer import Trainer
 
     _, rows, source = e2e_run
-    cfg = load_config(REPO / "configs" / "quickstart.yaml",
-                      ["iterations=2", f"policy.path={tiny_policy}", "algo.entropy_coef=0.01"])
+    cfg = load_config(
+        REPO / "configs" / "quickstart.yaml",
+        ["iterations=2", f"policy.path={tiny_policy}", "algo.entropy_coef=0.01"],
+    )
     trainer = Trainer(cfg, tmp_path / "from-store", from_store=source)
     try:
         trainer.start()
@@ -320,7 +443,21 @@ def test_train_from_store_replays_the_learning_without_rollouts(e2e_run, tiny_po
 
 
 def test_train_from_store_names_a_missing_store(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "longhorizon.cli", "train", "configs/quickstart.yaml", "--run-dir",
-                        str(tmp_path / "x"), "--from-store", str(tmp_path / "nothing")], cwd=REPO,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "longhorizon.cli",
+            "train",
+            "configs/quickstart.yaml",
+            "--run-dir",
+            str(tmp_path / "x"),
+            "--from-store",
+            str(tmp_path / "nothing"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "--from-store" in r.stderr and "no trajectory shards" in r.stderr

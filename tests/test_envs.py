@@ -3,8 +3,8 @@
 import pytest
 
 import envs
-from envs.calculator import CalculatorEnv, evaluate
 from envs.base import ToolFailure
+from envs.calculator import CalculatorEnv, evaluate
 from envs.tool_calls import parse_tool_calls
 
 
@@ -25,9 +25,13 @@ def test_expert_solves_with_two_milestones():
 def test_reward_only_at_milestones_and_wrong_answer_ends_unpaid():
     env = CalculatorEnv()
     env.reset(seed=5)
-    _, r, term, _, info = env.step('<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>')
+    _, r, term, _, info = env.step(
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "1+1"}}</tool_call>'
+    )
     assert r == 0.0 and not term and info["messages"][0]["content"] == "2"
-    _, r, term, _, info = env.step(f'<tool_call>{{"name": "submit", "arguments": {{"answer": {env.answer + 1}}}}}</tool_call>')
+    _, r, term, _, info = env.step(
+        f'<tool_call>{{"name": "submit", "arguments": {{"answer": {env.answer + 1}}}}}</tool_call>'
+    )
     assert r == 0.0 and term and info["messages"][0]["content"] == "incorrect"
     with pytest.raises(RuntimeError, match="finished episode"):
         env.step("anything")
@@ -42,22 +46,30 @@ def test_same_seed_same_task_and_different_seeds_differ():
 def test_malformed_and_unknown_calls_become_error_observations():
     env = CalculatorEnv(max_turns=3)
     env.reset(seed=0)
-    _, r, term, trunc, info = env.step('<tool_call>{"name": calculator, oops</tool_call> and <tool_call>{"name": "rm"}</tool_call>')
+    _, r, term, trunc, info = env.step(
+        '<tool_call>{"name": calculator, oops</tool_call> and <tool_call>{"name": "rm"}</tool_call>'
+    )
     assert r == 0 and not term and not trunc
     assert info["tool_errors"] == 2
     contents = [m["content"] for m in info["messages"]]
     assert contents[0].startswith("error: malformed tool call")
     assert "unknown tool 'rm'" in contents[1]
-    _, _, _, _, info = env.step('<tool_call>{"name": "calculator", "arguments": {"expr": "1"}}</tool_call>')
+    _, _, _, _, info = env.step(
+        '<tool_call>{"name": "calculator", "arguments": {"expr": "1"}}</tool_call>'
+    )
     # checked against the tool's schema: what it takes, never the Python error a bad call would raise
     assert info["tool_errors"] == 1 and info["failures"] == ["tool_error"]
-    assert info["messages"][0]["content"] == ('error: calculator: missing expression; unknown argument "expr". '
-                                              "Call it as calculator(expression: string)")
+    assert info["messages"][0]["content"] == (
+        'error: calculator: missing expression; unknown argument "expr". '
+        "Call it as calculator(expression: string)"
+    )
     _, _, term, trunc, info = env.step("no tools here")
     assert info["messages"][0]["role"] == "user" and trunc and not term
 
 
-@pytest.mark.parametrize("expr", ["2**999999", "__import__('os').system('id')", "9" * 300, "1/0", "[1]*10**9", "x"])
+@pytest.mark.parametrize(
+    "expr", ["2**999999", "__import__('os').system('id')", "9" * 300, "1/0", "[1]*10**9", "x"]
+)
 def test_calculator_refuses_hostile_expressions(expr):
     with pytest.raises(ToolFailure):
         evaluate(expr)
@@ -73,17 +85,27 @@ def test_calculator_bounds_huge_products():
 
 def test_tool_call_parser_is_tolerant():
     calls, errors = parse_tool_calls(
-        "think <tool_call>\n{\"name\": \"a\", \"arguments\": {\"x\": 1}}\n</tool_call>"
+        'think <tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>'
         "<tool_call>{'name': 'b', 'arguments': '{\"y\": 2}'}</tool_call>"
-        "<tool_call>```json\n{\"name\": \"c\"}\n```</tool_call>"
-        "<tool_call>{\"name\": \"d\", \"arguments\": {}}"  # unclosed at the end of the turn
+        '<tool_call>```json\n{"name": "c"}\n```</tool_call>'
+        '<tool_call>{"name": "d", "arguments": {}}'  # unclosed at the end of the turn
     )
-    assert [(c.name, c.arguments) for c in calls] == [("a", {"x": 1}), ("b", {"y": 2}), ("c", {}), ("d", {})]
+    assert [(c.name, c.arguments) for c in calls] == [
+        ("a", {"x": 1}),
+        ("b", {"y": 2}),
+        ("c", {}),
+        ("d", {}),
+    ]
     assert errors == []
-    calls, errors = parse_tool_calls("<tool_call>[1, 2]</tool_call><tool_call>{\"arguments\": {}}</tool_call>"
-                                     "<tool_call>{\"name\": \"e\", \"arguments\": [1]}</tool_call>")
+    calls, errors = parse_tool_calls(
+        '<tool_call>[1, 2]</tool_call><tool_call>{"arguments": {}}</tool_call>'
+        '<tool_call>{"name": "e", "arguments": [1]}</tool_call>'
+    )
     assert calls == [] and [e.message for e in errors] == [
-        "tool call is not a JSON object", 'tool call has no "name" string', "\"arguments\" of 'e' is not an object"]
+        "tool call is not a JSON object",
+        'tool call has no "name" string',
+        "\"arguments\" of 'e' is not an object",
+    ]
     assert parse_tool_calls("plain text") == ([], [])
 
 
@@ -98,8 +120,14 @@ def test_registry_errors_and_plugin_style_registration():
     assert envs.make("test/short-calculator-v1", max_turns=5).max_turns == 5
 
 
-@pytest.mark.parametrize("env_id", [s.id for s in envs.list_specs() if s.entry_point.startswith("envs.")
-                                    and not envs.is_agent_program(envs.env_class(s.id))])
+@pytest.mark.parametrize(
+    "env_id",
+    [
+        s.id
+        for s in envs.list_specs()
+        if s.entry_point.startswith("envs.") and not envs.is_agent_program(envs.env_class(s.id))
+    ],
+)
 def test_gymnasium_check_env_passes_and_gymnasium_make_knows_the_id(env_id):
     """Gymnasium's own checker (spaces, seeding determinism, API) on every built-in environment,
     made through Gymnasium's registry."""

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 
 import pytest
+from local_cluster import LocalCluster, kill
 
 from conftest import REPO
-from local_cluster import LocalCluster, kill
 
 pytestmark = pytest.mark.slow
 
@@ -30,18 +30,33 @@ ENV_KILL, ROLLOUT_KILL, NODE_KILL, LEARNER_KILL = 1, 2, 3, 4
 
 
 def _overrides(policy: str) -> list[str]:
-    return [f"iterations={ITERATIONS}", f"policy.path={policy}", "checkpoint_every=1",
-            "rollout.num_workers=2", "rollout.groups_per_iteration=2", "rollout.group_size=2",
-            "rollout.max_new_tokens=16", "rollout.cpus_per_worker=0.5",
-            # slow tools: every rollout lasts seconds, so a kill lands while episodes are in flight
-            "env.workers=2", "env.kwargs={max_turns: 4, step_latency_s: 1.0}",
-            "ray.rollout_resources={rollout: 1}", "ray.env_worker_resources={env_worker: 1}",
-            "ray.learner_resources={learner: 1}", "ray.max_restarts=3", "sync.timeout_s=240"]
+    return [
+        f"iterations={ITERATIONS}",
+        f"policy.path={policy}",
+        "checkpoint_every=1",
+        "rollout.num_workers=2",
+        "rollout.groups_per_iteration=2",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=16",
+        "rollout.cpus_per_worker=0.5",
+        # slow tools: every rollout lasts seconds, so a kill lands while episodes are in flight
+        "env.workers=2",
+        "env.kwargs={max_turns: 4, step_latency_s: 1.0}",
+        "ray.rollout_resources={rollout: 1}",
+        "ray.env_worker_resources={env_worker: 1}",
+        "ray.learner_resources={learner: 1}",
+        "ray.max_restarts=3",
+        "sync.timeout_s=240",
+    ]
 
 
 def _rows(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return (
+        [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        if path.exists()
+        else []
+    )
 
 
 class _Run:
@@ -50,17 +65,26 @@ class _Run:
     def __init__(self, args: list[str], log: Path):
         self.log = log
         self.fh = open(log, "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "longhorizon.cli", "train", *args], cwd=REPO,
-                                     stdout=self.fh, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "longhorizon.cli", "train", *args],
+            cwd=REPO,
+            stdout=self.fh,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
     def wait_rows(self, run_dir: Path, n: int, timeout: float = 420) -> None:
         deadline = time.monotonic() + timeout
         while len(_rows(run_dir)) < n:
             if self.proc.poll() is not None:
-                raise AssertionError(f"the run exited ({self.proc.returncode}) before iteration {n - 1} was "
-                                     f"done:\n{self.log.read_text()[-4000:]}")
+                raise AssertionError(
+                    f"the run exited ({self.proc.returncode}) before iteration {n - 1} was "
+                    f"done:\n{self.log.read_text()[-4000:]}"
+                )
             if time.monotonic() > deadline:
-                raise AssertionError(f"iteration {n - 1} not done in {timeout}s:\n{self.log.read_text()[-4000:]}")
+                raise AssertionError(
+                    f"iteration {n - 1} not done in {timeout}s:\n{self.log.read_text()[-4000:]}"
+                )
             time.sleep(0.2)
 
     def finish(self, timeout: float = 600) -> tuple[int, str]:
@@ -79,11 +103,22 @@ def fault_run(tiny_policy, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("faults") / "run"
     out: dict = {"run_dir": run_dir}
     try:
-        run = _Run(["configs/quickstart.yaml", "--run-dir", str(run_dir), "--address", cluster.address,
-                    *_overrides(tiny_policy)], run_dir.parent / "first.log")
+        run = _Run(
+            [
+                "configs/quickstart.yaml",
+                "--run-dir",
+                str(run_dir),
+                "--address",
+                cluster.address,
+                *_overrides(tiny_policy),
+            ],
+            run_dir.parent / "first.log",
+        )
 
         def mid_rollout(iteration: int) -> None:
-            run.wait_rows(run_dir, iteration)  # iteration-1 is written: `iteration` is rolling out now
+            run.wait_rows(
+                run_dir, iteration
+            )  # iteration-1 is written: `iteration` is rolling out now
             time.sleep(1.5)
 
         mid_rollout(ENV_KILL)
@@ -98,20 +133,26 @@ def fault_run(tiny_policy, tmp_path_factory):
 
         mid_rollout(NODE_KILL)
         node = cluster.node_of(cluster.actor_pids("RolloutWorker")[0])
-        out["node_actors"] = {c: len(cluster.actor_pids(c, node)) for c in ("RolloutWorker", "EnvWorker")}
+        out["node_actors"] = {
+            c: len(cluster.actor_pids(c, node)) for c in ("RolloutWorker", "EnvWorker")
+        }
         cluster.kill_node(node)
         out["killed_node"] = node
 
         run.wait_rows(run_dir, LEARNER_KILL)
-        out["survivors"] = {c: [cluster.node_of(pid) for pid in cluster.actor_pids(c)]
-                            for c in ("RolloutWorker", "EnvWorker", "Learner")}
+        out["survivors"] = {
+            c: [cluster.node_of(pid) for pid in cluster.actor_pids(c)]
+            for c in ("RolloutWorker", "EnvWorker", "Learner")
+        }
         learner = cluster.actor_pids("Learner", node=-1)
         assert len(learner) == 1, learner
         kill(learner[0])
         out["first"] = run.finish()
         out["rows_before_resume"] = _rows(run_dir)
 
-        resumed = _Run(["--resume", str(run_dir), "--address", cluster.address], run_dir.parent / "resume.log")
+        resumed = _Run(
+            ["--resume", str(run_dir), "--address", cluster.address], run_dir.parent / "resume.log"
+        )
         out["resume"] = resumed.finish()
         out["rows"] = _rows(run_dir)
         yield out
@@ -129,7 +170,9 @@ def _row(out: dict, iteration: int) -> dict:
 def test_env_worker_death_ends_its_episodes_as_infra_errors_and_the_run_goes_on(fault_run):
     row = _row(fault_run, ENV_KILL)
     assert row["episodes"] == EPISODES
-    assert 0 < row["infra_errors"] <= EPISODES, row  # its in-flight episodes, kept out of the group statistics
+    assert 0 < row["infra_errors"] <= EPISODES, (
+        row
+    )  # its in-flight episodes, kept out of the group statistics
     assert row["stop_reasons"].get("infra_error", 0) == row["infra_errors"]
     # kept out of the group statistics: the learner trained on (and annotated) the others only
     from rl.store import TrajectoryStore
@@ -175,8 +218,11 @@ def test_worker_node_death_moves_its_actors_to_the_surviving_node(fault_run):
     assert row["episodes"] == EPISODES
     # after it, every actor lives again, the workers on the surviving node, the learner on the head
     survivor = 1 - fault_run["killed_node"]
-    assert fault_run["survivors"] == {"RolloutWorker": [survivor] * 2, "EnvWorker": [survivor] * 2,
-                                      "Learner": [-1]}
+    assert fault_run["survivors"] == {
+        "RolloutWorker": [survivor] * 2,
+        "EnvWorker": [survivor] * 2,
+        "Learner": [-1],
+    }
 
 
 def test_learner_death_stops_the_run_with_a_clear_error_and_resume_finishes_it(fault_run):
@@ -190,7 +236,9 @@ def test_learner_death_stops_the_run_with_a_clear_error_and_resume_finishes_it(f
     assert "resumed from version-000004" in log
     assert [r["iteration"] for r in fault_run["rows"]] == list(range(ITERATIONS))
     assert [r["policy_version"] for r in fault_run["rows"]] == list(range(1, ITERATIONS + 1))
-    assert (fault_run["run_dir"] / "checkpoints" / f"version-{ITERATIONS:06d}" / "trainer_state.pt").exists()
+    assert (
+        fault_run["run_dir"] / "checkpoints" / f"version-{ITERATIONS:06d}" / "trainer_state.pt"
+    ).exists()
 
 
 def test_the_store_holds_every_episode_id_exactly_once(fault_run):

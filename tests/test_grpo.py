@@ -20,10 +20,14 @@ def test_group_advantages_by_hand():
 def test_group_advantages_unscaled_and_batch():
     rewards = torch.tensor([3.0, 1.0, 0.0, 0.0])
     groups = torch.tensor([7, 7, 9, 9])
-    assert group_advantages(rewards, groups, scale="none").tolist() == pytest.approx([1.0, -1.0, 0.0, 0.0])
+    assert group_advantages(rewards, groups, scale="none").tolist() == pytest.approx(
+        [1.0, -1.0, 0.0, 0.0]
+    )
     batch_std = torch.tensor([3.0, 1.0, 0.0, 0.0]).std().item()
     expect = [1 / (batch_std + 1e-4), -1 / (batch_std + 1e-4), 0.0, 0.0]
-    assert group_advantages(rewards, groups, scale="batch").tolist() == pytest.approx(expect, abs=1e-6)
+    assert group_advantages(rewards, groups, scale="batch").tolist() == pytest.approx(
+        expect, abs=1e-6
+    )
     with pytest.raises(ValueError, match="unknown reward scaling"):
         group_advantages(rewards, groups, scale="rank")
 
@@ -39,7 +43,9 @@ def _case():
 
 def test_clipped_loss_token_mean_by_hand():
     logp, old, adv, mask = _case()
-    loss, m = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, aggregation="token_mean")
+    loss, m = policy_loss(
+        logp, old, adv, mask, clip_low=0.2, clip_high=0.28, aggregation="token_mean"
+    )
     # ep0 (A=+1): -1, -min(1.5, 1.28) = -1.28, masked; ep1 (A=-1): +1, -min(-0.5, -0.8) = 0.8, -min(-1.5, -1.28) = 1.5
     assert loss.item() == pytest.approx((-1 - 1.28 + 1 + 0.8 + 1.5) / 5, abs=1e-6)
     assert m["clip_frac"] == pytest.approx(2 / 5)
@@ -47,13 +53,17 @@ def test_clipped_loss_token_mean_by_hand():
     g = logp.grad
     assert g[0, 1].item() == 0.0  # clipped with A > 0: no gradient
     assert g[1, 1].item() == 0.0  # clipped with A < 0: no gradient
-    assert g[1, 2].item() == pytest.approx(-1 * 1.5 * -1 / 5)  # ratio*A kept: d(-r*A)/dlogp = -A*r / n
+    assert g[1, 2].item() == pytest.approx(
+        -1 * 1.5 * -1 / 5
+    )  # ratio*A kept: d(-r*A)/dlogp = -A*r / n
     assert g[0, 2].item() == 0.0  # masked
 
 
 def test_clipped_loss_seq_mean_by_hand():
     logp, old, adv, mask = _case()
-    loss, _ = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28, aggregation="seq_mean")
+    loss, _ = policy_loss(
+        logp, old, adv, mask, clip_low=0.2, clip_high=0.28, aggregation="seq_mean"
+    )
     assert loss.item() == pytest.approx(((-1 - 1.28) / 2 + (1 + 0.8 + 1.5) / 3) / 2, abs=1e-6)
 
 
@@ -96,16 +106,27 @@ def test_rollout_importance_weights_by_hand():
     cases = [
         (dict(mode="token_truncate", high=2.0), [[1.25, 2, 1], [1, 0.25, 1]]),
         (dict(mode="token_truncate", low=0.5, high=2.0), [[1.25, 2, 1], [1, 0.5, 1]]),
-        (dict(mode="token_mask", low=0.5, high=2.0), [[1.25, 0, 1], [1, 0, 1]]),  # IcePop: both sides dropped
+        (
+            dict(mode="token_mask", low=0.5, high=2.0),
+            [[1.25, 0, 1], [1, 0, 1]],
+        ),  # IcePop: both sides dropped
         (dict(mode="sequence_truncate", high=2.0), [[2, 2, 2], [0.25, 0.25, 1]]),
-        (dict(mode="sequence_mask", low=0.5, high=10.0), [[5, 5, 5], [0, 0, 1]]),  # MIS: the second sequence dropped
+        (
+            dict(mode="sequence_mask", low=0.5, high=10.0),
+            [[5, 5, 5], [0, 0, 1]],
+        ),  # MIS: the second sequence dropped
         (dict(mode="geometric_mask", low=0.6, high=2.0), [[geo] * 3, [0, 0, 1]]),
     ]
     for kwargs, expected in cases:
         w = rollout_is_weights(old, rollout, mask, **kwargs)
         assert w.tolist() == [pytest.approx(row, rel=1e-5) for row in expected], kwargs
-    long = rollout_is_weights(torch.zeros(1, 4000), torch.full((1, 4000), -0.1), torch.ones(1, 4000), mode="sequence_mask",
-                              high=2.0)
+    long = rollout_is_weights(
+        torch.zeros(1, 4000),
+        torch.full((1, 4000), -0.1),
+        torch.ones(1, 4000),
+        mode="sequence_mask",
+        high=2.0,
+    )
     assert torch.equal(long, torch.zeros(1, 4000))  # e^400 is out of bounds, not inf·0 = NaN
     with pytest.raises(ValueError, match="unknown rollout importance-sampling mode"):
         rollout_is_weights(old, rollout, mask, mode="tokens")
@@ -119,20 +140,39 @@ def test_the_learner_reports_and_corrects_the_engine_mismatch(tiny_policy, token
     from rollout.trajectory import Trajectory
 
     delta = 0.3
-    learner = Learner(tiny_policy, AlgoConfig(threads=1, minibatch_episodes=4, rollout_is="sequence_mask",
-                                              tis_cap=2.0, is_low=0.5), seed=0)
+    learner = Learner(
+        tiny_policy,
+        AlgoConfig(
+            threads=1, minibatch_episodes=4, rollout_is="sequence_mask", tis_cap=2.0, is_low=0.5
+        ),
+        seed=0,
+    )
     batch, gen = [], []
     for i, reward in enumerate([1.0, 0.0, 0.0, 1.0]):
         ids = tokenizer.encode(f"question {i} answer {i * 7} and more")
         lp = [0.0] + learner.logprobs(ids)
         mask = [0] * 3 + [1] * (len(ids) - 3)
         off = delta if i == 0 else 0.0
-        batch.append(Trajectory(f"e{i}", 0, i // 2, "x", 0, 3, ids, mask,
-                                [x - off if m else 0.0 for x, m in zip(lp, mask)], reward=reward))
+        batch.append(
+            Trajectory(
+                f"e{i}",
+                0,
+                i // 2,
+                "x",
+                0,
+                3,
+                ids,
+                mask,
+                [x - off if m else 0.0 for x, m in zip(lp, mask)],
+                reward=reward,
+            )
+        )
         gen.append(sum(mask))
     stats = learner.train_step(batch)
     share = gen[0] / sum(gen)  # the episode's share of the generated tokens
-    assert stats["rollout_is_dropped_seqs"] == 0.25 and stats["rollout_is_dropped_tokens"] == pytest.approx(share)
+    assert stats["rollout_is_dropped_seqs"] == 0.25 and stats[
+        "rollout_is_dropped_tokens"
+    ] == pytest.approx(share)
     assert stats["rollout_kl"] == pytest.approx((math.exp(-delta) + delta - 1) * share, rel=1e-3)
     assert stats["rollout_chi2"] == pytest.approx((math.exp(delta) - 1) ** 2 * share, rel=1e-3)
     assert stats["rollout_ppl_ratio"] == pytest.approx(math.exp(-delta * share), rel=1e-3)
@@ -161,17 +201,34 @@ def test_learner_with_reference_kl_and_tis(tiny_policy, tokenizer):
     from rl.learner import Learner
     from rollout.trajectory import Trajectory
 
-    learner = Learner(tiny_policy, AlgoConfig(kl_beta=0.1, tis_cap=2.0, minibatch_episodes=2, threads=1), seed=0,
-                      max_generated_tokens=8)
-    assert learner.ref_model is not None and not any(p.requires_grad for p in learner.ref_model.parameters())
+    learner = Learner(
+        tiny_policy,
+        AlgoConfig(kl_beta=0.1, tis_cap=2.0, minibatch_episodes=2, threads=1),
+        seed=0,
+        max_generated_tokens=8,
+    )
+    assert learner.ref_model is not None and not any(
+        p.requires_grad for p in learner.ref_model.parameters()
+    )
     batch = []
     for i, reward in enumerate([1.0, 0.0, 0.0, 1.0]):
         ids = tokenizer.encode(f"question {i} answer {i * 7}")
         gen = len(ids) - 3
         lp = learner.logprobs(ids)
-        batch.append(Trajectory(
-            episode_id=f"e{i}", iteration=0, group_id=i // 2, env_id="x", seed=0, prompt_len=3, token_ids=ids,
-            loss_mask=[0] * 3 + [1] * gen, rollout_logprobs=[0.0] * 3 + [x - 0.05 for x in lp[2:]], reward=reward))
+        batch.append(
+            Trajectory(
+                episode_id=f"e{i}",
+                iteration=0,
+                group_id=i // 2,
+                env_id="x",
+                seed=0,
+                prompt_len=3,
+                token_ids=ids,
+                loss_mask=[0] * 3 + [1] * gen,
+                rollout_logprobs=[0.0] * 3 + [x - 0.05 for x in lp[2:]],
+                reward=reward,
+            )
+        )
     before = [p.detach().clone() for p in learner.model.parameters()]
     stats = learner.train_step(batch)
     assert stats["policy_version"] == 1
@@ -189,12 +246,29 @@ def test_learner_skips_an_update_with_nothing_usable(tiny_policy, tokenizer):
 
     learner = Learner(tiny_policy, AlgoConfig(threads=1), seed=0)
     ids = tokenizer.encode("a b c d")
-    batch = [Trajectory(episode_id=f"e{i}", iteration=0, group_id=0, env_id="x", seed=0, prompt_len=2, token_ids=ids,
-                        loss_mask=[0, 0] + [1] * (len(ids) - 2), rollout_logprobs=[0.0] * len(ids), reward=float(i),
-                        infra_error="sandbox died") for i in range(2)]
+    batch = [
+        Trajectory(
+            episode_id=f"e{i}",
+            iteration=0,
+            group_id=0,
+            env_id="x",
+            seed=0,
+            prompt_len=2,
+            token_ids=ids,
+            loss_mask=[0, 0] + [1] * (len(ids) - 2),
+            rollout_logprobs=[0.0] * len(ids),
+            reward=float(i),
+            infra_error="sandbox died",
+        )
+        for i in range(2)
+    ]
     before = [p.detach().clone() for p in learner.model.parameters()]
     stats = learner.train_step(batch)
-    assert stats["skipped_update"] == 1 and stats["infra_errors_dropped"] == 2 and stats["policy_version"] == 1
+    assert (
+        stats["skipped_update"] == 1
+        and stats["infra_errors_dropped"] == 2
+        and stats["policy_version"] == 1
+    )
     assert all(torch.equal(p, b) for p, b in zip(learner.model.parameters(), before))
 
 
@@ -209,17 +283,51 @@ def test_kl_in_the_reward(tiny_policy, tokenizer, estimator):
     from rollout.trajectory import Trajectory, Turn
 
     beta = 0.5
-    learner = Learner(tiny_policy, AlgoConfig(kl_beta=beta, kl_in="reward", kl_estimator=estimator, lr=1e-2,
-                                              minibatch_episodes=4, threads=1), seed=0)
+    learner = Learner(
+        tiny_policy,
+        AlgoConfig(
+            kl_beta=beta,
+            kl_in="reward",
+            kl_estimator=estimator,
+            lr=1e-2,
+            minibatch_episodes=4,
+            threads=1,
+        ),
+        seed=0,
+    )
     batch = []
     for i, reward in enumerate([1.0, 0.0, 0.0, 1.0]):
         ids = tokenizer.encode(f"question {i} answer {i * 7} and more {i}")
         n = len(ids)
-        kw = dict(text="", observation="", tool_calls=0, tool_errors=0, policy_version=0, seed=0, finish_reason="stop")
-        turns = [Turn(gen_start=3, gen_end=6, obs_end=7, **kw), Turn(gen_start=7, gen_end=n, obs_end=n, **kw)]
+        kw = dict(
+            text="",
+            observation="",
+            tool_calls=0,
+            tool_errors=0,
+            policy_version=0,
+            seed=0,
+            finish_reason="stop",
+        )
+        turns = [
+            Turn(gen_start=3, gen_end=6, obs_end=7, **kw),
+            Turn(gen_start=7, gen_end=n, obs_end=n, **kw),
+        ]
         mask = [0] * 3 + [1] * 3 + [0] + [1] * (n - 7)
-        batch.append(Trajectory(episode_id=f"e{i}", iteration=0, group_id=i // 2, env_id="x", seed=0, prompt_len=3,
-                                token_ids=ids, loss_mask=mask, rollout_logprobs=[0.0] * n, reward=reward, turns=turns))
+        batch.append(
+            Trajectory(
+                episode_id=f"e{i}",
+                iteration=0,
+                group_id=i // 2,
+                env_id="x",
+                seed=0,
+                prompt_len=3,
+                token_ids=ids,
+                loss_mask=mask,
+                rollout_logprobs=[0.0] * n,
+                reward=reward,
+                turns=turns,
+            )
+        )
     first = learner.train_step(batch)  # the policy still equals the reference: no penalty
     assert first["kl_reward_penalty_mean"] == pytest.approx(0.0, abs=1e-6)
     # by hand: per turn, β Σ KL over its generated tokens, from the current and reference log-probs
@@ -229,10 +337,18 @@ def test_kl_in_the_reward(tiny_policy, tokenizer, estimator):
         ref = learner.ref.module
         with torch.no_grad():
             logits = ref(torch.tensor([t.token_ids])).logits[0, :-1].float()
-        ref_lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(t.token_ids[1:])[:, None]).squeeze(-1)
+        ref_lp = (
+            torch.log_softmax(logits, -1)
+            .gather(-1, torch.tensor(t.token_ids[1:])[:, None])
+            .squeeze(-1)
+        )
         pen = []
         for turn in t.turns:
-            d = [float(ref_lp[p - 1]) - pol[p - 1] for p in range(turn.gen_start, turn.gen_end) if t.loss_mask[p]]
+            d = [
+                float(ref_lp[p - 1]) - pol[p - 1]
+                for p in range(turn.gen_start, turn.gen_end)
+                if t.loss_mask[p]
+            ]
             pen.append(beta * sum((math.exp(x) - x - 1) if estimator == "k3" else -x for x in d))
         expected.append(pen)
     stats = learner.train_step(batch)

@@ -16,7 +16,9 @@ def _experts(dtype=torch.float64, experts: int = 4, seed: int = 0):
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
-    cfg = MixtralConfig(hidden_size=24, intermediate_size=40, num_local_experts=experts, num_experts_per_tok=2)
+    cfg = MixtralConfig(
+        hidden_size=24, intermediate_size=40, num_local_experts=experts, num_experts_per_tok=2
+    )
     cfg._experts_implementation = "eager"  # the module's own forward: transformers' per-expert loop
     torch.manual_seed(seed)
     ex = MixtralExperts(cfg)
@@ -59,8 +61,14 @@ class _MatmulDtypes(TorchDispatchMode):
         self.seen = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten.mm.default, torch.ops.aten._grouped_mm.default, torch.ops.aten.addmm.default):
-            a, b = (args[1], args[2]) if func is torch.ops.aten.addmm.default else (args[0], args[1])
+        if func in (
+            torch.ops.aten.mm.default,
+            torch.ops.aten._grouped_mm.default,
+            torch.ops.aten.addmm.default,
+        ):
+            a, b = (
+                (args[1], args[2]) if func is torch.ops.aten.addmm.default else (args[0], args[1])
+            )
             self.seen.append((a.dtype, b.dtype, a.shape[0], b.untyped_storage().data_ptr()))
         return func(*args, **(kwargs or {}))
 
@@ -78,8 +86,11 @@ def test_under_bf16_autocast_the_experts_multiply_in_bf16_on_padded_blocks(tiny_
     ref = model(ids).logits
     with casts_cached(), torch.autocast("cpu", dtype=torch.bfloat16), _MatmulDtypes() as rec:
         out = model(ids).logits
-        weights = {cast(getattr(m, n), torch.bfloat16).untyped_storage().data_ptr()
-                   for m in experts for n in ("gate_up_proj", "down_proj")}  # the casts the forward used
+        weights = {
+            cast(getattr(m, n), torch.bfloat16).untyped_storage().data_ptr()
+            for m in experts
+            for n in ("gate_up_proj", "down_proj")
+        }  # the casts the forward used
     expert_mms = [s for s in rec.seen if s[3] in weights]
     assert len(expert_mms) >= 2 * len(experts)
     assert all(a == b == torch.bfloat16 for a, b, *_ in expert_mms)
@@ -87,7 +98,10 @@ def test_under_bf16_autocast_the_experts_multiply_in_bf16_on_padded_blocks(tiny_
     torch.testing.assert_close(out.float().softmax(-1), ref.softmax(-1), atol=2e-2, rtol=0)
     out.float().logsumexp(-1).sum().backward()
     for m in experts:
-        assert m.gate_up_proj.grad.dtype == torch.float32 and float(m.gate_up_proj.grad.abs().sum()) > 0
+        assert (
+            m.gate_up_proj.grad.dtype == torch.float32
+            and float(m.gate_up_proj.grad.abs().sum()) > 0
+        )
 
 
 def test_the_cast_is_shared_within_an_optimizer_step_and_never_across():
@@ -101,24 +115,31 @@ def test_the_cast_is_shared_within_an_optimizer_step_and_never_across():
         assert a.data_ptr() == b.data_ptr()  # shared by micro-batches and recomputed forwards
         (a.float().sum() + b.float().sum()).backward()
     assert not hf_experts._CASTS  # dropped with the scope
-    torch.testing.assert_close(w.grad, torch.full_like(w, 2.0))  # the gradient reaches the fp32 weight
+    torch.testing.assert_close(
+        w.grad, torch.full_like(w, 2.0)
+    )  # the gradient reaches the fp32 weight
     version = w._version
     opt.step()
     assert w._version == version  # why a cache keyed by version alone would serve stale weights
     with casts_cached():
         c = cast(w, torch.bfloat16)
     torch.testing.assert_close(c.float(), w.detach().to(torch.bfloat16).float(), rtol=0, atol=0)
-    assert cast(w, torch.bfloat16).data_ptr() != cast(w, torch.bfloat16).data_ptr()  # outside: no cache
+    assert (
+        cast(w, torch.bfloat16).data_ptr() != cast(w, torch.bfloat16).data_ptr()
+    )  # outside: no cache
 
 
 def test_a_bf16_learner_forwards_its_updated_experts(tiny_policy, monkeypatch):
     """Every cast a bf16 learner step multiplies with is of the weights as that step found them:
     the second step's, after the first step's (fused AdamW) update, not the first's."""
-    from rl.config import AlgoConfig
-    from rl.learner import Learner
     from test_learner_device import _batch
 
-    learner = Learner(tiny_policy, AlgoConfig(threads=1, minibatch_episodes=4, lr=0.05), precision="bf16")
+    from rl.config import AlgoConfig
+    from rl.learner import Learner
+
+    learner = Learner(
+        tiny_policy, AlgoConfig(threads=1, minibatch_episodes=4, lr=0.05), precision="bf16"
+    )
     batch = _batch()
     learner.train_step(batch)
     assert not hf_experts._CASTS
@@ -135,7 +156,10 @@ def test_a_bf16_learner_forwards_its_updated_experts(tiny_policy, monkeypatch):
     monkeypatch.setattr(hf_experts, "_low", spy)
     learner.train_step(batch)
     assert seen and all(seen)
-    assert any(not torch.equal(m.gate_up_proj.detach().to(torch.bfloat16), now[id(m.gate_up_proj)]) for m in experts)
+    assert any(
+        not torch.equal(m.gate_up_proj.detach().to(torch.bfloat16), now[id(m.gate_up_proj)])
+        for m in experts
+    )
 
 
 def test_the_choice_is_not_saved_with_the_checkpoint(tiny_policy, tmp_path):
@@ -186,7 +210,10 @@ def test_expert_views_add_the_gradient_the_cast_would_bit_for_bit(monkeypatch):
     ex.has_gate, ex.is_concatenated = True, True
     assert hf_experts._writes_own_grad(ex.gate_up_proj)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert type(hf_experts.expert_views(ex.gate_up_proj, torch.bfloat16)[0].grad_fn).__name__ == "_ExpertViewsBackward"
+        assert (
+            type(hf_experts.expert_views(ex.gate_up_proj, torch.bfloat16)[0].grad_fn).__name__
+            == "_ExpertViewsBackward"
+        )
     direct = _two_micro_batches(ex, monkeypatch, direct=True)
     ref = _two_micro_batches(ex, monkeypatch, direct=False)
     for a, b in zip(direct[:2], ref[:2]):
@@ -203,7 +230,9 @@ def test_a_weight_with_a_gradient_hook_keeps_the_casts_backward():
     ex.has_gate, ex.is_concatenated = True, True
     seen = []
     ex.gate_up_proj.register_hook(lambda g: seen.append(g.dtype))
-    assert not hf_experts._writes_own_grad(ex.gate_up_proj) and hf_experts._writes_own_grad(ex.down_proj)
+    assert not hf_experts._writes_own_grad(ex.gate_up_proj) and hf_experts._writes_own_grad(
+        ex.down_proj
+    )
     idx_Nk, w_Nk = _routing(37, 4)
     with casts_cached(), torch.autocast("cpu", dtype=torch.bfloat16):
         out = sorted_experts_forward(ex, torch.randn(37, 24), idx_Nk, w_Nk.float())

@@ -16,21 +16,29 @@ def test_imitate_is_the_demonstrations_nll_and_its_gradient(tiny_policy, tokeniz
     from rl.learner import Learner
 
     demos = demonstrations(ChatFormat(tokenizer), "tools/calculator-v0", 3, max_turns=4)
-    learner = Learner(tiny_policy, AlgoConfig(threads=1, max_grad_norm=1e9, microbatch_tokens=300), seed=0)
+    learner = Learner(
+        tiny_policy, AlgoConfig(threads=1, max_grad_norm=1e9, microbatch_tokens=300), seed=0
+    )
     ref = AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.float32)
     total, n = 0.0, sum(t.num_generated for t in demos)
     for t in demos:  # naive: full logits, every position, then the generated ones picked
         ids = torch.tensor([t.token_ids])
-        logp = torch.log_softmax(ref(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[:, 0]
+        logp = torch.log_softmax(ref(ids).logits[0, :-1].float(), -1).gather(-1, ids[0, 1:, None])[
+            :, 0
+        ]
         total = total - (logp * torch.tensor(t.loss_mask[1:], dtype=torch.float32)).sum() / n
     total.backward()
-    stats = learner.imitate(demos, lr=0.0)  # lr 0: the gradient is left for comparison, the weights stay
+    stats = learner.imitate(
+        demos, lr=0.0
+    )  # lr 0: the gradient is left for comparison, the weights stay
     assert stats["sft_loss"] == pytest.approx(total.item(), rel=1e-5) and stats["tokens"] == n
     got = dict(learner.model.named_parameters())
     compared = 0
     for name, p in ref.named_parameters():
         if p.grad is not None and p.grad.abs().sum() > 0:
-            assert got[name].grad is not None and torch.allclose(got[name].grad, p.grad, atol=1e-6, rtol=1e-4), name
+            assert got[name].grad is not None and torch.allclose(
+                got[name].grad, p.grad, atol=1e-6, rtol=1e-4
+            ), name
             compared += 1
     assert compared > 10
     first = stats["sft_loss"]

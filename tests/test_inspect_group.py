@@ -22,8 +22,13 @@ SEED = 9
 
 
 def cli(*argv):
-    return subprocess.run([sys.executable, "-m", "longhorizon.cli", *argv], capture_output=True, text=True,
-                          timeout=120, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "longhorizon.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -33,20 +38,39 @@ def group_run(tmp_path_factory, tokenizer):
     env = envs.make("tools/calculator-v0")
     env.reset(seed=SEED)
     expert = env.expert_turns()
-    plays = {"e-expert": expert, "e-wrong": [expert[0], call("submit", answer=1)], "e-chat": ["Hmm.", "Let me see."]}
+    plays = {
+        "e-expert": expert,
+        "e-wrong": [expert[0], call("submit", answer=1)],
+        "e-chat": ["Hmm.", "Let me see."],
+    }
     chat = ChatFormat(tokenizer)
     trajs = []
     for eid, turns in plays.items():
-        trajs += run_episodes(ExpertEngine(chat, [SEED], turns=turns), chat, lambda: envs.make("tools/calculator-v0"),
-                              "tools/calculator-v0", [EpisodeTask(eid, 3, SEED, 0)], max_turns=len(turns),
-                              max_new_tokens=64, max_episode_tokens=4096)
+        trajs += run_episodes(
+            ExpertEngine(chat, [SEED], turns=turns),
+            chat,
+            lambda: envs.make("tools/calculator-v0"),
+            "tools/calculator-v0",
+            [EpisodeTask(eid, 3, SEED, 0)],
+            max_turns=len(turns),
+            max_new_tokens=64,
+            max_episode_tokens=4096,
+        )
     d = tmp_path_factory.mktemp("group-run")
     store = TrajectoryStore(d)
     store.write("iter-000000", trajs)
     advantage = {"e-expert": 1.2, "e-wrong": -0.3, "e-chat": -0.9}
-    store.write_learner("iter-000000", {t.episode_id: {"learner_logprobs": [0.0] * len(t.token_ids),
-                                                       "advantages": [advantage[t.episode_id] * m for m in t.loss_mask]}
-                                        for t in trajs}, 0)
+    store.write_learner(
+        "iter-000000",
+        {
+            t.episode_id: {
+                "learner_logprobs": [0.0] * len(t.token_ids),
+                "advantages": [advantage[t.episode_id] * m for m in t.loss_mask],
+            }
+            for t in trajs
+        },
+        0,
+    )
     return d, {t.episode_id: t for t in trajs}
 
 
@@ -57,33 +81,64 @@ def test_the_group_side_by_side(group_run):
     view = json.loads(r.stdout)
     assert view["best"] == "e-expert" and view["task"] == trajs["e-expert"].task and view["task"]
     rows = {e["episode_id"]: e for e in view["episodes"]}
-    assert [e["episode_id"] for e in view["episodes"]] == ["e-expert", "e-wrong", "e-chat"]  # best first
-    assert rows["e-expert"]["advantage"] == pytest.approx(1.2) and rows["e-chat"]["advantage"] == pytest.approx(-0.9)
+    assert [e["episode_id"] for e in view["episodes"]] == [
+        "e-expert",
+        "e-wrong",
+        "e-chat",
+    ]  # best first
+    assert rows["e-expert"]["advantage"] == pytest.approx(1.2) and rows["e-chat"][
+        "advantage"
+    ] == pytest.approx(-0.9)
     assert rows["e-expert"]["failure"] == "success" and rows["e-wrong"]["failure"] == "wrong_answer"
-    assert rows["e-chat"]["failure"] == "no_tool_call" and rows["e-chat"]["turns"] == ["no_tool_call"] * 2
+    assert (
+        rows["e-chat"]["failure"] == "no_tool_call"
+        and rows["e-chat"]["turns"] == ["no_tool_call"] * 2
+    )
     assert rows["e-expert"]["turns"] == ["calculator", "calculator", "submit"]
     # the wrong one follows the expert for a whole turn (same tokens, same observation) and departs in turn 1
     assert rows["e-wrong"]["diverges_at_turn"] == 1 and rows["e-chat"]["diverges_at_turn"] == 0
-    assert rows["e-wrong"]["diverges_at_token"] == trajs["e-wrong"].turns[1].gen_start + \
-        next(i for i, (a, b) in enumerate(zip(trajs["e-wrong"].token_ids[trajs["e-wrong"].turns[1].gen_start:],
-                                               trajs["e-expert"].token_ids[trajs["e-expert"].turns[1].gen_start:]))
-             if a != b)
+    assert rows["e-wrong"]["diverges_at_token"] == trajs["e-wrong"].turns[1].gen_start + next(
+        i
+        for i, (a, b) in enumerate(
+            zip(
+                trajs["e-wrong"].token_ids[trajs["e-wrong"].turns[1].gen_start :],
+                trajs["e-expert"].token_ids[trajs["e-expert"].turns[1].gen_start :],
+            )
+        )
+        if a != b
+    )
     text = cli("inspect", str(run_dir), "--group", "3").stdout
     assert "e-expert" in text and "(best)" in text and "turn 1" in text and "+1.200" in text
     assert "no group 7" in cli("inspect", str(run_dir), "--group", "7").stderr
     # a turn without a tool call says so in the terminal too (it counts no tool error)
     episode = cli("inspect", str(run_dir), "--episode", "e-chat").stdout
-    assert episode.count("turn 0 · no_tool_call ·") == 1 and episode.count("turn 1 · no_tool_call ·") == 1
+    assert (
+        episode.count("turn 0 · no_tool_call ·") == 1
+        and episode.count("turn 1 · no_tool_call ·") == 1
+    )
 
 
 def test_failure_and_tool_error_filters(group_run):
     run_dir, _ = group_run
-    rows = json.loads(cli("inspect", str(run_dir), "--episodes", "--failure", "no_tool_call", "--json").stdout)
+    rows = json.loads(
+        cli("inspect", str(run_dir), "--episodes", "--failure", "no_tool_call", "--json").stdout
+    )
     assert [r["episode_id"] for r in rows] == ["e-chat"] and rows[0]["tool_errors"] == 0
-    assert json.loads(cli("inspect", str(run_dir), "--episodes", "--min-tool-errors", "1", "--json").stdout) == []
+    assert (
+        json.loads(
+            cli("inspect", str(run_dir), "--episodes", "--min-tool-errors", "1", "--json").stdout
+        )
+        == []
+    )
     r = cli("inspect", str(run_dir), "--episodes", "--failure", "lazy")
-    assert r.returncode == 2 and "'lazy' is not a failure kind" in r.stderr and "no_tool_call" in r.stderr
-    piped = cli("inspect", str(run_dir), "--episodes").stdout  # not a terminal: no cell is cut short
+    assert (
+        r.returncode == 2
+        and "'lazy' is not a failure kind" in r.stderr
+        and "no_tool_call" in r.stderr
+    )
+    piped = cli(
+        "inspect", str(run_dir), "--episodes"
+    ).stdout  # not a terminal: no cell is cut short
     assert "tools/calculator-v0" in piped and "wrong_answer" in piped and "…" not in piped
 
 
@@ -98,19 +153,32 @@ def test_the_viewer_explains_a_failed_episode_by_its_group(group_run, tmp_path):
     assert cli("inspect", str(run_dir), "--html", str(page)).returncode == 0
 
     def dom(query: str) -> str:
-        return subprocess.run(chromium_flags() + ["--dump-dom", page.as_uri() + query], capture_output=True,
-                              text=True, timeout=120).stdout
+        return subprocess.run(
+            chromium_flags() + ["--dump-dom", page.as_uri() + query],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        ).stdout
 
     wrong = dom("?episode=e-wrong")
-    assert '<h1 id="episode-title">e-wrong</h1>' in wrong and 'class="fail"' in wrong and ">wrong_answer<" in wrong
+    assert (
+        '<h1 id="episode-title">e-wrong</h1>' in wrong
+        and 'class="fail"' in wrong
+        and ">wrong_answer<" in wrong
+    )
     assert 'id="group-title">group 3: 3 episode(s), best first' in wrong
     assert "e-expert (best)" in wrong and "+1.200" in wrong and "-0.900" in wrong
     assert "outlined: from turn 1, where the two first differ" in wrong
     assert wrong.count('class="turn departs"') == 1 + 2  # its turn 1; the best's turns 1 and 2
     chat = dom("?episode=e-chat")
     # its two chatty turns: red on the timeline, their observations as errors (next to the best and below)
-    assert chat.count('class="turn-box failed"') == 2 and chat.count('class="turn obs err"') == 2 * 2
+    assert (
+        chat.count('class="turn-box failed"') == 2 and chat.count('class="turn obs err"') == 2 * 2
+    )
     assert "<text" in dom("") and "iteration</text>" in dom("")  # the reward chart has its axes
     only = dom("?failure=no_tool_call")
-    assert 'data-id="e-chat"' in only and 'class="episode-row' in only and 'data-id="e-expert"' not in only.split(
-        'id="eplist"')[1].split("</table>")[0]
+    assert (
+        'data-id="e-chat"' in only
+        and 'class="episode-row' in only
+        and 'data-id="e-expert"' not in only.split('id="eplist"')[1].split("</table>")[0]
+    )

@@ -14,9 +14,10 @@ import time
 from pathlib import Path
 
 import pytest
+from local_cluster import free_ports as _free_ports
+from local_cluster import pids_with as _pids_under
 
 from conftest import REPO
-from local_cluster import free_ports as _free_ports, pids_with as _pids_under
 
 pytestmark = pytest.mark.slow
 
@@ -29,17 +30,40 @@ def ray_head():
     # still run in the virtualenv's Python (the one running Ray), not in whatever `python` PATH finds
     venv_bin = str(Path(sys.executable).parent)
     path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if p != venv_bin)
-    env = {**os.environ, "PATH": path, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled",
-           "RAY_USAGE_STATS_ENABLED": "0"}
+    env = {
+        **os.environ,
+        "PATH": path,
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
     ray_cli = str(Path(sys.executable).parent / "ray")
-    subprocess.run([ray_cli, "start", "--head", f"--port={gcs}", "--node-ip-address=127.0.0.1",
-                    "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-                    f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
-                    f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={rt_env}",
-                    f"--ray-client-server-port={client}", "--num-cpus=2", "--object-store-memory=268435456",
-                    '--resources={"rollout": 2, "env_worker": 2, "learner": 1}',
-                    f"--temp-dir={temp}", "--disable-usage-stats"],
-                   env=env, check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [
+            ray_cli,
+            "start",
+            "--head",
+            f"--port={gcs}",
+            "--node-ip-address=127.0.0.1",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dash}",
+            f"--dashboard-agent-listen-port={agent}",
+            f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--metrics-export-port={metrics}",
+            f"--runtime-env-agent-port={rt_env}",
+            f"--ray-client-server-port={client}",
+            "--num-cpus=2",
+            "--object-store-memory=268435456",
+            '--resources={"rollout": 2, "env_worker": 2, "learner": 1}',
+            f"--temp-dir={temp}",
+            "--disable-usage-stats",
+        ],
+        env=env,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     address = f"http://127.0.0.1:{dash}"
     from ray.job_submission import JobSubmissionClient
 
@@ -64,16 +88,31 @@ def ray_head():
 
 
 def cli(*args, timeout=900):
-    return subprocess.run([sys.executable, "-m", "longhorizon.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "longhorizon.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
-SMALL = ["iterations=1", "rollout.num_workers=1", "rollout.groups_per_iteration=2", "rollout.group_size=2",
-         "rollout.max_new_tokens=16", "rollout.cpus_per_worker=0.5"]
+SMALL = [
+    "iterations=1",
+    "rollout.num_workers=1",
+    "rollout.groups_per_iteration=2",
+    "rollout.group_size=2",
+    "rollout.max_new_tokens=16",
+    "rollout.cpus_per_worker=0.5",
+]
 
 
-PLACED = ["env.workers=1", "ray.rollout_resources={rollout: 1}", "ray.env_worker_resources={env_worker: 1}",
-          "ray.learner_resources={learner: 1}"]
+PLACED = [
+    "env.workers=1",
+    "ray.rollout_resources={rollout: 1}",
+    "ray.env_worker_resources={env_worker: 1}",
+    "ray.learner_resources={learner: 1}",
+]
 
 
 def test_submit_a_training_job_and_follow_it(ray_head, tmp_path):
@@ -81,8 +120,17 @@ def test_submit_a_training_job_and_follow_it(ray_head, tmp_path):
 
     run_dir = tmp_path / "job-run"
     # no --python: the job runs in the Python that runs Ray on the head (the head's PATH lacks it)
-    r = cli("submit", "configs/quickstart.yaml", "--address", ray_head, "--run-dir", str(run_dir),
-            "--wait", *SMALL, *PLACED)
+    r = cli(
+        "submit",
+        "configs/quickstart.yaml",
+        "--address",
+        ray_head,
+        "--run-dir",
+        str(run_dir),
+        "--wait",
+        *SMALL,
+        *PLACED,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     job_id = r.stdout.split()[1].rstrip(";")
     assert f"job {job_id}: SUCCEEDED" in r.stdout
@@ -103,8 +151,18 @@ def test_submit_a_training_job_and_follow_it(ray_head, tmp_path):
 
 
 def test_stop_a_running_job(ray_head, tmp_path):
-    r = cli("submit", "configs/quickstart.yaml", "--address", ray_head, "--run-dir", str(tmp_path / "long"),
-            "--python", sys.executable, "iterations=500", *SMALL[1:])
+    r = cli(
+        "submit",
+        "configs/quickstart.yaml",
+        "--address",
+        ray_head,
+        "--run-dir",
+        str(tmp_path / "long"),
+        "--python",
+        sys.executable,
+        "iterations=500",
+        *SMALL[1:],
+    )
     assert r.returncode == 0, r.stderr
     job_id = r.stdout.split()[1].rstrip(";")
     deadline = time.monotonic() + 120
@@ -113,7 +171,10 @@ def test_stop_a_running_job(ray_head, tmp_path):
         time.sleep(1)
     assert cli("jobs", "stop", job_id, "--address", ray_head).stdout.strip() == "stopped"
     deadline = time.monotonic() + 120
-    while (state := cli("jobs", "status", job_id, "--address", ray_head).stdout.strip()) not in ("STOPPED", "FAILED"):
+    while (state := cli("jobs", "status", job_id, "--address", ray_head).stdout.strip()) not in (
+        "STOPPED",
+        "FAILED",
+    ):
         assert time.monotonic() < deadline, state
         time.sleep(1)
     assert state == "STOPPED"
@@ -126,19 +187,31 @@ def test_bad_config_and_unknown_endpoint_fail_before_anything_ships(ray_head, tm
     before = set(Path(tempfile.gettempdir()).glob("lh-job-*"))
     r = cli("submit", "configs/quickstart.yaml", "--address", f"http://127.0.0.1:{port}")
     assert r.returncode == 2 and "no Ray jobs endpoint" in r.stderr
-    assert set(Path(tempfile.gettempdir()).glob("lh-job-*")) == before  # no staging directory left behind
+    assert (
+        set(Path(tempfile.gettempdir()).glob("lh-job-*")) == before
+    )  # no staging directory left behind
 
 
 def test_the_head_listens_on_loopback_only(ray_head):
-    import psutil
     from ipaddress import ip_address
+
+    import psutil
 
     marker = f"/tmp/lhray-{os.getpid()}"
     head_pids = set(_pids_under(marker))
-    listening = [c for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in head_pids]
+    listening = [
+        c
+        for c in psutil.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN and c.pid in head_pids
+    ]
     assert listening, "found no listening sockets of the head to check"
-    outside = [(c.laddr.ip, c.laddr.port) for c in listening
-               if not (getattr(ip_address(c.laddr.ip), "ipv4_mapped", None) or ip_address(c.laddr.ip)).is_loopback]
+    outside = [
+        (c.laddr.ip, c.laddr.port)
+        for c in listening
+        if not (
+            getattr(ip_address(c.laddr.ip), "ipv4_mapped", None) or ip_address(c.laddr.ip)
+        ).is_loopback
+    ]
     assert outside == []
 
 

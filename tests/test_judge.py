@@ -15,13 +15,12 @@ import time
 import pytest
 
 import envs
+from conftest import REPO, started_trainer
 from envs.tool_calls import format_tool_call as call
 from rewards.judge import LETTERS, Judge, JudgeCache, likelihood_score, rank_scores, verdict_score
 from rewards.rubric import build
 from rollout.judge_actor import apply_rubric, ask, ask_groups, settle
 from rollout.trajectory import Trajectory, Turn
-
-from conftest import REPO, started_trainer
 
 QUESTION = "Question: Which service failed, with what error, and since when?"
 LIKELIHOOD = {"fn": "judge", "kwargs": {"mode": "likelihood", "criteria": QUESTION}}
@@ -33,9 +32,23 @@ def _report_episode(report: str, seed: int = 3, episode_id: str = "e0") -> Traje
     text = call("submit", report=report)
     obs, reward, *_ = env.step(text)
     turns = [Turn(0, 5, 10, text, obs, 1, 0, 0, 0, "stop")]
-    return Trajectory(episode_id, 0, 0, "text/incident-v0", seed, 0, list(range(10)), [1] * 10, [0.0] * 10, turns=turns,
-                      task=task, milestones=[{"name": "reported", "reward": reward, "turn": 0, "token": 5}] if reward else [],
-                      reward=reward)
+    return Trajectory(
+        episode_id,
+        0,
+        0,
+        "text/incident-v0",
+        seed,
+        0,
+        list(range(10)),
+        [1] * 10,
+        [0.0] * 10,
+        turns=turns,
+        task=task,
+        milestones=[{"name": "reported", "reward": reward, "turn": 0, "token": 5}]
+        if reward
+        else [],
+        reward=reward,
+    )
 
 
 def _good_and_bad(seed: int = 3) -> list[Trajectory]:
@@ -43,9 +56,12 @@ def _good_and_bad(seed: int = 3) -> list[Trajectory]:
     env.reset(seed=seed)
     good = f"Incident: the {env.service} service fails with '{env.error}' since {env.since}."
     other = next(s for s in envs.incident.SERVICES if s != env.service)
-    return [_report_episode(good, seed, "good"), _report_episode(f"The {env.service} service had some errors today.", seed, "vague"),
-            _report_episode(f"Incident: {other} ran out of memory at 17:00 today.", seed, "wrong"),
-            _report_episode("I do not know what happened here.", seed, "none")]
+    return [
+        _report_episode(good, seed, "good"),
+        _report_episode(f"The {env.service} service had some errors today.", seed, "vague"),
+        _report_episode(f"Incident: {other} ran out of memory at 17:00 today.", seed, "wrong"),
+        _report_episode("I do not know what happened here.", seed, "none"),
+    ]
 
 
 def test_the_judge_is_asked_about_the_task_and_the_answer():
@@ -53,10 +69,16 @@ def test_the_judge_is_asked_about_the_task_and_the_answer():
     v = Judge(criteria="Names the failing service.").request(t, "The billing service failed.")
     assert v.mode == "verdict" and v.messages[0][0] == "system"
     user = v.messages[1][1]
-    assert t.task in user and "billing is down" in user and "A reference answer:\nThe billing service failed." in user
+    assert (
+        t.task in user
+        and "billing is down" in user
+        and "A reference answer:\nThe billing service failed." in user
+    )
     assert "Names the failing service." in user and user.endswith("Answer Yes or No.")
     lk = Judge(criteria=QUESTION, mode="likelihood").request(t, "The billing service failed.")
-    assert lk.target == " The billing service failed." and lk.prompt.endswith("Answer according to the agent:")
+    assert lk.target == " The billing service failed." and lk.prompt.endswith(
+        "Answer according to the agent:"
+    )
     with pytest.raises(ValueError, match="needs the environment's reference answer"):
         Judge(criteria=QUESTION, mode="likelihood").request(t, "")
     # the transcript shows every turn and its observation; the end of a long one is kept
@@ -65,14 +87,23 @@ def test_the_judge_is_asked_about_the_task_and_the_answer():
     assert long.startswith("…") and len(long) == 121 and long.endswith("report received")
     assert "[turn 0] agent:" in Judge(criteria="x", show="transcript").answer(t)
     # the key is the judge and everything it is asked
-    assert v.key("m") == Judge(criteria="Names the failing service.").request(t, "The billing service failed.").key("m")
+    assert v.key("m") == Judge(criteria="Names the failing service.").request(
+        t, "The billing service failed."
+    ).key("m")
     assert v.key("m") != v.key("other-model") and v.key("m") != lk.key("m")
 
 
 def test_a_rank_request_labels_each_rotation_and_its_scores_undo_them():
-    group = [_report_episode(f"Report number {i} of the group.", episode_id=f"e{i}") for i in range(3)]
+    group = [
+        _report_episode(f"Report number {i} of the group.", episode_id=f"e{i}") for i in range(3)
+    ]
     r = Judge(criteria="best", mode="rank").group_request(group)
-    assert r.size == 3 and len(r.chats) == 3 and Judge(criteria="best", mode="rank", rotations=1).group_request(group).chats == r.chats[:1]
+    assert (
+        r.size == 3
+        and len(r.chats) == 3
+        and Judge(criteria="best", mode="rank", rotations=1).group_request(group).chats
+        == r.chats[:1]
+    )
     for rot, chat in enumerate(r.chats):
         user = chat[1][1]
         for i in range(3):  # member i is labelled LETTERS[(i - rot) % 3]
@@ -100,16 +131,22 @@ def test_judge_parts_in_a_rubric_and_their_errors():
     rubric = build([{"fn": "milestones"}, {**LIKELIHOOD, "weight": 2.0}])
     assert [p.name for p in rubric.judges] == ["judge"] and not rubric.is_default
     t = _report_episode("Incident: billing is down since 09:00 today.")
-    assert rubric.score(t, {"judge": 0.25}) == (pytest.approx(0.2 + 0.5), {"milestones": 0.2, "judge": 0.25})
+    assert rubric.score(t, {"judge": 0.25}) == (
+        pytest.approx(0.2 + 0.5),
+        {"milestones": 0.2, "judge": 0.25},
+    )
     with pytest.raises(ValueError, match="has no score from the judge"):
         rubric.score(t)
     # a judge part without its score makes the episode an infrastructure error, never reward 0
     failed = apply_rubric(rubric, _report_episode("x y z"))
     assert failed.failure == "infra_error" and "no score from the judge" in failed.infra_error
-    for kwargs, message in [({}, "criteria"), ({"criteria": " "}, "criteria must be a non-empty"),
-                            ({"criteria": "x", "mode": "vote"}, "mode must be one of verdict, likelihood"),
-                            ({"criteria": "x", "show": "all"}, "show must be one of"),
-                            ({"criteria": "x", "max_chars": 5}, "max_chars must be an integer >= 100")]:
+    for kwargs, message in [
+        ({}, "criteria"),
+        ({"criteria": " "}, "criteria must be a non-empty"),
+        ({"criteria": "x", "mode": "vote"}, "mode must be one of verdict, likelihood"),
+        ({"criteria": "x", "show": "all"}, "show must be one of"),
+        ({"criteria": "x", "max_chars": 5}, "max_chars must be an integer >= 100"),
+    ]:
         with pytest.raises(ValueError, match=message):
             build([{"fn": "judge", "kwargs": kwargs}])
 
@@ -119,14 +156,23 @@ def test_judge_config_is_checked_when_it_loads():
     from typed_yaml import ConfigError
 
     cfg = load_config(REPO / "configs" / "quickstart_judge.yaml")
-    assert cfg.env.id == "text/incident-v0" and [p.name for p in build(cfg.reward.parts).judges] == ["judge"]
-    for override, message in [("env.id=tools/calculator-v0", "tools/calculator-v0 has none"),
-                              ("reward.judge.model=/no/such/dir", "reward.judge.model is neither a packaged model"),
-                              ("reward.judge.timeout_s=0", "reward.judge.timeout_s must be > 0"),
-                              ("reward.parts=[{fn: judge, kwargs: {mode: rank, criteria: x}}]", None)]:
-        if message is None:  # a rank judge with partial rollouts: groups would be split across iterations
+    assert cfg.env.id == "text/incident-v0" and [
+        p.name for p in build(cfg.reward.parts).judges
+    ] == ["judge"]
+    for override, message in [
+        ("env.id=tools/calculator-v0", "tools/calculator-v0 has none"),
+        ("reward.judge.model=/no/such/dir", "reward.judge.model is neither a packaged model"),
+        ("reward.judge.timeout_s=0", "reward.judge.timeout_s must be > 0"),
+        ("reward.parts=[{fn: judge, kwargs: {mode: rank, criteria: x}}]", None),
+    ]:
+        if (
+            message is None
+        ):  # a rank judge with partial rollouts: groups would be split across iterations
             with pytest.raises(ConfigError, match="rank judge compares a group"):
-                load_config(REPO / "configs" / "quickstart_judge.yaml", [override, "rollout.iteration_token_budget=500"])
+                load_config(
+                    REPO / "configs" / "quickstart_judge.yaml",
+                    [override, "rollout.iteration_token_budget=500"],
+                )
             continue
         with pytest.raises(ConfigError, match=message):
             load_config(REPO / "configs" / "quickstart_judge.yaml", [override])
@@ -143,7 +189,9 @@ def test_the_cache_keeps_scores_across_processes_and_survives_a_cut_line(tmp_pat
     again.put([("c", 1.0)], "m")  # appended on a fresh line: the earlier lines are untouched
     assert JudgeCache(path).get("c") == 1.0 and JudgeCache(path).get("a") == 0.5
     lines = path.read_text().splitlines()
-    assert len(lines) == 4 and lines[2] == '{"key": "c", "sco' and json.loads(lines[3])["key"] == "c"
+    assert (
+        len(lines) == 4 and lines[2] == '{"key": "c", "sco' and json.loads(lines[3])["key"] == "c"
+    )
     again.put([("d", [0.5, 0.5])], "m")  # a rank request's scores
     assert path.read_text().count("\n") == 5 and JudgeCache(path).get("d") == [0.5, 0.5]
 
@@ -160,9 +208,13 @@ def test_the_incident_environment():
     assert env.service in env.judge_reference() and env.since in env.judge_reference()
     assert envs.judge_reference("tools/calculator-v0", 5) == ""
     # bad arguments are the policy's tool errors, not crashes; a report of the wrong length is refused
-    for text, error in [(call("read_log", start=0), "start must be from 1"), (call("read_log", start="x"), "start must be integer"),
-                        (call("grep", text=""), "non-empty"), (call("submit", report="too short"), "it must have 3 to 60"),
-                        (call("submit", report=" ".join(["w"] * 61)), "61 words")]:
+    for text, error in [
+        (call("read_log", start=0), "start must be from 1"),
+        (call("read_log", start="x"), "start must be integer"),
+        (call("grep", text=""), "non-empty"),
+        (call("submit", report="too short"), "it must have 3 to 60"),
+        (call("submit", report=" ".join(["w"] * 61)), "61 words"),
+    ]:
         obs, reward, done, _, info = env.step(text)
         assert error in obs and reward == 0 and not done and info["failures"] == ["tool_error"]
     obs, *_ = env.step(call("read_log", start=1, count=500))
@@ -170,6 +222,7 @@ def test_the_incident_environment():
 
 
 # --- on the real engine: the packaged SmolLM2 as the judge ---
+
 
 @pytest.fixture(scope="module")
 def judge_path():
@@ -200,10 +253,13 @@ def test_a_real_judge_ranks_a_good_report_above_bad_ones_and_caches(judge_actor,
     ask(rubric, trajs, actor)
     assert settle(rubric, trajs, 120)["judge/failed_episodes"] == 0
     for i in (0, 4):
-        good, *bad = [t.reward_parts["judge"] for t in trajs[i:i + 4]]
+        good, *bad = [t.reward_parts["judge"] for t in trajs[i : i + 4]]
         assert all(good > 3 * b for b in bad), (good, bad)
         assert 0 < min(bad) and good < 1
-    assert all(t.reward == pytest.approx(t.reward_parts["milestones"] + t.reward_parts["judge"]) for t in trajs)
+    assert all(
+        t.reward == pytest.approx(t.reward_parts["milestones"] + t.reward_parts["judge"])
+        for t in trajs
+    )
     assert len(cache.read_text().splitlines()) >= len(trajs)
     # a judge on the same cache answers the same episodes without starting an engine
     again = JudgeScorer(judge_path, cache, name="smollm2")
@@ -213,8 +269,12 @@ def test_a_real_judge_ranks_a_good_report_above_bad_ones_and_caches(judge_actor,
     assert again.engine is None and again.stats["cache_hits"] == len(copies)
     assert [t.reward_parts for t in copies] == [t.reward_parts for t in trajs]
     # another judge model (by name) is another cache entry: no stale answer from a different judge
-    assert JudgeScorer(judge_path, cache, name="other").cache.get(
-        Judge(criteria=QUESTION, mode="likelihood").request(trajs[0], "x").key("other")) is None
+    assert (
+        JudgeScorer(judge_path, cache, name="other").cache.get(
+            Judge(criteria=QUESTION, mode="likelihood").request(trajs[0], "x").key("other")
+        )
+        is None
+    )
 
 
 @pytest.mark.slow
@@ -223,8 +283,16 @@ def test_a_rank_judge_compares_a_group_and_rotations_cancel_its_position_bias(ju
     shown first the top score, every rotation averaged gives each about 1/n."""
     actor, _ = judge_actor
     crit = "the report names the failing service, its error and when it started"
-    one = build([{"fn": "judge", "name": "one", "kwargs": {"mode": "rank", "criteria": crit, "rotations": 1}},
-                 {"fn": "judge", "name": "all", "kwargs": {"mode": "rank", "criteria": crit}}])
+    one = build(
+        [
+            {
+                "fn": "judge",
+                "name": "one",
+                "kwargs": {"mode": "rank", "criteria": crit, "rotations": 1},
+            },
+            {"fn": "judge", "name": "all", "kwargs": {"mode": "rank", "criteria": crit}},
+        ]
+    )
     trajs = _good_and_bad(3)
     for t in trajs:
         t.group_id = 0
@@ -235,23 +303,34 @@ def test_a_rank_judge_compares_a_group_and_rotations_cancel_its_position_bias(ju
     for name in ("one", "all"):
         assert sum(t.reward_parts[name] for t in trajs) == pytest.approx(1.0)
     assert max(trajs, key=lambda t: t.reward_parts["one"]) is first_shown
-    assert all(abs(t.reward_parts["all"] - 0.25) < 0.1 for t in trajs), [t.reward_parts for t in trajs]
+    assert all(abs(t.reward_parts["all"] - 0.25) < 0.1 for t in trajs), [
+        t.reward_parts for t in trajs
+    ]
 
 
 @pytest.mark.slow
-def test_a_dead_judge_makes_infrastructure_errors_and_a_restarted_one_scores(ray_cluster, judge_path, tmp_path):
+def test_a_dead_judge_makes_infrastructure_errors_and_a_restarted_one_scores(
+    ray_cluster, judge_path, tmp_path
+):
     import ray
 
     from rollout.judge_actor import JudgeActor
 
     rubric = build([{"fn": "milestones"}, LIKELIHOOD])
-    actor = JudgeActor.options(num_cpus=0.1, max_restarts=1).remote(judge_path, str(tmp_path / "c.jsonl"), name="smollm2")
+    actor = JudgeActor.options(num_cpus=0.1, max_restarts=1).remote(
+        judge_path, str(tmp_path / "c.jsonl"), name="smollm2"
+    )
     first = ray.get(actor.pid.remote())
     trajs = _good_and_bad()
-    ask(rubric, trajs, actor)  # the first call starts the engine: it is still running when the actor dies
+    ask(
+        rubric, trajs, actor
+    )  # the first call starts the engine: it is still running when the actor dies
     ray.kill(actor, no_restart=False)
     settle(rubric, trajs, 120)
-    assert all(t.failure == "infra_error" and t.infra_error.startswith("reward: judge failed: ") for t in trajs)
+    assert all(
+        t.failure == "infra_error" and t.infra_error.startswith("reward: judge failed: ")
+        for t in trajs
+    )
     assert all(t.reward_parts == {} for t in trajs)
     # Ray restarts it (calls meanwhile answer ActorUnavailableError); the next episodes are scored
     deadline = time.monotonic() + 120
@@ -265,29 +344,53 @@ def test_a_dead_judge_makes_infrastructure_errors_and_a_restarted_one_scores(ray
     trajs = _good_and_bad()
     ask(rubric, trajs, actor)
     assert settle(rubric, trajs, 120)["judge/failed_episodes"] == 0
-    assert not any(t.infra_error for t in trajs) and trajs[0].reward_parts["judge"] > trajs[3].reward_parts["judge"]
+    assert (
+        not any(t.infra_error for t in trajs)
+        and trajs[0].reward_parts["judge"] > trajs[3].reward_parts["judge"]
+    )
     ray.kill(actor, no_restart=True)
 
 
 @pytest.mark.slow
-def test_a_run_trains_on_judge_scores_and_replay_reproduces_them(ray_cluster, tiny_policy, tmp_path):
+def test_a_run_trains_on_judge_scores_and_replay_reproduces_them(
+    ray_cluster, tiny_policy, tmp_path
+):
     """quickstart_judge.yaml with the tiny policy: the judge scores every episode through the loop,
     a killed judge costs an iteration's episodes (infrastructure errors) and the run goes on, and
     `replay --rescore run` gives back the stored judge scores from the cache."""
     import ray
 
-    overrides = ["policy.pretrained=", f"policy.path={tiny_policy}", "lora.enabled=false", "warm_start.demos=0",
-                 "rollout.cpus_per_worker=0.1", "reward.judge.cpus=0.1", "rollout.groups_per_iteration=1",
-                 "rollout.group_size=4", "rollout.max_new_tokens=48", "iterations=3", "stop_after_flat=0",
-                 "stop_after_failed=0", "reward.judge.timeout_s=120"]
+    overrides = [
+        "policy.pretrained=",
+        f"policy.path={tiny_policy}",
+        "lora.enabled=false",
+        "warm_start.demos=0",
+        "rollout.cpus_per_worker=0.1",
+        "reward.judge.cpus=0.1",
+        "rollout.groups_per_iteration=1",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=48",
+        "iterations=3",
+        "stop_after_flat=0",
+        "stop_after_failed=0",
+        "reward.judge.timeout_s=120",
+    ]
     run_dir = tmp_path / "run"
     with started_trainer("quickstart_judge.yaml", overrides, run_dir) as trainer:
         first = trainer.iteration(0)
-        assert first["judge/failed_episodes"] == 0 and first["infra_errors"] == 0 and "reward/judge" in first
-        ray.kill(trainer.judge, no_restart=True)  # for good: every judged episode of the next iteration fails
+        assert (
+            first["judge/failed_episodes"] == 0
+            and first["infra_errors"] == 0
+            and "reward/judge" in first
+        )
+        ray.kill(
+            trainer.judge, no_restart=True
+        )  # for good: every judged episode of the next iteration fails
         dead = trainer.iteration(1)
         assert dead["infra_errors"] == dead["episodes"] == dead["judge/failed_episodes"] == 4
-        assert dead["episodes_trained"] == 4 and "loss" not in dead  # kept out of the update, not scored 0
+        assert (
+            dead["episodes_trained"] == 4 and "loss" not in dead
+        )  # kept out of the update, not scored 0
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1]
     from rl.store import TrajectoryStore
@@ -297,11 +400,28 @@ def test_a_run_trains_on_judge_scores_and_replay_reproduces_them(ray_cluster, ti
     assert len(judged) == 4 and all(0 < t.reward_parts["judge"] < 1 for t in judged)
     assert all("judge failed" in t.infra_error for t in stored.values() if t.iteration == 1)
     assert len((run_dir / "judge_cache.jsonl").read_text().splitlines()) == 4
-    r = subprocess.run([sys.executable, "-m", "longhorizon.cli", "replay", str(run_dir), "--all", "--rescore", "run",
-                        "--json"], capture_output=True, text=True, cwd=REPO, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "longhorizon.cli",
+            "replay",
+            str(run_dir),
+            "--all",
+            "--rescore",
+            "run",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     rescored = {row["episode_id"]: row for row in json.loads(r.stdout)}
-    assert "judge: 8 of 8 scores from the run's cache" not in r.stderr  # the failed ones were never judged
+    assert (
+        "judge: 8 of 8 scores from the run's cache" not in r.stderr
+    )  # the failed ones were never judged
     assert "judge: 4 of 8 scores from the run's cache" in r.stderr
     for t in judged:
         assert rescored[t.episode_id]["parts"] == t.reward_parts

@@ -19,7 +19,15 @@ from pathlib import Path
 
 from conftest import REPO
 
-LAYERS = {"typed_yaml": 0, "rewards": 1, "policy": 1, "envs": 2, "rollout": 3, "rl": 4, "longhorizon": 5}
+LAYERS = {
+    "typed_yaml": 0,
+    "rewards": 1,
+    "policy": 1,
+    "envs": 2,
+    "rollout": 3,
+    "rl": 4,
+    "longhorizon": 5,
+}
 
 
 def _module(path: Path) -> str:
@@ -38,12 +46,16 @@ def import_graph() -> dict[str, set[str]]:
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
                 if node.level:  # relative: resolve against this module's package
-                    base = mod.split(".")[: len(mod.split(".")) - node.level + (path.name == "__init__.py")]
+                    base = mod.split(".")[
+                        : len(mod.split(".")) - node.level + (path.name == "__init__.py")
+                    ]
                     names = [".".join(base + ([node.module] if node.module else []))]
                 else:
                     names = [node.module]
                 # `from pkg import submodule` imports the submodule too
-                names += [f"{names[0]}.{a.name}" for a in node.names if f"{names[0]}.{a.name}" in files]
+                names += [
+                    f"{names[0]}.{a.name}" for a in node.names if f"{names[0]}.{a.name}" in files
+                ]
             else:
                 continue
             for name in names:
@@ -74,7 +86,7 @@ def test_no_import_cycles():
         state[mod] = 1
         for dep in sorted(graph[mod]):
             if state.get(dep) == 1:
-                cycles.append(" -> ".join(path[path.index(dep):] + [dep]))
+                cycles.append(" -> ".join(path[path.index(dep) :] + [dep]))
             elif dep not in state:
                 visit(dep, path + [dep])
         state[mod] = 2

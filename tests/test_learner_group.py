@@ -33,16 +33,42 @@ def batch_of(tokenizer, n: int, seed: int) -> list[Trajectory]:
     out = []
     for i in range(n):
         reward = float((i + seed) % 3 == 0)
-        ids = tokenizer.encode(" ".join(f"step {rng.randint(0, 99)} is {rng.randint(0, 99)}"
-                                        for _ in range(rng.randint(1, 6))))
+        ids = tokenizer.encode(
+            " ".join(
+                f"step {rng.randint(0, 99)} is {rng.randint(0, 99)}"
+                for _ in range(rng.randint(1, 6))
+            )
+        )
         gen = len(ids) - 3
-        out.append(Trajectory(
-            episode_id=f"s{seed}-e{i}", iteration=0, group_id=i // 2, env_id="x", seed=i, prompt_len=3,
-            token_ids=ids, loss_mask=[0] * 3 + [1] * gen,
-            rollout_logprobs=[0.0] * 3 + [-2.0] * gen, reward=reward,
-            milestones=[{"name": "solved", "reward": reward, "turn": 0}] if reward else [],
-            turns=[Turn(gen_start=3, gen_end=len(ids), obs_end=len(ids), text="", observation="", tool_calls=0,
-                        tool_errors=0, policy_version=seed, seed=i, finish_reason="stop")]))
+        out.append(
+            Trajectory(
+                episode_id=f"s{seed}-e{i}",
+                iteration=0,
+                group_id=i // 2,
+                env_id="x",
+                seed=i,
+                prompt_len=3,
+                token_ids=ids,
+                loss_mask=[0] * 3 + [1] * gen,
+                rollout_logprobs=[0.0] * 3 + [-2.0] * gen,
+                reward=reward,
+                milestones=[{"name": "solved", "reward": reward, "turn": 0}] if reward else [],
+                turns=[
+                    Turn(
+                        gen_start=3,
+                        gen_end=len(ids),
+                        obs_end=len(ids),
+                        text="",
+                        observation="",
+                        tool_calls=0,
+                        tool_errors=0,
+                        policy_version=seed,
+                        seed=i,
+                        finish_reason="stop",
+                    )
+                ],
+            )
+        )
     return out
 
 
@@ -68,7 +94,10 @@ def assert_close_to_single(stats, state, ref_stats, ref_state, lr: float) -> Non
     for name, ref in ref_state.items():
         # AdamW's step is ~lr·sign(g): float noise in a near-zero gradient entry shows as a visible
         # step, so the tolerance is a share of one step per optimiser step taken
-        assert torch.allclose(state[name], ref, atol=0.02 * lr), (name, (state[name] - ref).abs().max())
+        assert torch.allclose(state[name], ref, atol=0.02 * lr), (
+            name,
+            (state[name] - ref).abs().max(),
+        )
     ann, ref_ann = stats["annotations"], ref_stats["annotations"]
     assert ann.keys() == ref_ann.keys()
     for ep, a in ann.items():
@@ -82,7 +111,8 @@ def group_state(group) -> dict:
 
 @pytest.mark.slow
 def test_a_two_rank_group_trains_the_hf_moe_like_one_learner_and_resumes_from_its_sharded_checkpoint(
-        ray_cluster, tiny_policy, tokenizer, tmp_path):
+    ray_cluster, tiny_policy, tokenizer, tmp_path
+):
     """Tiny Qwen3-MoE (8 experts, 4 per rank), GRPO, two minibatches of five episodes each packed
     unevenly (ranks run dummy micro-batches): loss, clipped norm, KL, advantages, annotations and
     every weight equal the single learner's. A sharded checkpoint then resumes on a fresh group,
@@ -125,7 +155,9 @@ def test_a_two_rank_group_trains_the_hf_moe_like_one_learner_and_resumes_from_it
 
 @pytest.mark.slow
 @pytest.mark.parametrize("balance", ["quantile", "quantile_hist"])
-def test_a_two_rank_group_trains_the_policy_model_with_ppo_and_balancing_like_one_learner(ray_cluster, tmp_path, balance):
+def test_a_two_rank_group_trains_the_policy_model_with_ppo_and_balancing_like_one_learner(
+    ray_cluster, tmp_path, balance
+):
     """The `policy/` debug flavour (3 LatentMoE layers, 8 experts), PPO (a value head outside the
     sharded model, its gradients summed across ranks) and quantile balancing from every rank's
     router scores (exact: the scores gathered; histogram: the counts summed): one update equals the
@@ -135,8 +167,8 @@ def test_a_two_rank_group_trains_the_policy_model_with_ppo_and_balancing_like_on
     from transformers import AutoTokenizer
 
     from policy.args import load_model_args
-    from rl.tiny import make_tiny_policy
     from rl.learner_group import LearnerGroup
+    from rl.tiny import make_tiny_policy
 
     args = load_model_args("configs/policy/debug.yaml")
     args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, balance=balance))
@@ -150,26 +182,36 @@ def test_a_two_rank_group_trains_the_policy_model_with_ppo_and_balancing_like_on
     try:
         stats = group.call("train_step", batch)
         assert stats["value_loss"] == pytest.approx(ref_stats[0]["value_loss"], rel=1e-4)
-        assert stats["router_load_max_over_mean"] == pytest.approx(ref_stats[0]["router_load_max_over_mean"])
+        assert stats["router_load_max_over_mean"] == pytest.approx(
+            ref_stats[0]["router_load_max_over_mean"]
+        )
         assert_close_to_single(stats, group_state(group), ref_stats[0], ref_states[0], algo.lr)
     finally:
         group.kill()
 
 
 @pytest.mark.slow
-def test_the_quickstart_runs_with_a_two_rank_learner_and_resumes(ray_cluster, tiny_policy, tmp_path):
+def test_the_quickstart_runs_with_a_two_rank_learner_and_resumes(
+    ray_cluster, tiny_policy, tmp_path
+):
     """`learner.world_size=2` by config only: two iterations through vLLM, env workers and weight
     sync; the rollout worker serves exactly the group's gathered weights; the run resumes from its
     sharded checkpoint for a third iteration."""
     import numpy as np
     import ray
-    from conftest import REPO
 
+    from conftest import REPO
     from rl.config import load_config
     from rl.trainer import Trainer
 
-    overrides = ["iterations=2", f"policy.path={tiny_policy}", "learner.world_size=2", "algo.entropy_coef=0.01",
-                 "rollout.cpus_per_worker=0", "eval.every=0"]
+    overrides = [
+        "iterations=2",
+        f"policy.path={tiny_policy}",
+        "learner.world_size=2",
+        "algo.entropy_coef=0.01",
+        "rollout.cpus_per_worker=0",
+        "eval.every=0",
+    ]
     run_dir = tmp_path / "run"
     trainer = Trainer(load_config(REPO / "configs" / "quickstart.yaml", overrides), run_dir)
     try:
@@ -185,8 +227,13 @@ def test_the_quickstart_runs_with_a_two_rank_learner_and_resumes(ray_cluster, ti
     finally:
         trainer.close()
     assert (run_dir / "checkpoints" / "version-000002" / "sharded").is_dir()
-    trainer = Trainer(load_config(REPO / "configs" / "quickstart.yaml",
-                                  [o for o in overrides if o != "iterations=2"] + ["iterations=3"]), run_dir)
+    trainer = Trainer(
+        load_config(
+            REPO / "configs" / "quickstart.yaml",
+            [o for o in overrides if o != "iterations=2"] + ["iterations=3"],
+        ),
+        run_dir,
+    )
     try:
         trainer.start(resume=True)
         rows = trainer.run()

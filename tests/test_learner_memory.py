@@ -24,8 +24,13 @@ def test_chunked_logprobs_equal_full_logits(chunk):
     h = torch.randn(2, 9, 8, dtype=torch.float64, requires_grad=True)
     ids = torch.randint(0, 11, (2, 9))
     ref = token_logprobs(head(h), ids, temperature=0.7)
-    ref_ent = -(torch.log_softmax(head(h)[:, :-1] / 0.7, -1).exp() * torch.log_softmax(head(h)[:, :-1] / 0.7, -1)).sum(-1)
-    got, ent = chunked_logprobs(h, head, ids, temperature=0.7, chunk_tokens=chunk, with_entropy=True)
+    ref_ent = -(
+        torch.log_softmax(head(h)[:, :-1] / 0.7, -1).exp()
+        * torch.log_softmax(head(h)[:, :-1] / 0.7, -1)
+    ).sum(-1)
+    got, ent = chunked_logprobs(
+        h, head, ids, temperature=0.7, chunk_tokens=chunk, with_entropy=True
+    )
     assert torch.allclose(got, ref, atol=1e-12) and torch.allclose(ent, ref_ent, atol=1e-12)
     g_ref = torch.autograd.grad((ref * 1.3).sum() + ref_ent.sum(), (h, head.weight))
     g_got = torch.autograd.grad((got * 1.3).sum() + ent.sum(), (h, head.weight))
@@ -35,15 +40,25 @@ def test_chunked_logprobs_equal_full_logits(chunk):
     lp, none = chunked_logprobs(h, head, ids, temperature=0.7, chunk_tokens=chunk)
     assert none is None and torch.allclose(lp, ref, atol=1e-12)
     g_ref = torch.autograd.grad((ref * 1.3).sum(), (h, head.weight))
-    assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(g_ref, torch.autograd.grad((lp * 1.3).sum(), (h, head.weight))))
+    assert all(
+        torch.allclose(a, b, atol=1e-12)
+        for a, b in zip(g_ref, torch.autograd.grad((lp * 1.3).sum(), (h, head.weight)))
+    )
 
     # the head on the generated positions only: the same numbers there, 0 elsewhere, the same
     # gradients of any loss masked to them
     only = torch.tensor([[0, 1, 1, 0, 0, 1, 1, 1], [1, 0, 0, 0, 1, 1, 0, 0]], dtype=torch.float64)
     ref = token_logprobs(head(h), ids, temperature=0.7)  # a fresh graph (the one above was used)
-    ref_ent = -(torch.log_softmax(head(h)[:, :-1] / 0.7, -1).exp() * torch.log_softmax(head(h)[:, :-1] / 0.7, -1)).sum(-1)
-    sel, sel_ent = chunked_logprobs(h, head, ids, temperature=0.7, chunk_tokens=chunk, with_entropy=True, only_BT=only)
-    assert torch.allclose(sel, ref * only, atol=1e-12) and torch.allclose(sel_ent, ref_ent * only, atol=1e-12)
+    ref_ent = -(
+        torch.log_softmax(head(h)[:, :-1] / 0.7, -1).exp()
+        * torch.log_softmax(head(h)[:, :-1] / 0.7, -1)
+    ).sum(-1)
+    sel, sel_ent = chunked_logprobs(
+        h, head, ids, temperature=0.7, chunk_tokens=chunk, with_entropy=True, only_BT=only
+    )
+    assert torch.allclose(sel, ref * only, atol=1e-12) and torch.allclose(
+        sel_ent, ref_ent * only, atol=1e-12
+    )
     g_ref = torch.autograd.grad(((ref * 1.3 + ref_ent) * only).sum(), (h, head.weight))
     g_sel = torch.autograd.grad((sel * 1.3 + sel_ent).sum(), (h, head.weight))
     assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(g_ref, g_sel))
@@ -63,25 +78,50 @@ def _batch(lengths, seed=0):
     for i, n in enumerate(lengths):
         ids = torch.randint(2, 512, (n,), generator=g).tolist()
         prompt = max(1, n // 4)
-        out.append(Trajectory(
-            episode_id=f"e{i}", iteration=0, group_id=i // 2, env_id="x", seed=0, prompt_len=prompt, token_ids=ids,
-            loss_mask=[0] * prompt + [1] * (n - prompt),
-            rollout_logprobs=[0.0] * prompt + (-6.0 - torch.rand(n - prompt, generator=g)).tolist(),
-            reward=float(i % 2)))
+        out.append(
+            Trajectory(
+                episode_id=f"e{i}",
+                iteration=0,
+                group_id=i // 2,
+                env_id="x",
+                seed=0,
+                prompt_len=prompt,
+                token_ids=ids,
+                loss_mask=[0] * prompt + [1] * (n - prompt),
+                rollout_logprobs=[0.0] * prompt
+                + (-6.0 - torch.rand(n - prompt, generator=g)).tolist(),
+                reward=float(i % 2),
+            )
+        )
     return out
 
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
 def test_micro_batches_and_chunks_give_the_same_update(policy_ckpt, aggregation):
     batch = _batch([40, 25, 33, 18, 50, 27])
-    plain = Learner(policy_ckpt, AlgoConfig(loss_aggregation=aggregation, minibatch_episodes=6, threads=1,
-                                            entropy_coef=0.01))
-    small = Learner(policy_ckpt, AlgoConfig(loss_aggregation=aggregation, minibatch_episodes=6, threads=1,
-                                            entropy_coef=0.01, microbatch_tokens=60, logprob_chunk_tokens=7,
-                                            activation_checkpointing=True))
+    plain = Learner(
+        policy_ckpt,
+        AlgoConfig(
+            loss_aggregation=aggregation, minibatch_episodes=6, threads=1, entropy_coef=0.01
+        ),
+    )
+    small = Learner(
+        policy_ckpt,
+        AlgoConfig(
+            loss_aggregation=aggregation,
+            minibatch_episodes=6,
+            threads=1,
+            entropy_coef=0.01,
+            microbatch_tokens=60,
+            logprob_chunk_tokens=7,
+            activation_checkpointing=True,
+        ),
+    )
     assert len(small.plan(batch)[0]) > 2 and len(plain.plan(batch)[0]) == 1
     for learner in (plain, small):  # plain SGD, lr 1: the step *is* the gradient (Adam's first step
-        learner.opt = torch.optim.SGD(learner.model.parameters(), lr=1.0)  # is sign-like, amplifying fp32 noise)
+        learner.opt = torch.optim.SGD(
+            learner.model.parameters(), lr=1.0
+        )  # is sign-like, amplifying fp32 noise)
     a, b = plain.train_step(batch), small.train_step(batch)
     assert b["microbatches"] > 2
     assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7)
@@ -91,8 +131,15 @@ def test_micro_batches_and_chunks_give_the_same_update(policy_ckpt, aggregation)
 
 
 def test_long_trajectory_trains_the_policy_model(policy_ckpt, tmp_path):
-    learner = Learner(policy_ckpt, AlgoConfig(minibatch_episodes=2, threads=2, logprob_chunk_tokens=1024,
-                                              activation_checkpointing=True))
+    learner = Learner(
+        policy_ckpt,
+        AlgoConfig(
+            minibatch_episodes=2,
+            threads=2,
+            logprob_chunk_tokens=1024,
+            activation_checkpointing=True,
+        ),
+    )
     batch = _batch([8192, 8192])
     before = [p.detach().clone() for p in learner.model.parameters()]
     stats = learner.train_step(batch)
@@ -102,22 +149,29 @@ def test_long_trajectory_trains_the_policy_model(policy_ckpt, tmp_path):
     again = Learner(policy_ckpt, AlgoConfig(threads=1))
     again.load_checkpoint(saved)
     assert again.version == 1
-    assert all(torch.equal(p, q) for p, q in zip(learner.model.parameters(), again.model.parameters()))
+    assert all(
+        torch.equal(p, q) for p, q in zip(learner.model.parameters(), again.model.parameters())
+    )
 
 
 @pytest.mark.parametrize("balance", ["quantile", "quantile_hist"])
 def test_router_balancing_during_rl_steps(tmp_path, balance):
     """A deliberately skewed router becomes balanced over a few learner steps (QB during RL)."""
     args = load_model_args(REPO / "configs" / "policy" / "debug.yaml")
-    args = dataclasses.replace(args, vision=dataclasses.replace(args.vision, enabled=False),
-                               moe=dataclasses.replace(args.moe, balance=balance))
+    args = dataclasses.replace(
+        args,
+        vision=dataclasses.replace(args.vision, enabled=False),
+        moe=dataclasses.replace(args.moe, balance=balance),
+    )
     torch.manual_seed(0)
     model = Policy(args)
     with torch.no_grad():
         for r in model.routers():
             r.weight[:2] += 0.5 * torch.randn(args.dim)  # experts 0 and 1 win almost every token
     ckpt = str(save_policy(model, tmp_path / balance))
-    learner = Learner(ckpt, AlgoConfig(minibatch_episodes=4, threads=1, lr=1e-6, microbatch_tokens=300))
+    learner = Learner(
+        ckpt, AlgoConfig(minibatch_episodes=4, threads=1, lr=1e-6, microbatch_tokens=300)
+    )
     batch = _batch([200, 180, 190, 210], seed=1)
     loads = [learner.train_step(batch)["router_load_max_over_mean"] for _ in range(8)]
     # each layer's scores move when earlier layers' routing changes, so a few steps, not one
@@ -151,7 +205,9 @@ def test_router_statistics_keep_scores_only_where_exact_quantiles_need_them(tmp_
     want, worst = [], 0.0
     for layer, r in enumerate(routers):
         scores, bias = torch.cat([m[layer] for m in micro]), r.bias.detach().clone()
-        load = torch.bincount((scores + bias).topk(r.a.top_k, -1).indices.flatten(), minlength=r.a.n_routed_experts)
+        load = torch.bincount(
+            (scores + bias).topk(r.a.top_k, -1).indices.flatten(), minlength=r.a.n_routed_experts
+        )
         worst = max(worst, float(load.max()) / float(load.float().mean()))
         if balance == "quantile":
             want.append(quantile_bias(scores, bias, r.a.top_k))
@@ -162,7 +218,9 @@ def test_router_statistics_keep_scores_only_where_exact_quantiles_need_them(tmp_
         else:
             want.append(sign_update(load, bias, r.a.balance_rate))
     # the metric is the worst layer's max/mean load under the bias the step's forwards used
-    assert balance_policy_routers(lm, stats)["router_load_max_over_mean"] == pytest.approx(worst, rel=1e-6)
+    assert balance_policy_routers(lm, stats)["router_load_max_over_mean"] == pytest.approx(
+        worst, rel=1e-6
+    )
     for r, w in zip(routers, want):
         assert torch.allclose(r.bias, w, atol=1e-6)
 
@@ -175,18 +233,37 @@ def test_fused_pre_update_logprobs_give_the_separate_passs_update(policy_ckpt, t
     batch = _batch([40, 25, 33, 18, 50, 27])
     learners = {}
     for fuse in (True, False):
-        learner = Learner(path, AlgoConfig(minibatch_episodes=6, threads=1, microbatch_tokens=100,
-                                           fuse_old_logprobs=fuse, router_aux_coef=0.01 if kind == "hf" else 0.0))
+        learner = Learner(
+            path,
+            AlgoConfig(
+                minibatch_episodes=6,
+                threads=1,
+                microbatch_tokens=100,
+                fuse_old_logprobs=fuse,
+                router_aux_coef=0.01 if kind == "hf" else 0.0,
+            ),
+        )
         assert learner.fuses_old_logprobs(len(learner.plan(batch))) == fuse
-        learner.opt = torch.optim.SGD(learner.model.parameters(), lr=1.0)  # the step is the gradient
+        learner.opt = torch.optim.SGD(
+            learner.model.parameters(), lr=1.0
+        )  # the step is the gradient
         learners[fuse] = (learner, learner.train_step(batch))
     (fused, a), (plain, b) = learners[True], learners[False]
     assert a["microbatches"] > 1
-    for key in ("loss", "grad_norm", "rollout_logprob_diff_mean", "rollout_kl", "clip_frac", "ratio_mean",
-                "router_load_max_over_mean"):
+    for key in (
+        "loss",
+        "grad_norm",
+        "rollout_logprob_diff_mean",
+        "rollout_kl",
+        "clip_frac",
+        "ratio_mean",
+        "router_load_max_over_mean",
+    ):
         assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
     for episode, notes in b["annotations"].items():
-        assert a["annotations"][episode]["learner_logprobs"] == pytest.approx(notes["learner_logprobs"], abs=1e-5)
+        assert a["annotations"][episode]["learner_logprobs"] == pytest.approx(
+            notes["learner_logprobs"], abs=1e-5
+        )
         assert a["annotations"][episode]["advantages"] == notes["advantages"]
     for p, q in zip(fused.model.parameters(), plain.model.parameters()):
         assert torch.allclose(p, q, atol=1e-5)
@@ -216,7 +293,9 @@ def test_the_fused_head_equals_the_autograd_head(temperature, bias, banned):
     torch.testing.assert_close(got, ref, rtol=0, atol=1e-12)
     g = torch.randn(2, 9, dtype=torch.float64)
     wrt = [h, head.weight] + ([head.bias] if bias else [])
-    for a, b in zip(torch.autograd.grad((ref * g).sum(), wrt), torch.autograd.grad((got * g).sum(), wrt)):
+    for a, b in zip(
+        torch.autograd.grad((ref * g).sum(), wrt), torch.autograd.grad((got * g).sum(), wrt)
+    ):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-12)
     head.weight.requires_grad_(False)  # a frozen head (LoRA): no weight gradient is computed
     out = _HeadLogprobs.apply(h, head.weight, head.bias, ids, temperature, ban)

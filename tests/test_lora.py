@@ -8,17 +8,16 @@ engine's log-probs after an adapter sync against the learner's own."""
 from __future__ import annotations
 
 import copy
-
 from pathlib import Path
 
 import pytest
 import torch
+from test_learner_device import _batch
 
 from rl.config import AlgoConfig, LoraConfig
 from rl.learner import Learner
 from rl.lora import EngineFactors, adapter_state, merged_state
 from rollout.weights import CheckpointTensors, merge_adapters
-from test_learner_device import _batch
 
 LORA = LoraConfig(enabled=True, rank=4, alpha=8.0)
 
@@ -33,8 +32,15 @@ def tiny_mixtral(tiny_policy, tokenizer, tmp_path_factory) -> str:
 
     root = tmp_path_factory.mktemp("tiny-mixtral")
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     LlamaForCausalLM(cfg).save_pretrained(root / "dense")
     tokenizer.save_pretrained(root / "dense")
     return str(upcycle(root / "dense", root / "moe", experts=4, top_k=2).path)
@@ -58,17 +64,29 @@ def test_only_the_adapters_train_and_start_at_the_base(tiny_policy, hf_model):
     learner = _learner(tiny_policy)
     names = [n for n, p in learner.model.named_parameters() if p.requires_grad]
     assert names and all("lora_" in n for n in names)
-    assert any(".self_attn.q_proj.lora_A" in n for n in names) and any(".mlp.experts." in n for n in names)
+    assert any(".self_attn.q_proj.lora_A" in n for n in names) and any(
+        ".mlp.experts." in n for n in names
+    )
     ids = torch.randint(2, 400, (1, 24))
     with torch.no_grad():  # B starts at zero: the adapted model is the base model
         assert torch.allclose(learner.model(ids).logits, hf_model(ids).logits, atol=1e-5)
-    base = {n: p.detach().clone() for n, p in learner.model.named_parameters() if not p.requires_grad}
+    base = {
+        n: p.detach().clone() for n, p in learner.model.named_parameters() if not p.requires_grad
+    }
     out = learner.train_step(_batch())
-    assert out["trainable_params"] == sum(p.numel() for p in learner.model.parameters() if p.requires_grad)
+    assert out["trainable_params"] == sum(
+        p.numel() for p in learner.model.parameters() if p.requires_grad
+    )
     assert out["trainable_params"] < 0.2 * sum(p.numel() for p in learner.model.parameters())
     assert all(torch.equal(p, base[n]) for n, p in learner.model.named_parameters() if n in base)
-    assert {id(p) for p in learner.opt.state} <= {id(p) for p in learner.model.parameters() if p.requires_grad}
-    assert any(float(learner.model.get_parameter(n).detach().abs().max()) > 0 for n in names if "lora_B" in n)
+    assert {id(p) for p in learner.opt.state} <= {
+        id(p) for p in learner.model.parameters() if p.requires_grad
+    }
+    assert any(
+        float(learner.model.get_parameter(n).detach().abs().max()) > 0
+        for n in names
+        if "lora_B" in n
+    )
 
 
 def test_merged_state_computes_what_the_adapted_model_computes(tiny_policy, hf_model):
@@ -79,7 +97,9 @@ def test_merged_state_computes_what_the_adapted_model_computes(tiny_policy, hf_m
     ids = torch.randint(2, 400, (2, 20))
     with torch.no_grad():
         want = learner.model(ids).logits
-        assert not torch.allclose(want, hf_model(ids).logits, atol=1e-3)  # the nudge changed the model
+        assert not torch.allclose(
+            want, hf_model(ids).logits, atol=1e-3
+        )  # the nudge changed the model
         assert torch.allclose(merged(ids).logits, want, atol=1e-4)
 
 
@@ -159,7 +179,9 @@ def test_checkpoints_keep_the_merged_model_and_resume_the_adapters(tiny_policy, 
 
 
 @pytest.mark.slow
-def test_an_adapter_sync_makes_the_engine_compute_the_learners_logprobs(engine, hf_model, tiny_policy, ray_cluster):
+def test_an_adapter_sync_makes_the_engine_compute_the_learners_logprobs(
+    engine, hf_model, tiny_policy, ray_cluster
+):
     """Through the real wire format (Ray's object store) and the real vLLM engine: after loading the
     adapter manifest the engine scores tokens as the adapted learner does; before, as the base."""
     from rollout.weights import iter_weights
@@ -172,7 +194,9 @@ def test_an_adapter_sync_makes_the_engine_compute_the_learners_logprobs(engine, 
     ids = torch.randint(2, 400, (40,)).tolist()
     want = torch.tensor(learner.logprobs(ids))
     try:
-        engine.load_weights(merge_adapters(CheckpointTensors(tiny_policy), iter_weights(manifest)), manifest.version)
+        engine.load_weights(
+            merge_adapters(CheckpointTensors(tiny_policy), iter_weights(manifest)), manifest.version
+        )
         assert engine.version == 5
         assert (torch.tensor(engine.score(ids)) - want).abs().max() < 1e-3
     finally:  # back to the checkpoint's weights for the other tests of this session
@@ -182,15 +206,20 @@ def test_an_adapter_sync_makes_the_engine_compute_the_learners_logprobs(engine, 
 
 
 def test_lora_settings_are_validated():
-    from rl.config import ConfigError, load_config
     from conftest import REPO
+    from rl.config import ConfigError, load_config
 
-    for override, message in [("lora.rank=0", "lora.rank"), ("lora.targets=[mlp]", "lora.targets"),
-                              ("lora.alpha=0", "lora.alpha")]:
+    for override, message in [
+        ("lora.rank=0", "lora.rank"),
+        ("lora.targets=[mlp]", "lora.targets"),
+        ("lora.alpha=0", "lora.alpha"),
+    ]:
         with pytest.raises(ConfigError, match=message):
             load_config(REPO / "configs" / "quickstart.yaml", [override])
     with pytest.raises(ConfigError, match="learner.world_size 1"):
-        load_config(REPO / "configs" / "quickstart.yaml", ["lora.enabled=true", "learner.world_size=2"])
+        load_config(
+            REPO / "configs" / "quickstart.yaml", ["lora.enabled=true", "learner.world_size=2"]
+        )
 
 
 @pytest.mark.slow
@@ -201,11 +230,24 @@ def test_the_lora_quickstart_trains_through_the_whole_loop(ray_cluster, tiny_pol
     version), and the checkpoint holds the adapters."""
     from conftest import started_trainer
 
-    with started_trainer("quickstart_lora.yaml", [
-            "policy.pretrained=", f"policy.path={tiny_policy}", "warm_start.demos=0", "iterations=3",
-            "checkpoint_every=3", "algo.entropy_coef=0.05", "algo.lr=1.0e-2", "stop_after_flat=0",
-            "rollout.max_new_tokens=24", "ray.object_store_mb=256", "sync.bucket_mb=0.05",
-            "rollout.cpus_per_worker=0.1"], tmp_path) as trainer:
+    with started_trainer(
+        "quickstart_lora.yaml",
+        [
+            "policy.pretrained=",
+            f"policy.path={tiny_policy}",
+            "warm_start.demos=0",
+            "iterations=3",
+            "checkpoint_every=3",
+            "algo.entropy_coef=0.05",
+            "algo.lr=1.0e-2",
+            "stop_after_flat=0",
+            "rollout.max_new_tokens=24",
+            "ray.object_store_mb=256",
+            "sync.bucket_mb=0.05",
+            "rollout.cpus_per_worker=0.1",
+        ],
+        tmp_path,
+    ) as trainer:
         rows = trainer.run()
     base = CheckpointTensors(tiny_policy)
     full = sum(base[n].numel() * base[n].element_size() for n in base.files)
@@ -221,7 +263,9 @@ def test_the_lora_quickstart_trains_through_the_whole_loop(ray_cluster, tiny_pol
     # what an engine loads (every *.safetensors beside config.json) is the model's weights and only them
     from safetensors import safe_open
 
-    names = lambda d: {k for f in Path(d).glob("*.safetensors") for k in safe_open(str(f), "pt").keys()}  # noqa: E731
+    names = lambda d: {
+        k for f in Path(d).glob("*.safetensors") for k in safe_open(str(f), "pt").keys()
+    }  # noqa: E731
     assert names(ckpt) == names(tiny_policy)
     from rl.store import TrajectoryStore
 

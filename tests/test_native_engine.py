@@ -24,7 +24,9 @@ def model(policy_dir):
 @pytest.fixture(scope="module")
 def prompts(model):
     g = torch.Generator().manual_seed(1)
-    return [torch.randint(3, model.args.vocab_size - 1, (n,), generator=g).tolist() for n in LENGTHS]
+    return [
+        torch.randint(3, model.args.vocab_size - 1, (n,), generator=g).tolist() for n in LENGTHS
+    ]
 
 
 def full_forward(model, ids):
@@ -33,7 +35,9 @@ def full_forward(model, ids):
         logits, _, info = model(torch.tensor([ids]))
     logits = logits[0].float()
     logits[:, model.never_generated()] = -torch.inf
-    return logits, (info["experts"][:, 0].transpose(0, 1).tolist() if info["experts"] is not None else None)
+    return logits, (
+        info["experts"][:, 0].transpose(0, 1).tolist() if info["experts"] is not None else None
+    )
 
 
 def test_greedy_equals_the_argmax_of_the_full_forward_at_every_step(policy_dir, model, prompts):
@@ -67,11 +71,15 @@ def test_logprobs_equal_the_learners_with_temperature_and_routing_replay(policy_
     for p, g in zip(prompts, gens):
         ids = torch.tensor([p + g.token_ids])
         routed = g.prompt_routed_experts + g.routed_experts
-        routing = torch.tensor([r if r else [[-1, -1]] * 3 for r in routed]).permute(1, 0, 2)[:, None]  # L × 1 × T × k
+        routing = torch.tensor([r if r else [[-1, -1]] * 3 for r in routed]).permute(1, 0, 2)[
+            :, None
+        ]  # L × 1 × T × k
         for replay in (None, routing):
             with torch.no_grad():
                 h, info = learner.lm.hidden_and_routing(ids, routing=replay)
-                lp, _ = chunked_logprobs(h, learner.lm.head, ids, temperature=0.7, banned_ids=learner.lm.banned_ids)
+                lp, _ = chunked_logprobs(
+                    h, learner.lm.head, ids, temperature=0.7, banned_ids=learner.lm.banned_ids
+                )
             assert (lp[0, len(p) - 1 :] - torch.tensor(g.logprobs)).abs().max() < 1e-3
             if replay is not None:
                 assert info["replayed"][0] == 3 * (len(routed) - 1) and info["replayed"][1] == 0
@@ -115,7 +123,7 @@ def test_after_a_weight_reload_it_serves_the_new_weights(policy_dir, prompts):
     before = eng.generate(prompts[:2], max_tokens=10, temperature=0)
     new = load_policy(policy_dir)
     with torch.no_grad():
-        for name, p in new.named_parameters():
+        for p in new.parameters():
             p.add_(torch.randn_like(p) * 0.5)
         for r in new.routers():
             r.bias.normal_(0.0, 0.5)
@@ -141,12 +149,16 @@ def test_stop_tokens_stop_strings_min_tokens_and_limits(policy_dir, prompts):
     g = eng.generate(prompts[:1], max_tokens=12, temperature=0, stop_token_ids=[stop_tok])[0]
     assert g.token_ids == free.token_ids[: first + 1] and g.finish_reason == "stop"
     # min_tokens forbids the stop token until then: the sample at `first` must change
-    g = eng.generate(prompts[:1], max_tokens=12, temperature=0, stop_token_ids=[stop_tok], min_tokens=first + 2)[0]
+    g = eng.generate(
+        prompts[:1], max_tokens=12, temperature=0, stop_token_ids=[stop_tok], min_tokens=first + 2
+    )[0]
     assert len(g.token_ids) >= first + 2 and g.token_ids[first] != stop_tok
     text = eng.tokenizer.decode(free.token_ids[:6], skip_special_tokens=False)
     needle = text[-3:]
     g = eng.generate(prompts[:1], max_tokens=12, temperature=0, stop=[needle])[0]
-    assert g.finish_reason == "stop" and needle in eng.tokenizer.decode(g.token_ids, skip_special_tokens=False)
+    assert g.finish_reason == "stop" and needle in eng.tokenizer.decode(
+        g.token_ids, skip_special_tokens=False
+    )
     assert needle not in eng.tokenizer.decode(g.token_ids[:-1], skip_special_tokens=False)
     # the context limit caps the output; a prompt that fills it is refused by name
     g = eng.generate([prompts[4]], max_tokens=50, temperature=0)[0]
@@ -163,7 +175,9 @@ def test_the_image_placeholder_is_never_generated(policy_dir, prompts, tmp_path)
     model = load_policy(policy_dir)
     image = model.never_generated()
     assert image == [model.args.vision.image_token_id]
-    with torch.no_grad():  # point the image token's output row along the prompts' last hidden states
+    with (
+        torch.no_grad()
+    ):  # point the image token's output row along the prompts' last hidden states
         last = torch.stack([model.hidden_states(torch.tensor([p]))[0][0, -1] for p in prompts])
         model.lm_head.weight[image] = last.sum(0) / last.sum(0).norm() * 100
         for p in prompts:
@@ -178,7 +192,13 @@ def test_the_image_placeholder_is_never_generated(policy_dir, prompts, tmp_path)
 def test_processed_logprobs_match_a_naive_top_k_top_p():
     torch.manual_seed(0)
     logits = torch.randn(6, 40) * 3
-    for temperature, k, p in [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.9, 12, 0.6), (1.0, 1, 0.5)]:
+    for temperature, k, p in [
+        (1.0, 0, 1.0),
+        (0.7, 5, 1.0),
+        (1.3, 0, 0.8),
+        (0.9, 12, 0.6),
+        (1.0, 1, 0.5),
+    ]:
         got = processed_logprobs(logits, temperature, k, p)
         for row, out in zip(logits, got):
             x = (row / temperature).tolist()
@@ -200,7 +220,9 @@ def test_processed_logprobs_match_a_naive_top_k_top_p():
 def test_each_engine_refuses_a_checkpoint_it_cannot_serve_by_name(policy_dir, tiny_policy):
     from rollout.engines import make_engine
 
-    with pytest.raises(ValueError, match="rollout.engine=native serves the project's policy/ model only"):
+    with pytest.raises(
+        ValueError, match="rollout.engine=native serves the project's policy/ model only"
+    ):
         make_engine("native", tiny_policy, seed=0, max_model_len=256)
     with pytest.raises(ValueError, match="unknown rollout engine 'sglang'"):
         make_engine("sglang", policy_dir, seed=0, max_model_len=256)

@@ -11,7 +11,9 @@ from envs.tool_calls import format_tool_call as call
 def test_the_chain_is_followed_and_the_report_must_name_every_failing_service():
     env = envs.make("long/oncall-v0", horizon=12)
     task, _ = env.reset(seed=4)
-    assert env.services[0] in task and all(s not in task for s in env.services[1:])  # only the first is named
+    assert env.services[0] in task and all(
+        s not in task for s in env.services[1:]
+    )  # only the first is named
     seen = []
     for i, name in enumerate(env.services):
         obs, reward, done, _, info = env.step(call("check", service=name))
@@ -28,7 +30,9 @@ def test_the_chain_is_followed_and_the_report_must_name_every_failing_service():
     env.reset(seed=4)
     healthy = next(s for s in env.services if s not in env.failing)
     _, reward, _, _, info = env.step(call("report", failing=", ".join(env.failing + [healthy])))
-    assert reward == 0 and info["milestones"] == []  # naming a healthy service earns none of the named ones
+    assert (
+        reward == 0 and info["milestones"] == []
+    )  # naming a healthy service earns none of the named ones
     env.reset(seed=4)
     _, reward, _, _, info = env.step(call("report", failing="; ".join(reversed(env.failing))))
     assert reward == pytest.approx(0.75) and "solved" in {m["name"] for m in info["milestones"]}
@@ -43,7 +47,10 @@ def test_the_failing_services_are_spread_over_the_whole_chain():
         env.reset(seed=seed)
         horizons.add(env.horizon)
         where = [env.services.index(s) for s in env.failing]
-        assert all(any(q * env.horizon // 4 <= i < (q + 1) * env.horizon // 4 for i in where) for q in range(4))
+        assert all(
+            any(q * env.horizon // 4 <= i < (q + 1) * env.horizon // 4 for i in where)
+            for q in range(4)
+        )
         assert len(env.failing) < env.horizon
     assert horizons == {16, 32, 48}  # each episode draws its horizon from the list, by its seed
     env.close()
@@ -52,7 +59,11 @@ def test_the_failing_services_are_spread_over_the_whole_chain():
 def test_a_service_name_is_an_argument_never_a_command():
     env = envs.make("long/oncall-v0", horizon=4)
     env.reset(seed=1)
-    for hostile in ("billing; touch /workspace/pwned", "$(touch /workspace/pwned)", "../../etc/passwd"):
+    for hostile in (
+        "billing; touch /workspace/pwned",
+        "$(touch /workspace/pwned)",
+        "../../etc/passwd",
+    ):
         obs, _, _, _, info = env.step(call("check", service=hostile))
         assert obs.startswith("error: no service") and info["failures"] == ["tool_error"]
     assert not (env.sandbox.path / "pwned").exists()
@@ -62,8 +73,11 @@ def test_a_service_name_is_an_argument_never_a_command():
 def test_bad_kwargs_are_named_when_the_config_loads():
     from rl.config import ConfigError, load_config
 
-    for kwargs, words in (("{horizon: 1}", "horizon must be an integer"), ("{horizon: [8, 100]}", "from 2 to 64"),
-                          ("{horizon: 8, max_turns: -1}", "max_turns must be an integer >= 0")):
+    for kwargs, words in (
+        ("{horizon: 1}", "horizon must be an integer"),
+        ("{horizon: [8, 100]}", "from 2 to 64"),
+        ("{horizon: 8, max_turns: -1}", "max_turns must be an integer >= 0"),
+    ):
         with pytest.raises(ConfigError, match=words):
             load_config(None, ["env.id=long/oncall-v0", f"env.kwargs={kwargs}"])
     assert envs.config_problem("long/oncall-v0", {"horizon": [8, 16]}) is None

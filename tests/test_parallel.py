@@ -45,7 +45,9 @@ class Rank:
         from policy.parallelize import parallelize
 
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
         self.rank, self.world = rank, world
         self.model = parallelize(load_policy(ckpt))
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR, foreach=False)
@@ -67,8 +69,12 @@ class Rank:
         self.opt.step()
         loss = loss.detach() / total
         dist.all_reduce(loss)
-        return {"loss": float(loss), "norm": float(norm), "experts": info["experts"].tolist(),
-                "grads": grads if self.rank == 0 else None}
+        return {
+            "loss": float(loss),
+            "norm": float(norm),
+            "experts": info["experts"].tolist(),
+            "grads": grads if self.rank == 0 else None,
+        }
 
     def head_apart_step(self, ckpt: str, batch: list[list[int]]) -> dict:
         """The learner's way: a fresh model whose root unit is its trunk (`HiddenStates`), the
@@ -147,8 +153,15 @@ def single_process_steps(ckpt, batches):
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
         opt.step()
-        outs.append({"loss": float(loss.detach()) / total, "norm": float(norm), "experts": info["experts"],
-                     "grads": grads, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}})
+        outs.append(
+            {
+                "loss": float(loss.detach()) / total,
+                "norm": float(norm),
+                "experts": info["experts"],
+                "grads": grads,
+                "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            }
+        )
     return outs
 
 
@@ -161,15 +174,24 @@ def assert_state_close(state, ref, atol, grads=None):
     for name, r in ref.items():
         assert state[name].shape == r.shape, name
         diff = (state[name] - r).abs()
-        tiny = grads[name].abs() < 1e-5 if grads is not None and name in grads else torch.zeros_like(diff, dtype=torch.bool)
+        tiny = (
+            grads[name].abs() < 1e-5
+            if grads is not None and name in grads
+            else torch.zeros_like(diff, dtype=torch.bool)
+        )
         assert bool((diff[~tiny] <= atol).all()), (name, diff[~tiny].max())
-        assert bool((diff[tiny] <= 2 * LR).all()), (name, diff[tiny].max())  # within one step (|Adam step| <= lr)
+        assert bool((diff[tiny] <= 2 * LR).all()), (
+            name,
+            diff[tiny].max(),
+        )  # within one step (|Adam step| <= lr)
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     args = load_model_args("configs/policy/debug.yaml")
-    args = dataclasses.replace(args, vision=dataclasses.replace(args.vision, enabled=False), vocab_size=256)
+    args = dataclasses.replace(
+        args, vision=dataclasses.replace(args.vision, enabled=False), vocab_size=256
+    )
     torch.manual_seed(0)
     model = Policy(args)
     with torch.no_grad():
@@ -195,14 +217,19 @@ def first_steps(ray_cluster, ckpt, batches):
     one step on the first batch from the same initial weights."""
     groups = {world: Group(world, ckpt) for world in (2, 4)}
     try:
-        yield {world: (g, g.call("step", batches[0]), g.call("state")[0]) for world, g in groups.items()}
+        yield {
+            world: (g, g.call("step", batches[0]), g.call("state")[0])
+            for world, g in groups.items()
+        }
     finally:
         for g in groups.values():
             g.close()
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_a_sharded_expert_parallel_step_equals_the_single_process_step(ckpt, first_steps, reference, world):
+def test_a_sharded_expert_parallel_step_equals_the_single_process_step(
+    ckpt, first_steps, reference, world
+):
     _, outs, state = first_steps[world]
     ref = reference[0]
     assert all(abs(o["loss"] - ref["loss"]) < 1e-5 for o in outs)
@@ -213,16 +240,22 @@ def test_a_sharded_expert_parallel_step_equals_the_single_process_step(ckpt, fir
     grads = outs[0]["grads"]
     assert grads.keys() == ref["grads"].keys()
     for name, g in ref["grads"].items():
-        assert torch.allclose(grads[name], g, rtol=1e-4, atol=1e-7), (name, (grads[name] - g).abs().max())
+        assert torch.allclose(grads[name], g, rtol=1e-4, atol=1e-7), (
+            name,
+            (grads[name] - g).abs().max(),
+        )
     # updated weights: AdamW's first step is ~lr·sign(g), so a gradient entry near zero turns float
     # noise into a visible step; the tolerance is a small share of one step
     assert_state_close(state, ref["state"], atol=0.01 * LR, grads=ref["grads"])
     before = load_policy(ckpt).state_dict()
-    assert any(not torch.equal(before[n], ref["state"][n]) for n in before if "w_gate_EFL" in n)  # experts trained
+    assert any(
+        not torch.equal(before[n], ref["state"][n]) for n in before if "w_gate_EFL" in n
+    )  # experts trained
 
 
 def test_a_sharded_checkpoint_resumes_on_another_number_of_ranks_and_publishes_full_weights(
-        first_steps, batches, reference, tmp_path):
+    first_steps, batches, reference, tmp_path
+):
     """The 2-rank group's state after step 1, saved sharded, loaded by the 4-rank group (parameters
     and AdamW moments re-cut, its own step 1 overwritten); step 2 there equals two single-process
     steps. Then the 4 ranks publish their weights through the sync path, gathered a tensor at a
@@ -246,11 +279,16 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_ranks_and_publishes_f
     assert_state_close(published, state, atol=0)
 
 
-def test_the_head_applied_apart_from_the_sharded_trunk_gets_the_single_process_gradients(first_steps, ckpt, batches, reference):
+def test_the_head_applied_apart_from_the_sharded_trunk_gets_the_single_process_gradients(
+    first_steps, ckpt, batches, reference
+):
     """The learner projects hidden states to log-probs itself (chunked, outside the model's forward):
     with the trunk as the root unit, every gradient still equals the single-process one."""
     grads = first_steps[2][0].call("head_apart_step", ckpt, batches[0])[0]
     ref = reference[0]["grads"]
     assert grads.keys() == ref.keys()
     for name, g in ref.items():
-        assert torch.allclose(grads[name], g, rtol=1e-4, atol=1e-7), (name, (grads[name] - g).abs().max())
+        assert torch.allclose(grads[name], g, rtol=1e-4, atol=1e-7), (
+            name,
+            (grads[name] - g).abs().max(),
+        )

@@ -18,7 +18,9 @@ def _kda_inputs(dtype, B=2, T=37, H=3, K=8, V=6, seed=0):
     q = torch.randn(B, T, H, K, generator=g, dtype=dtype)
     k = F.normalize(torch.randn(B, T, H, K, generator=g, dtype=dtype), dim=-1)
     v = torch.randn(B, T, H, V, generator=g, dtype=dtype)
-    logdecay = -5 * torch.rand(B, T, H, K, generator=g, dtype=dtype)  # as strong as the safe gate allows
+    logdecay = -5 * torch.rand(
+        B, T, H, K, generator=g, dtype=dtype
+    )  # as strong as the safe gate allows
     beta = torch.rand(B, T, H, generator=g, dtype=dtype)
     S0 = torch.randn(B, H, K, V, generator=g, dtype=dtype)
     return q, k, v, logdecay, beta, S0
@@ -56,7 +58,9 @@ def _grads_against_recurrent(fn, inputs):
 
 
 @pytest.mark.parametrize("chunk", [8, 16, 32, 64])
-def test_the_form_chosen_from_the_gate_s_bound_equals_recurrent_without_looking_at_the_data(chunk, monkeypatch):
+def test_the_form_chosen_from_the_gate_s_bound_equals_recurrent_without_looking_at_the_data(
+    chunk, monkeypatch
+):
     """With the safe gate's bound (|g| <= 5) every sub-chunk's diagonal block is factorised, decided
     before the data is seen (no span is computed); chunks longer than 16 are cut into sub-chunks;
     the sequence is cut into segments (here of 16 tokens, so several) for the forward and the
@@ -69,16 +73,28 @@ def test_the_form_chosen_from_the_gate_s_bound_equals_recurrent_without_looking_
     monkeypatch.setattr(kda_module, "_SEGMENT_ELEMENTS", 16 * 2 * 3 * 8)  # B=2, H=3, K=8: 16 tokens
     assert kda_module.factorisable(chunk, 5.0) and kda_module.factorisable(chunk, None) is None
     inputs = [t.requires_grad_(True) for t in _kda_inputs(torch.float64, T=37)]
-    for a, b in zip(*_grads_against_recurrent(lambda *a: kda_chunked(*a, chunk_size=chunk, step_bound=5.0), inputs)):
+    for a, b in zip(
+        *_grads_against_recurrent(
+            lambda *xs: kda_chunked(*xs, chunk_size=chunk, step_bound=5.0), inputs
+        )
+    ):
         assert torch.allclose(a, b, atol=1e-9)
     ref_o, ref_S = kda_recurrent(*(t.detach() for t in inputs))
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 0.1)):
-        o, S = kda_chunked(*(t.detach().to(dtype) for t in inputs), chunk_size=chunk, step_bound=5.0)
-        assert o.dtype == torch.float32 and (o.double() - ref_o).abs().max() <= tol and (S.double() - ref_S).abs().max() <= tol
+        o, S = kda_chunked(
+            *(t.detach().to(dtype) for t in inputs), chunk_size=chunk, step_bound=5.0
+        )
+        assert (
+            o.dtype == torch.float32
+            and (o.double() - ref_o).abs().max() <= tol
+            and (S.double() - ref_S).abs().max() <= tol
+        )
 
 
 @pytest.mark.parametrize("bound", [None, 20.0])
-def test_strong_unbounded_decay_takes_the_pairwise_diagonal_blocks_and_equals_recurrent(bound, monkeypatch):
+def test_strong_unbounded_decay_takes_the_pairwise_diagonal_blocks_and_equals_recurrent(
+    bound, monkeypatch
+):
     """Decay up to 20 per step (the softplus gate has no bound) would overflow the factorised
     diagonal blocks (8 steps × 20 > 60): without a bound the data's span is measured once per call
     and picks the pairwise form; with a bound too large it is picked statically. Either way outputs,
@@ -86,7 +102,9 @@ def test_strong_unbounded_decay_takes_the_pairwise_diagonal_blocks_and_equals_re
     from policy import kda as kda_module
 
     spans = []
-    monkeypatch.setattr(kda_module, "_diag_span", lambda *a: spans.append(_diag_span(*a)) or spans[-1])
+    monkeypatch.setattr(
+        kda_module, "_diag_span", lambda *a: spans.append(_diag_span(*a)) or spans[-1]
+    )
     q, k, v, _, beta, S0 = _kda_inputs(torch.float64, T=45)
     g = -20 * torch.rand(q.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     inputs = [t.requires_grad_(True) for t in (q, k, v, g, beta, S0)]
@@ -97,7 +115,9 @@ def test_strong_unbounded_decay_takes_the_pairwise_diagonal_blocks_and_equals_re
 
 
 @pytest.mark.parametrize("chunk", [16, 64])
-def test_bf16_operands_are_kept_in_bf16_and_computed_as_fp32_math_on_their_values(chunk, monkeypatch):
+def test_bf16_operands_are_kept_in_bf16_and_computed_as_fp32_math_on_their_values(
+    chunk, monkeypatch
+):
     """bf16 q, k, v (g and β fp32, as `KDA.inputs` gives them): autograd keeps them in bf16 (half the
     bytes), the output and state are fp32, and they equal the fp64 recurrence on the same bf16
     values to fp32 tolerance (the upcast is exact: only the rounding of the inputs differs from fp32
@@ -109,10 +129,14 @@ def test_bf16_operands_are_kept_in_bf16_and_computed_as_fp32_math_on_their_value
     low = [t.bfloat16().requires_grad_() for t in (q, k, v)]
     rest = [t.requires_grad_() for t in (g, beta, S0)]
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, t.numel())) or t, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append((t.dtype, t.numel())) or t, lambda t: t
+    ):
         o, S = kda_chunked(*low, *rest[:2], rest[2], chunk_size=chunk, step_bound=5.0)
     assert o.dtype == S.dtype == torch.float32
-    assert sorted(n for dt, n in saved if dt == torch.bfloat16) == sorted(t.numel() for t in low)  # kept as given
+    assert sorted(n for dt, n in saved if dt == torch.bfloat16) == sorted(
+        t.numel() for t in low
+    )  # kept as given
     (o.pow(2).sum() + S.sum()).backward()
     ref = [t.detach().double().requires_grad_() for t in (*low, *rest)]
     o_ref, S_ref = kda_recurrent(*ref)
@@ -121,7 +145,9 @@ def test_bf16_operands_are_kept_in_bf16_and_computed_as_fp32_math_on_their_value
     for t, r in zip((*low, *rest), ref):
         assert t.grad.dtype == t.dtype
         scale = r.grad.abs().max()
-        tol = 1e-2 * scale if t.dtype == torch.bfloat16 else 1e-4 * scale  # bf16: its rounding of the gradient
+        tol = (
+            1e-2 * scale if t.dtype == torch.bfloat16 else 1e-4 * scale
+        )  # bf16: its rounding of the gradient
         assert (t.grad.double() - r.grad).abs().max() <= tol
 
 
@@ -136,13 +162,22 @@ def test_a_bf16_kda_layer_keeps_only_the_decay_and_beta_in_fp32_for_backward():
     T, H, K = 64, args.kda.n_heads, args.kda.head_dim
     x = torch.randn(1, T, args.dim, dtype=torch.bfloat16, requires_grad=True)
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((t.dtype, tuple(t.shape))) or t, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append((t.dtype, tuple(t.shape))) or t, lambda t: t
+    ):
         y = layer(x)
     per_token = [(dt, shape) for dt, shape in saved if T in shape]
-    assert sorted(shape for dt, shape in per_token if dt == torch.float32) == [(1, T, H), (1, T, H, K)]
-    assert sum(dt == torch.bfloat16 for dt, _ in per_token) >= 5  # x (twice: both recomputes), q, k, v, o
+    assert sorted(shape for dt, shape in per_token if dt == torch.float32) == [
+        (1, T, H),
+        (1, T, H, K),
+    ]
+    assert (
+        sum(dt == torch.bfloat16 for dt, _ in per_token) >= 5
+    )  # x (twice: both recomputes), q, k, v, o
     y.float().pow(2).sum().backward()
-    assert torch.isfinite(x.grad).all() and all(torch.isfinite(p.grad).all() for p in layer.parameters())
+    assert torch.isfinite(x.grad).all() and all(
+        torch.isfinite(p.grad).all() for p in layer.parameters()
+    )
 
 
 def test_the_chunk_form_saves_only_its_inputs_and_a_state_per_segment(monkeypatch):
@@ -152,9 +187,13 @@ def test_the_chunk_form_saves_only_its_inputs_and_a_state_per_segment(monkeypatc
     from policy import kda as kda_module
 
     monkeypatch.setattr(kda_module, "_SEGMENT_ELEMENTS", 64 * 2 * 16)  # 64 tokens
-    q, k, v, g, beta, _ = (t.requires_grad_(True) for t in _kda_inputs(torch.float32, B=1, T=256, H=2, K=16, V=16))
+    q, k, v, g, beta, _ = (
+        t.requires_grad_(True) for t in _kda_inputs(torch.float32, B=1, T=256, H=2, K=16, V=16)
+    )
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.untyped_storage().nbytes()) or t, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(
+        lambda t: saved.append(t.untyped_storage().nbytes()) or t, lambda t: t
+    ):
         o, S = kda_chunked(q, k, v, g, beta, chunk_size=16, step_bound=5.0)
     inputs_bytes = sum(t.numel() * 4 for t in (q, k, v, g, beta))
     states_bytes = (256 // 64) * 2 * 16 * 16 * 4
@@ -165,14 +204,21 @@ def test_the_chunk_form_saves_only_its_inputs_and_a_state_per_segment(monkeypatc
 
 def test_kda_chunked_is_stable_under_strong_decay():
     q, k, v, g, beta, S0 = _kda_inputs(torch.float32, T=128)
-    o, S = kda_chunked(q, k, v, torch.full_like(g, -5.0), beta, S0, chunk_size=64)  # e^{-G} would be e^{320}
+    o, S = kda_chunked(
+        q, k, v, torch.full_like(g, -5.0), beta, S0, chunk_size=64
+    )  # e^{-G} would be e^{320}
     assert torch.isfinite(o).all() and torch.isfinite(S).all()
 
 
 @pytest.mark.parametrize("gate", ["safe", "softplus"])
 def test_kda_layer_decoding_matches_training_form(gate):
     torch.manual_seed(0)
-    layer = KDA(32, KDAArgs(n_heads=2, head_dim=8, gate=gate, chunk_size=4, gate_rank=4 if gate == "softplus" else 0)).double()
+    layer = KDA(
+        32,
+        KDAArgs(
+            n_heads=2, head_dim=8, gate=gate, chunk_size=4, gate_rank=4 if gate == "softplus" else 0
+        ),
+    ).double()
     x = torch.randn(2, 11, 32, dtype=torch.float64)
     full = layer(x)
     st = KDAState()
@@ -195,10 +241,16 @@ def test_mla_absorbed_equals_naive(rope):
     assert torch.allclose(layer(x, absorbed=False), naive, atol=1e-12)  # fused SDPA path
     assert torch.allclose(layer(x, absorbed=True), naive, atol=1e-12)
     cache = MLACache()
-    steps = [layer(x[:, :4], cache, absorbed=False)] + [layer(x[:, t : t + 1], cache, absorbed=True) for t in range(4, 9)]
+    steps = [layer(x[:, :4], cache, absorbed=False)] + [
+        layer(x[:, t : t + 1], cache, absorbed=True) for t in range(4, 9)
+    ]
     assert torch.allclose(torch.cat(steps, 1), naive, atol=1e-12)
     a = layer.a
-    assert cache.c_kv.shape == (2, 9, a.kv_lora_rank) and cache.k_rope.shape == (2, 9, a.qk_rope_head_dim)
+    assert cache.c_kv.shape == (2, 9, a.kv_lora_rank) and cache.k_rope.shape == (
+        2,
+        9,
+        a.qk_rope_head_dim,
+    )
 
 
 def test_mla_output_gate_scales_each_channel():
@@ -247,7 +299,9 @@ def test_situ_glu_s_backward_equals_autograd_of_its_formula_and_saves_only_its_i
     want = torch.autograd.grad(ref, (g, u), dy)
     out = situ_glu(g, u, 4.0, 25.0)
     got = torch.autograd.grad(out, (g, u), dy)
-    assert torch.allclose(out, ref, atol=1e-12) and all(torch.allclose(a, b, atol=1e-10) for a, b in zip(got, want))
+    assert torch.allclose(out, ref, atol=1e-12) and all(
+        torch.allclose(a, b, atol=1e-10) for a, b in zip(got, want)
+    )
     gb, ub = (t.detach().bfloat16().requires_grad_() for t in (g, u))
     _, saved = _saved_bytes(lambda: situ_glu(gb, ub, 4.0, 25.0))
     assert saved == 2 * 64 * 40 * 2
@@ -264,7 +318,9 @@ def test_rms_norm_s_backward_equals_autograd_of_its_formula_and_saves_x_and_one_
     want = torch.autograd.grad(ref, (x, w), dy)
     out = rms_norm(x, w, 1e-5)
     got = torch.autograd.grad(out, (x, w), dy)
-    assert torch.allclose(out, ref, atol=1e-12) and all(torch.allclose(a, b, atol=1e-10) for a, b in zip(got, want))
+    assert torch.allclose(out, ref, atol=1e-12) and all(
+        torch.allclose(a, b, atol=1e-10) for a, b in zip(got, want)
+    )
     xb = x.detach().bfloat16().requires_grad_()
     out, saved = _saved_bytes(lambda: rms_norm(xb, w, 1e-5))
     assert out.dtype == torch.bfloat16 and saved == 3 * 7 * 40 * 2 + 40 * 8 + 3 * 7 * 4
@@ -272,7 +328,16 @@ def test_rms_norm_s_backward_equals_autograd_of_its_formula_and_saves_x_and_one_
 
 def _moe(dtype=torch.float64, **kw):
     torch.manual_seed(0)
-    a = MoEArgs(**{"n_routed_experts": 8, "top_k": 2, "n_shared_experts": 1, "expert_dim": 16, "latent_dim": 12, **kw})
+    a = MoEArgs(
+        **{
+            "n_routed_experts": 8,
+            "top_k": 2,
+            "n_shared_experts": 1,
+            "expert_dim": 16,
+            "latent_dim": 12,
+            **kw,
+        }
+    )
     return LatentMoE(24, a, Activation("situ", 4.0, 25.0)).to(dtype)
 
 
@@ -295,7 +360,9 @@ def test_both_dispatch_paths_equal_the_dense_reference_with_gradients(batched):
     lat = torch.randn(40, 12, dtype=torch.float64, requires_grad=True)
     idx = torch.randint(0, 8, (40, 2))
     idx[:, 1] = (idx[:, 0] + 1 + torch.randint(0, 7, (40,))) % 8  # two different experts per token
-    idx[:3] = torch.tensor([5, 6])  # expert 7 may get nothing; the paths must cope with empty experts
+    idx[:3] = torch.tensor(
+        [5, 6]
+    )  # expert 7 may get nothing; the paths must cope with empty experts
     w = torch.rand(40, 2, dtype=torch.float64)
     dense_NE = torch.zeros(40, 8, dtype=torch.float64).scatter_add(1, idx, w)
     ref = torch.einsum("ne,enl->nl", dense_NE, torch.stack([moe.expert(e, lat) for e in range(8)]))
@@ -311,7 +378,9 @@ def test_both_dispatch_paths_equal_the_dense_reference_with_gradients(batched):
 
     calls = []
     original = moe_module.LatentMoE.expert
-    moe_module.LatentMoE.expert = lambda self, e, x, weights=None: calls.append(e) or original(self, e, x, weights)
+    moe_module.LatentMoE.expert = lambda self, e, x, weights=None: (
+        calls.append(e) or original(self, e, x, weights)
+    )
     try:
         moe.routed(lat, skewed, w)  # expert 0 takes every token: 8 × 40 padded rows > 2 × 80
     finally:
@@ -439,12 +508,20 @@ def test_the_safe_gate_starts_with_memory_and_its_rates_stay_fp32_without_weight
     path = save_policy(Policy(args), tmp_path / "ckpt")
     model = load_policy(path, dtype=torch.bfloat16)
     dtypes = {n.rsplit(".", 1)[-1]: p.dtype for n, p in model.named_parameters()}
-    assert dtypes["A_log"] == dtypes["dt_bias"] == torch.float32 and dtypes["weight"] == torch.bfloat16
-    assert all(b.dtype == torch.float32 for n, b in model.named_buffers() if n.endswith("router.bias"))
+    assert (
+        dtypes["A_log"] == dtypes["dt_bias"] == torch.float32 and dtypes["weight"] == torch.bfloat16
+    )
+    assert all(
+        b.dtype == torch.float32 for n, b in model.named_buffers() if n.endswith("router.bias")
+    )
     learner = Learner(str(path), AlgoConfig(threads=1, weight_decay=0.1))
     rates = {id(p) for n, p in learner.model.named_parameters() if n.endswith(("A_log", "dt_bias"))}
     main, own = learner.opt.param_groups
-    assert own["weight_decay"] == 0.0 and main["weight_decay"] == 0.1 and {id(p) for p in own["params"]} == rates
+    assert (
+        own["weight_decay"] == 0.0
+        and main["weight_decay"] == 0.1
+        and {id(p) for p in own["params"]} == rates
+    )
     assert not rates & {id(p) for p in main["params"]}
 
 
@@ -464,7 +541,11 @@ def _saved_bytes(fn):
     """(result, bytes of the distinct storages autograd saved while running fn)."""
     seen = {}
     with torch.autograd.graph.saved_tensors_hooks(
-            lambda t: seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) and t, lambda t: t):
+        lambda t: (
+            seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) and t
+        ),
+        lambda t: t,
+    ):
         out = fn()
     return out, sum(seen.values())
 
@@ -481,9 +562,15 @@ def test_the_kda_layer_recomputes_its_projections_in_training_with_the_same_grad
     for state in (None, KDAState()):
         layer.zero_grad()
         x.grad = None
-        y, saved = _saved_bytes(lambda: layer(x, state))
+        y, saved = _saved_bytes(lambda state=state: layer(x, state))
         y.pow(2).sum().backward()
-        results.append((y.detach(), torch.cat([p.grad.flatten() for p in layer.parameters()] + [x.grad.flatten()]), saved))
+        results.append(
+            (
+                y.detach(),
+                torch.cat([p.grad.flatten() for p in layer.parameters()] + [x.grad.flatten()]),
+                saved,
+            )
+        )
     (y0, g0, kept), (y1, g1, plain) = results
     assert torch.allclose(y0, y1, atol=1e-12) and torch.allclose(g0, g1, atol=1e-10)
     assert kept < plain / 2, (kept, plain)
@@ -492,7 +579,12 @@ def test_the_kda_layer_recomputes_its_projections_in_training_with_the_same_grad
 def _attn_res_mix_naive(w_D, sources, eps):
     """AttnRes as written in the paper: stack, RMS-normalise, score, softmax over sources, mix."""
     V = torch.stack(sources).to(torch.promote_types(sources[-1].dtype, torch.float32))
-    alpha = torch.softmax(torch.einsum("sbtd,d->sbt", V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps), w_D.to(V.dtype)), 0)
+    alpha = torch.softmax(
+        torch.einsum(
+            "sbtd,d->sbt", V * torch.rsqrt(V.pow(2).mean(-1, keepdim=True) + eps), w_D.to(V.dtype)
+        ),
+        0,
+    )
     return torch.einsum("sbt,sbtd->btd", alpha, V).to(sources[-1].dtype)
 
 
@@ -505,16 +597,22 @@ def test_the_attn_res_mix_equals_the_naive_one_and_keeps_only_its_sources(n_sour
 
     g = torch.Generator().manual_seed(n_sources)
     w = torch.randn(24, generator=g, dtype=torch.float64, requires_grad=True)
-    sources = [(torch.randn(2, 9, 24, generator=g, dtype=torch.float64) * (i + 1)).requires_grad_() for i in range(n_sources)]
+    sources = [
+        (torch.randn(2, 9, 24, generator=g, dtype=torch.float64) * (i + 1)).requires_grad_()
+        for i in range(n_sources)
+    ]
     grads = []
     for mix in (_attn_res_mix_naive, attn_res_mix):
         for t in [w, *sources]:
             t.grad = None
-        out, saved = _saved_bytes(lambda: mix(w, sources, 1e-5))
+        out, saved = _saved_bytes(lambda mix=mix: mix(w, sources, 1e-5))
         (out * torch.linspace(-1, 1, 24, dtype=torch.float64)).pow(2).sum().backward()
         grads.append((out.detach(), torch.cat([t.grad.flatten() for t in [w, *sources]]), saved))
     (o_ref, g_ref, _), (o, gr, saved) = grads
     assert torch.allclose(o, o_ref, atol=1e-12) and torch.allclose(gr, g_ref, atol=1e-10)
     assert saved == 24 * 8 + n_sources * 2 * 9 * 24 * 8 + 2 * n_sources * 2 * 9 * 8
     bf = [s.detach().bfloat16() for s in sources]
-    assert (attn_res_mix(w.detach(), bf, 1e-5).double() - _attn_res_mix_naive(w.detach(), bf, 1e-5).double()).abs().max() < 0.05
+    assert (
+        attn_res_mix(w.detach(), bf, 1e-5).double()
+        - _attn_res_mix_naive(w.detach(), bf, 1e-5).double()
+    ).abs().max() < 0.05

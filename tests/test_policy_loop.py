@@ -22,7 +22,9 @@ def policy_run(ray_cluster, tmp_path_factory):
     from rl.config import load_config
     from rl.trainer import Trainer
 
-    cfg = load_config(REPO / "configs" / "quickstart_policy.yaml", OVERRIDES + ["rollout.engine=native"])
+    cfg = load_config(
+        REPO / "configs" / "quickstart_policy.yaml", OVERRIDES + ["rollout.engine=native"]
+    )
     run_dir = tmp_path_factory.mktemp("policy-run")
     trainer = Trainer(cfg, run_dir)
     try:  # a failed run still takes its actors down
@@ -32,10 +34,15 @@ def policy_run(ray_cluster, tmp_path_factory):
         trainer.close()
 
 
-OVERRIDES = ["iterations=2", "algo.entropy_coef=0.01", "rollout.groups_per_iteration=2", "rollout.max_new_tokens=24",
-             "sync.bucket_mb=0.05",
-             # the session's other runs may hold most of the local Ray's CPUs
-             "rollout.cpus_per_worker=0"]
+OVERRIDES = [
+    "iterations=2",
+    "algo.entropy_coef=0.01",
+    "rollout.groups_per_iteration=2",
+    "rollout.max_new_tokens=24",
+    "sync.bucket_mb=0.05",
+    # the session's other runs may hold most of the local Ray's CPUs
+    "rollout.cpus_per_worker=0",
+]
 
 
 def test_the_config_as_written_trains_the_policy_model_through_vllm(ray_cluster, tmp_path):
@@ -64,7 +71,9 @@ def test_the_config_as_written_trains_the_policy_model_through_vllm(ray_cluster,
             assert np.abs(np.array(ray.get(w.score.remote(ids))) - learner).max() < 1e-3
     finally:
         trainer.close()
-    cfg = json.loads((tmp_path / "run" / "checkpoints" / "version-000002" / "config.json").read_text())
+    cfg = json.loads(
+        (tmp_path / "run" / "checkpoints" / "version-000002" / "config.json").read_text()
+    )
     assert cfg["model_type"] == "longhorizon_policy"
 
 
@@ -99,7 +108,10 @@ def test_stored_trajectories_carry_routed_experts_for_replay(policy_run):
         recorded = [r for r in t.routed_experts if r]
         # every token the engine ran is recorded: all but the episode's last token(s) never fed back
         assert len(recorded) >= len(t.token_ids) - 2
-        assert all(len(r) == moe_layers and all(len(x) == top_k and len(set(x)) == top_k for x in r) for r in recorded)
+        assert all(
+            len(r) == moe_layers and all(len(x) == top_k and len(set(x)) == top_k for x in r)
+            for r in recorded
+        )
         gen = [p for p, m in enumerate(t.loss_mask) if m]
         assert all(t.routed_experts[p] for p in gen[:-1])
 
@@ -109,8 +121,26 @@ def test_checkpoints_are_policy_checkpoints_that_eval_serves(policy_run):
     ckpt = run_dir / "checkpoints" / "version-000002"
     cfg = json.loads((ckpt / "config.json").read_text())
     assert cfg["model_type"] == "longhorizon_policy" and (ckpt / "tokenizer.json").exists()
-    out = subprocess.run([sys.executable, "-m", "longhorizon.cli", "eval", str(ckpt), "--env", "tools/calculator-v0",
-                          "--episodes", "4", "--json"], capture_output=True, text=True, cwd=REPO, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "longhorizon.cli",
+            "eval",
+            str(ckpt),
+            "--env",
+            "tools/calculator-v0",
+            "--episodes",
+            "4",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary["episodes"] == 4 and summary["policy"] == str(ckpt) and summary["infra_errors"] == 0
+    assert (
+        summary["episodes"] == 4 and summary["policy"] == str(ckpt) and summary["infra_errors"] == 0
+    )

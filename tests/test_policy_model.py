@@ -36,7 +36,9 @@ def test_cached_decoding_equals_full_forward_at_every_position(args, attn_res):
     ids = torch.randint(2, args.vocab_size, (2, 29))
     full, _, info = model(ids)
     cache = model.new_cache()
-    steps = [model(ids[:, :10], cache=cache)[0]] + [model(ids[:, t : t + 1], cache=cache)[0] for t in range(10, 29)]
+    steps = [model(ids[:, :10], cache=cache)[0]] + [
+        model(ids[:, t : t + 1], cache=cache)[0] for t in range(10, 29)
+    ]
     assert (torch.cat(steps, 1) - full).abs().max().item() < 1e-10
     assert cache.seq_len == 29
     assert info["experts"].shape == (3, 2, 29, 2) and info["load"].shape == (3, 8)
@@ -47,8 +49,14 @@ def test_attn_res_starts_as_uniform_average_and_its_queries_learn(args):
     ids = torch.randint(2, args.vocab_size, (1, 12))
     logits, _, _ = model(ids)
     logits.logsumexp(-1).mean().backward()
-    queries = [blk.res_q_attn for blk in model.layers[1:]] + [blk.res_q_mlp for blk in model.layers] + [model.res_q_out]
-    assert not hasattr(model.layers[0], "res_q_attn")  # layer 0's attention reads only the embedding
+    queries = (
+        [blk.res_q_attn for blk in model.layers[1:]]
+        + [blk.res_q_mlp for blk in model.layers]
+        + [model.res_q_out]
+    )
+    assert not hasattr(
+        model.layers[0], "res_q_attn"
+    )  # layer 0's attention reads only the embedding
     assert all(q.grad is not None and q.grad.abs().sum() > 0 for q in queries)
     assert all(q.abs().sum() == 0 for q in queries)  # zero init: a uniform average to start
 
@@ -74,7 +82,9 @@ def test_images_enter_at_placeholders(args):
     with_img, _, _ = model(ids, images=img)
     other, _, _ = model(ids, images=torch.rand(2, 3, 16, 24, dtype=torch.float64))
     assert not torch.allclose(with_img[0, 3:], other[0, 3:])  # positions after the image see it
-    assert torch.allclose(with_img[0, :3], other[0, :3], atol=1e-12)  # causal: tokens before it do not
+    assert torch.allclose(
+        with_img[0, :3], other[0, :3], atol=1e-12
+    )  # causal: tokens before it do not
     with pytest.raises(ValueError, match="image placeholder tokens for 1 image"):
         model(ids, images=img[:1])
     with pytest.raises(ValueError, match="no images were given"):
@@ -109,8 +119,14 @@ def test_full_config_on_meta_matches_the_reference_counts():
 
 
 def test_policy_info_cli_json():
-    out = subprocess.run([sys.executable, "-m", "longhorizon.cli", "policy", "info", str(DEBUG), "--json"],
-                         capture_output=True, text=True, timeout=120, cwd=REPO, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "longhorizon.cli", "policy", "info", str(DEBUG), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        check=True,
+    )
     info = json.loads(out.stdout)
     model = Policy(load_model_args(DEBUG))
     assert info["total_params"] == sum(p.numel() for p in model.parameters())
@@ -136,8 +152,12 @@ def test_activation_checkpointing_gives_the_same_gradients(args, attn_res):
         model.activation_checkpointing = ac
         model.zero_grad()
         logits, _, info = model(ids)
-        torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, args.vocab_size), ids[:, 1:].reshape(-1)).backward()
-        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        torch.nn.functional.cross_entropy(
+            logits[:, :-1].reshape(-1, args.vocab_size), ids[:, 1:].reshape(-1)
+        ).backward()
+        grads.append(
+            torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        )
         infos.append(info["experts"])
     assert torch.allclose(grads[0], grads[1], atol=1e-12)
     assert torch.equal(infos[0], infos[1])

@@ -31,17 +31,39 @@ def test_value_loss_clips_by_hand():
 def _episode():
     # prompt 0-1, turn 0 generated 2-4, observation 5-6, turn 1 generated 7-8 then a closing token 9
     mask = [0, 0, 1, 1, 1, 0, 0, 1, 1, 0]
-    turns = [Turn(2, 5, 7, "a", "o", 1, 0, 0, 0, "stop"), Turn(7, 10, 10, "b", "", 0, 0, 0, 1, "length")]
-    return Trajectory(episode_id="e", iteration=0, group_id=0, env_id="x", seed=0, prompt_len=2,
-                      token_ids=list(range(10)), loss_mask=mask, rollout_logprobs=[-1.0 * m for m in mask],
-                      turns=turns, milestones=[{"name": "a", "reward": 0.25, "turn": 0},
-                                               {"name": "b", "reward": 1.0, "turn": 1}], reward=1.25)
+    turns = [
+        Turn(2, 5, 7, "a", "o", 1, 0, 0, 0, "stop"),
+        Turn(7, 10, 10, "b", "", 0, 0, 0, 1, "length"),
+    ]
+    return Trajectory(
+        episode_id="e",
+        iteration=0,
+        group_id=0,
+        env_id="x",
+        seed=0,
+        prompt_len=2,
+        token_ids=list(range(10)),
+        loss_mask=mask,
+        rollout_logprobs=[-1.0 * m for m in mask],
+        turns=turns,
+        milestones=[
+            {"name": "a", "reward": 0.25, "turn": 0},
+            {"name": "b", "reward": 1.0, "turn": 1},
+        ],
+        reward=1.25,
+    )
 
 
 def test_decision_points_per_token_and_per_turn():
     t = _episode()
     points, covers, rewards = decision_points(t, "token")
-    assert points == [2, 3, 4, 7, 8] and rewards == [0, 0, 0.25, 0, 1.0]  # the closing token 9 is not an action
+    assert points == [2, 3, 4, 7, 8] and rewards == [
+        0,
+        0,
+        0.25,
+        0,
+        1.0,
+    ]  # the closing token 9 is not an action
     points, covers, rewards = decision_points(t, "turn")
     assert points == [2, 7] and covers == [[2, 3, 4], [7, 8]] and rewards == [0.25, 1.0]
 
@@ -50,8 +72,18 @@ def test_ppo_learner_fits_values_to_returns(tiny_policy, tokenizer):
     from rl.config import AlgoConfig
     from rl.learner import Learner
 
-    learner = Learner(tiny_policy, AlgoConfig(name="ppo", lr=3e-3, vf_coef=1.0, value_clip=10.0, threads=1,
-                                              ppo_level="turn", gae_lambda=1.0))
+    learner = Learner(
+        tiny_policy,
+        AlgoConfig(
+            name="ppo",
+            lr=3e-3,
+            vf_coef=1.0,
+            value_clip=10.0,
+            threads=1,
+            ppo_level="turn",
+            gae_lambda=1.0,
+        ),
+    )
     ids = tokenizer.encode("one two three four five six seven eight nine ten")[:10]
     t = _episode()
     t.token_ids = ids
@@ -60,7 +92,9 @@ def test_ppo_learner_fits_values_to_returns(tiny_policy, tokenizer):
     with torch.no_grad():
         h = learner.lm.hidden(torch.tensor([ids]))
         v = learner.value_head(h[:, :-1])[0]
-    assert v[1].item() == pytest.approx(1.25, abs=0.3) and v[6].item() == pytest.approx(1.0, abs=0.3)
+    assert v[1].item() == pytest.approx(1.25, abs=0.3) and v[6].item() == pytest.approx(
+        1.0, abs=0.3
+    )
 
 
 def test_ppo_checkpoint_keeps_the_value_head(tiny_policy, tokenizer, tmp_path):

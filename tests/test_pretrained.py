@@ -18,10 +18,20 @@ def tiny_llama(tmp_path_factory, tokenizer):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True,
-                      max_position_embeddings=2048, bos_token_id=tokenizer.bos_token_id,
-                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        tie_word_embeddings=True,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     out = tmp_path_factory.mktemp("tiny-llama")
     LlamaForCausalLM(cfg).save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -49,7 +59,9 @@ def test_upcycled_model_computes_the_dense_model(tiny_llama, tmp_path, experts, 
     assert model.config.model_type == "mixtral" and model.config.num_local_experts == experts
     with torch.no_grad():
         h = model.model.embed_tokens(ids).reshape(-1, 64)
-        chosen = model.model.layers[0].mlp.gate(model.model.layers[0].post_attention_layernorm(h))[2]
+        chosen = model.model.layers[0].mlp.gate(model.model.layers[0].post_attention_layernorm(h))[
+            2
+        ]
     assert len(chosen.unique()) > 1
     assert up.total_params > up.active_params
     per_expert = 2 * (3 * 64 * 96)  # layers × (gate, up, down)
@@ -60,8 +72,16 @@ def test_upcycle_refuses_what_mixtral_cannot_hold(tmp_path, tokenizer):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     src = tmp_path / "qwen2"
-    Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=48,
-                                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)).save_pretrained(src)
+    Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    ).save_pretrained(src)
     with pytest.raises(pretrained.PretrainedError, match="model_type 'qwen2'"):
         pretrained.upcycle(src, tmp_path / "out", 4, 1)
     assert not (tmp_path / "out").exists()
@@ -89,13 +109,18 @@ def test_learner_publishes_the_names_the_checkpoint_has(tiny_llama, tmp_path):
     # exactly the checkpoint's tensors: the tied head (the embedding's memory) is not sent twice,
     # as it is saved once; the engine ties it from the config
     assert set(published) == set(on_disk) and "lm_head.weight" not in published
-    assert learner.model.lm_head.weight.data_ptr() == learner.model.model.embed_tokens.weight.data_ptr()
+    assert (
+        learner.model.lm_head.weight.data_ptr()
+        == learner.model.model.embed_tokens.weight.data_ptr()
+    )
     for name, t in on_disk.items():
         assert torch.equal(torch.from_numpy(published[name]), t), name
 
 
 @pytest.mark.slow
-def test_a_sync_that_moves_the_embedding_reaches_the_engines_tied_head(ray_cluster, tiny_llama, tmp_path):
+def test_a_sync_that_moves_the_embedding_reaches_the_engines_tied_head(
+    ray_cluster, tiny_llama, tmp_path
+):
     """SmolLM2 ties its output head to its embedding, and so does this upcycled Llama. vLLM's CPU head
     computes with a packed copy of the shared weight, which its reload did not refresh (the head
     receives no tensor of its own): after a sync the engine looked tokens up with the new embedding
@@ -112,7 +137,11 @@ def test_a_sync_that_moves_the_embedding_reaches_the_engines_tied_head(ray_clust
     up = pretrained.upcycle(tiny_llama, tmp_path / "moe", 4, 1)
     learner = Learner(str(up.path), AlgoConfig(), seed=0)
     worker = RolloutWorkerActor.options(num_cpus=0).remote(
-        str(up.path), RolloutConfig(max_model_len=256, max_episode_tokens=256, kv_cache_gib=1.0), EnvConfig(), seed=0)
+        str(up.path),
+        RolloutConfig(max_model_len=256, max_episode_tokens=256, kv_cache_gib=1.0),
+        EnvConfig(),
+        seed=0,
+    )
     ids = list(range(5, 45))
     before = torch.tensor(learner.logprobs(ids))
     assert (torch.tensor(ray.get(worker.score.remote(ids))) - before).abs().max() < 1e-3
@@ -123,7 +152,12 @@ def test_a_sync_that_moves_the_embedding_reaches_the_engines_tied_head(ray_clust
     after = torch.tensor(learner.logprobs(ids))
     assert (after - before).abs().max() > 0.5  # a move the engine cannot hide
     try:
-        assert ray.get(worker.load_weights.remote(publish(learner.weights(), 1, bucket_mb=1.0)))["version"] == 1
+        assert (
+            ray.get(worker.load_weights.remote(publish(learner.weights(), 1, bucket_mb=1.0)))[
+                "version"
+            ]
+            == 1
+        )
         assert (torch.tensor(ray.get(worker.score.remote(ids))) - after).abs().max() < 1e-3
     finally:
         ray.kill(worker)
@@ -170,7 +204,9 @@ def test_balance_terms_reference():
     aux, loads = balance_terms([(logits, even)], torch.ones(8, dtype=torch.bool))
     assert float(aux) == pytest.approx(1.0) and loads[0].tolist() == [2, 2, 2, 2]
     skew = torch.tensor([[3.0, 0, 0, 0]]).expand(8, 4)
-    aux, _ = balance_terms([(skew, torch.zeros(8, 1, dtype=torch.long))], torch.ones(8, dtype=torch.bool))
+    aux, _ = balance_terms(
+        [(skew, torch.zeros(8, 1, dtype=torch.long))], torch.ones(8, dtype=torch.bool)
+    )
     assert float(aux) == pytest.approx(4 * torch.softmax(skew[0], -1)[0].item())
 
 
@@ -187,10 +223,27 @@ def test_real_smollm2_converts_and_upcycles_to_the_same_logits(tmp_path, monkeyp
     assert "<tool_call>" in tok.chat_template and tok.eos_token == "<|im_end|>"
     from rollout.chat import ChatFormat
 
-    prompt = tok.decode(ChatFormat(tok).prompt_ids([{"role": "user", "content": "6 * 7?"}], [
-        {"type": "function", "function": {"name": "calculator", "description": "Evaluate.", "parameters": {
-            "type": "object", "properties": {"expression": {"type": "string"}}}}}]))
-    assert "- calculator(expression: string): Evaluate." in prompt and prompt.endswith("<|im_start|>assistant\n")
+    prompt = tok.decode(
+        ChatFormat(tok).prompt_ids(
+            [{"role": "user", "content": "6 * 7?"}],
+            [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "calculator",
+                        "description": "Evaluate.",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {"expression": {"type": "string"}},
+                        },
+                    },
+                }
+            ],
+        )
+    )
+    assert "- calculator(expression: string): Evaluate." in prompt and prompt.endswith(
+        "<|im_start|>assistant\n"
+    )
     moe = pretrained.policy("smollm2-135m-instruct", 4, 1)
     assert moe.name == "smollm2-135m-instruct-e4-k1-s0"
     assert pretrained.policy("smollm2-135m-instruct", 4, 1) == moe  # cached
@@ -210,18 +263,36 @@ def test_upcycle_command_line(tiny_llama, tmp_path):
     from conftest import REPO
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "longhorizon.cli", "policy", "upcycle", *args], capture_output=True,
-                              text=True, cwd=REPO, timeout=300)
+        return subprocess.run(
+            [sys.executable, "-m", "longhorizon.cli", "policy", "upcycle", *args],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=300,
+        )
 
-    out = cli(str(tiny_llama), "--experts", "4", "--top-k", "2", "--out", str(tmp_path / "moe"), "--json")
+    out = cli(
+        str(tiny_llama), "--experts", "4", "--top-k", "2", "--out", str(tmp_path / "moe"), "--json"
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout)
-    assert summary["experts"] == 4 and summary["top_k"] == 2 and (tmp_path / "moe" / "config.json").exists()
+    assert (
+        summary["experts"] == 4
+        and summary["top_k"] == 2
+        and (tmp_path / "moe" / "config.json").exists()
+    )
     assert summary["total_params"] > summary["active_params"]
-    for args, message in [((str(tiny_llama), "--experts", "4", "--out", str(tmp_path / "moe")), "already exists"),
-                          ((str(tmp_path / "none"), "--experts", "4", "--out", str(tmp_path / "x")), "no config.json"),
-                          ((str(tiny_llama), "--experts", "4", "--top-k", "5", "--out", str(tmp_path / "y")),
-                           "1 <= top_k <= experts")]:
+    for args, message in [
+        ((str(tiny_llama), "--experts", "4", "--out", str(tmp_path / "moe")), "already exists"),
+        (
+            (str(tmp_path / "none"), "--experts", "4", "--out", str(tmp_path / "x")),
+            "no config.json",
+        ),
+        (
+            (str(tiny_llama), "--experts", "4", "--top-k", "5", "--out", str(tmp_path / "y")),
+            "1 <= top_k <= experts",
+        ),
+    ]:
         bad = cli(*args)
         assert bad.returncode == 2 and bad.stdout == ""
         lines = bad.stderr.strip().splitlines()
@@ -234,7 +305,12 @@ def test_a_pretrained_model_that_cannot_be_had_is_refused_on_load(monkeypatch, t
     from rl.config import ConfigError, load_config
 
     monkeypatch.setenv("LONGHORIZON_CACHE", str(tmp_path))
-    monkeypatch.setitem(pretrained.PRETRAINED, "smollm2-135m-instruct", ("lh_no_such_package", "x.gguf"))
-    with pytest.raises(ConfigError, match="policy.pretrained cannot be loaded: .*'lh_no_such_package' is not "
-                                          "installed; run `make install`"):
+    monkeypatch.setitem(
+        pretrained.PRETRAINED, "smollm2-135m-instruct", ("lh_no_such_package", "x.gguf")
+    )
+    with pytest.raises(
+        ConfigError,
+        match="policy.pretrained cannot be loaded: .*'lh_no_such_package' is not "
+        "installed; run `make install`",
+    ):
         load_config(None, ["policy.pretrained=smollm2-135m-instruct"])

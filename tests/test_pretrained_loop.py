@@ -18,11 +18,23 @@ from rl.store import TrajectoryStore
 pytestmark = pytest.mark.slow
 
 OVERRIDES = [
-    "iterations=2", "policy.pretrained=smollm2-135m-instruct", "policy.upcycle.experts=4", "policy.upcycle.top_k=1",
-    "rollout.num_workers=1", "rollout.groups_per_iteration=1", "rollout.group_size=2", "rollout.max_turns=2",
-    "rollout.max_new_tokens=24", "rollout.temperature=0.7", "rollout.max_episode_tokens=1024",
-    "rollout.max_model_len=1024", "rollout.cpus_per_worker=0",
-    "algo.lr=1e-5", "algo.entropy_coef=0.01", "algo.router_aux_coef=0.01", "algo.microbatch_tokens=2048",
+    "iterations=2",
+    "policy.pretrained=smollm2-135m-instruct",
+    "policy.upcycle.experts=4",
+    "policy.upcycle.top_k=1",
+    "rollout.num_workers=1",
+    "rollout.groups_per_iteration=1",
+    "rollout.group_size=2",
+    "rollout.max_turns=2",
+    "rollout.max_new_tokens=24",
+    "rollout.temperature=0.7",
+    "rollout.max_episode_tokens=1024",
+    "rollout.max_model_len=1024",
+    "rollout.cpus_per_worker=0",
+    "algo.lr=1e-5",
+    "algo.entropy_coef=0.01",
+    "algo.router_aux_coef=0.01",
+    "algo.microbatch_tokens=2048",
 ]
 
 
@@ -91,7 +103,10 @@ def test_expert_load_is_reported_and_every_parameter_trains(pretrained_run):
     assert cfg["model_type"] == "mixtral" and cfg["num_local_experts"] == 4
     start = trainer.policy_path()
     moved = []
-    with safe_open(f"{start}/model.safetensors", "pt") as a, safe_open(f"{ckpt}/model.safetensors", "pt") as b:
+    with (
+        safe_open(f"{start}/model.safetensors", "pt") as a,
+        safe_open(f"{ckpt}/model.safetensors", "pt") as b,
+    ):
         assert set(a.keys()) == set(b.keys())
         for name in a.keys():
             moved.append((name, not torch.equal(a.get_tensor(name), b.get_tensor(name))))
@@ -102,8 +117,22 @@ def test_expert_load_is_reported_and_every_parameter_trains(pretrained_run):
 
 def test_the_checkpoint_is_served_by_eval(pretrained_run):
     _, _, run_dir = pretrained_run
-    out = subprocess.run([sys.executable, "-m", "longhorizon.cli", "eval", str(run_dir), "--episodes", "2", "--json"],
-                         capture_output=True, text=True, cwd=REPO, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "longhorizon.cli",
+            "eval",
+            str(run_dir),
+            "--episodes",
+            "2",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["episodes"] == 2 and summary["infra_errors"] == 0

@@ -15,8 +15,11 @@ def test_a_milestone_is_paid_once_per_episode():
 
 
 def test_reward_schemes_over_recorded_milestones():
-    ms = [{"name": "product", "reward": 0.25, "turn": 0}, {"name": "count", "reward": 0.5, "turn": 2},
-          {"name": "solved", "reward": 1.0, "turn": 3}]
+    ms = [
+        {"name": "product", "reward": 0.25, "turn": 0},
+        {"name": "count", "reward": 0.5, "turn": 2},
+        {"name": "solved", "reward": 1.0, "turn": 3},
+    ]
     assert episode_reward(ms) == pytest.approx(1.75)
     assert episode_reward(ms, "terminal") == 1.0 and episode_reward(ms[:2], "terminal") == 0.0
     assert episode_reward(ms, "discounted", 0.5) == pytest.approx(0.25 + 0.5 * 0.25 + 1.0 * 0.125)

@@ -7,10 +7,10 @@ import dataclasses
 
 import pytest
 import torch
+from test_learner_memory import _batch, policy_ckpt  # noqa: F401  (a module fixture)
 
 from rl.config import AlgoConfig
 from rl.learner import Learner
-from test_learner_memory import _batch, policy_ckpt  # noqa: F401  (a module fixture)
 
 
 def _own_routing(learner, traj):
@@ -25,7 +25,10 @@ def _record(traj, experts_LTk, shift: int, n_experts: int):
     choice moved by `shift` expert ids (0: the same choice)."""
     L, T, _ = experts_LTk.shape
     moved = (experts_LTk + shift) % n_experts
-    routed = [[moved[layer, p].tolist() for layer in range(L)] if traj.loss_mask[p] else [] for p in range(T)]
+    routed = [
+        [moved[layer, p].tolist() for layer in range(L)] if traj.loss_mask[p] else []
+        for p in range(T)
+    ]
     return dataclasses.replace(traj, routed_experts=routed)
 
 
@@ -81,7 +84,9 @@ def test_replay_off_and_a_malformed_record(policy_ckpt):  # noqa: F811
     batch = [_record(t, _own_routing(off, t), 1, n_experts) for t in _batch([40, 40])]
     assert "routing_replay_decisions" not in off.train_step(batch)
     on = Learner(policy_ckpt, AlgoConfig(minibatch_episodes=4, threads=1))
-    bad = dataclasses.replace(batch[0], routed_experts=[[[1]] if m else [] for m in batch[0].loss_mask])
+    bad = dataclasses.replace(
+        batch[0], routed_experts=[[[1]] if m else [] for m in batch[0].loss_mask]
+    )
     with pytest.raises(ValueError, match="episode e0: token .* records 1 MoE layer"):
         on.train_step([bad, batch[1]])
 
@@ -108,7 +113,9 @@ def test_hugging_face_moe_replays_through_router_hooks(tiny_policy, tokenizer):
     assert (replayed - own_lp).abs().max() > 1e-4
     # the hooks saw the recorded selection: with it set, the routers' output indices are the record
     gates_out = []
-    handles = [g.register_forward_hook(lambda m, i, o: gates_out.append(o[2])) for g in replay.gates]
+    handles = [
+        g.register_forward_hook(lambda m, i, o: gates_out.append(o[2])) for g in replay.gates
+    ]
     try:
         replay.set(routing)
         with torch.no_grad():
@@ -122,6 +129,8 @@ def test_hugging_face_moe_replays_through_router_hooks(tiny_policy, tokenizer):
     assert all(torch.equal(out[gen], routing[layer, 0][gen]) for layer, out in enumerate(gates_out))
     before = [g.weight.detach().clone() for g in replay.gates]
     stats = hf.train_step(batch)
-    assert stats["routing_replay_decisions"] == len(replay.gates) * sum(sum(x.loss_mask) for x in batch)
+    assert stats["routing_replay_decisions"] == len(replay.gates) * sum(
+        sum(x.loss_mask) for x in batch
+    )
     assert 0.9 < stats["router_decisions_differ"] <= 1.0
     assert any(not torch.equal(b, g.weight) for b, g in zip(before, replay.gates))

@@ -20,7 +20,9 @@ import pytest
 
 from envs.sandbox import Limits, SandboxResult, backend_status, open_sandbox
 
-LIMITS = Limits(timeout_s=6, cpu_s=2, memory_mb=256, processes=32, output_bytes=4096, file_mb=4, disk_mb=8)
+LIMITS = Limits(
+    timeout_s=6, cpu_s=2, memory_mb=256, processes=32, output_bytes=4096, file_mb=4, disk_mb=8
+)
 
 
 @pytest.fixture(params=["bwrap", "bwrap-per-call", "docker", "gvisor"])
@@ -31,7 +33,10 @@ def sandbox(request, tmp_path):
     if backend == "docker":
         options["docker_host"] = request.getfixturevalue("docker_host")
     elif backend == "gvisor":  # the docker backend on gVisor's runsc runtime
-        backend, options = "docker", {"docker_host": request.getfixturevalue("gvisor_host"), "runtime": "runsc"}
+        backend, options = (
+            "docker",
+            {"docker_host": request.getfixturevalue("gvisor_host"), "runtime": "runsc"},
+        )
     elif backend_status("bwrap"):
         pytest.fail(f"bwrap must work here: {backend_status('bwrap')}")
     sb = open_sandbox(backend, limits=LIMITS, **options)
@@ -64,9 +69,13 @@ def py(code: str) -> list[str]:
 
 def test_ordinary_commands_work(sandbox):
     (sandbox.path / "data.txt").write_text("b\na\nc\n")
-    r = sandbox.run("sort data.txt | head -n 2 && echo made > out.txt && python -c 'import pytest; print(pytest.__name__)'")
+    r = sandbox.run(
+        "sort data.txt | head -n 2 && echo made > out.txt && python -c 'import pytest; print(pytest.__name__)'"
+    )
     assert r.exit_code == 0 and r.stdout == "a\nb\npytest\n" and r.resource is None, r
-    assert sandbox.workspace.read_text("out.txt") == "made\n"  # the workspace is shared with the host
+    assert (
+        sandbox.workspace.read_text("out.txt") == "made\n"
+    )  # the workspace is shared with the host
     assert sandbox.run(["cat"], stdin="piped in").stdout == "piped in"
     assert sandbox.run("exit 3").exit_code == 3
 
@@ -79,9 +88,11 @@ def test_network_loopback_and_outside_unreachable(sandbox):
     accepted = []
     threading.Thread(target=lambda: accepted.append(server.accept()), daemon=True).start()
     try:
-        code = (f"import socket; s = socket.socket(); s.settimeout(2); print(s.connect_ex(('127.0.0.1', {port})));"
-                "print(sorted(n for _, n in socket.if_nameindex()));"
-                "print(open('/proc/net/route').read().count(chr(10)))")
+        code = (
+            f"import socket; s = socket.socket(); s.settimeout(2); print(s.connect_ex(('127.0.0.1', {port})));"
+            "print(sorted(n for _, n in socket.if_nameindex()));"
+            "print(open('/proc/net/route').read().count(chr(10)))"
+        )
         r = sandbox.run(py(code))
     finally:
         server.close()
@@ -95,7 +106,9 @@ def test_network_loopback_and_outside_unreachable(sandbox):
 def test_host_files_outside_workspace_unreadable(sandbox, tmp_path):
     secret = tmp_path / "secret.txt"
     secret.write_text("host secret")
-    r = sandbox.run(f"cat {secret}; cat /etc/shadow; ls /root/.ssh /home; cat /proc/1/environ | tr '\\0' ' '")
+    r = sandbox.run(
+        f"cat {secret}; cat /etc/shadow; ls /root/.ssh /home; cat /proc/1/environ | tr '\\0' ' '"
+    )
     assert "host secret" not in r.stdout
     assert "root:" not in r.stdout
     # a link planted in the workspace does not lead the host's helpers out of it
@@ -108,7 +121,9 @@ def test_host_files_outside_workspace_unreadable(sandbox, tmp_path):
 
 def test_writes_outside_workspace_fail(sandbox):
     marker = f"lh-escape-{os.getpid()}"
-    r = sandbox.run(f"echo x > /usr/{marker}; echo x > /etc/{marker}; echo x > /{marker}; touch /tmp/{marker} && echo tmp-ok")
+    r = sandbox.run(
+        f"echo x > /usr/{marker}; echo x > /etc/{marker}; echo x > /{marker}; touch /tmp/{marker} && echo tmp-ok"
+    )
     assert "tmp-ok" in r.stdout  # a private /tmp is writable ...
     for d in ("/usr", "/etc", "/", "/tmp"):
         assert not Path(d, marker).exists()  # ... and nothing reached the host's
@@ -117,7 +132,9 @@ def test_writes_outside_workspace_fail(sandbox):
 def test_fork_bomb_is_contained(sandbox):
     r = sandbox.run(py("import os\nwhile True:\n    os.fork()"))
     # on a loaded machine the wall clock may come first; the process limit is still what stopped the forks
-    assert r.resource == "processes" or (r.timed_out and "processes limit reached too" in r.events), r
+    assert r.resource == "processes" or (
+        r.timed_out and "processes limit reached too" in r.events
+    ), r
     assert "processes limit reached" in r.observation()
 
 
@@ -128,7 +145,9 @@ def test_memory_bomb_is_contained(sandbox):
 
 def test_infinite_loop_hits_cpu_limit_and_sleeper_hits_wall_time(sandbox):
     r = sandbox.run(py("while True: pass"))
-    if getattr(sandbox, "runtime", None) == "runsc":  # gVisor (this release) does not enforce RLIMIT_CPU
+    if (
+        getattr(sandbox, "runtime", None) == "runsc"
+    ):  # gVisor (this release) does not enforce RLIMIT_CPU
         assert r.resource == "wall_time" and r.killed, r
     else:
         assert r.resource == "cpu_time" and r.killed, r
@@ -157,7 +176,9 @@ def test_kill_all_and_background_processes_stay_inside(sandbox):
     try:
         r = sandbox.run("sleep 300 & kill -9 -1; echo after")
         assert sentinel.poll() is None  # the host's process survived
-        assert not r.timed_out and r.stdout == "after\n", r  # the call did not wait for the killed sleeper
+        assert not r.timed_out and r.stdout == "after\n", (
+            r
+        )  # the call did not wait for the killed sleeper
     finally:
         sentinel.kill()
         sentinel.wait()
@@ -167,11 +188,15 @@ def test_nothing_of_a_call_outlives_it(sandbox):
     """A call starts from what a fresh sandbox gives but for the workspace: a process left in the
     background (even in a session of its own) is gone when the call returns, what it put in /tmp
     too, and no command can stop what runs the calls (the per-episode sandbox's helper)."""
-    r = sandbox.run("(sleep 1; echo late > late.txt) >/dev/null 2>&1 & setsid sh -c 'sleep 1; echo daemon > d.txt' "
-                    ">/dev/null 2>&1 & echo x > /tmp/kept; echo started")
+    r = sandbox.run(
+        "(sleep 1; echo late > late.txt) >/dev/null 2>&1 & setsid sh -c 'sleep 1; echo daemon > d.txt' "
+        ">/dev/null 2>&1 & echo x > /tmp/kept; echo started"
+    )
     assert r.stdout == "started\n" and r.duration_s < 1, r
     time.sleep(1.5)
-    session = getattr(sandbox, "_session", None)  # the per-episode bwrap's helper, when there is one
+    session = getattr(
+        sandbox, "_session", None
+    )  # the per-episode bwrap's helper, when there is one
     r = sandbox.run("ls /tmp/kept 2>/dev/null; ls; echo done")
     assert r.stdout == "done\n", r  # /tmp's file gone, nothing written late
     assert not (sandbox.path / "late.txt").exists() and not (sandbox.path / "d.txt").exists()
@@ -184,7 +209,9 @@ def test_nothing_of_a_call_outlives_it(sandbox):
 def test_proc_shows_only_the_sandbox(sandbox):
     sentinel = subprocess.Popen(["sleep", "60"])
     try:
-        r = sandbox.run(f"ls /proc | grep -E '^[0-9]+$' | wc -l; cat /proc/{sentinel.pid}/cmdline || echo hidden")
+        r = sandbox.run(
+            f"ls /proc | grep -E '^[0-9]+$' | wc -l; cat /proc/{sentinel.pid}/cmdline || echo hidden"
+        )
         count, last = r.stdout.split("\n")[:2]
         assert int(count) < 10, r  # a handful of the sandbox's own processes, not the host's
         assert last == "hidden" and "sleep" not in r.stdout

@@ -47,18 +47,26 @@ def _hold(shared, seconds: float) -> threading.Thread:
 
 
 @pytest.mark.parametrize("mode", ["continuous", "merged"])
-def test_concurrent_requests_share_one_call_and_get_what_one_plain_call_gives(engine, request, mode):
+def test_concurrent_requests_share_one_call_and_get_what_one_plain_call_gives(
+    engine, request, mode
+):
     shared = request.getfixturevalue("shared" if mode == "continuous" else "merged")
     assert shared.continuous_batching == (mode == "continuous")
     prompts = [[5 + i, 17, 33, 2 + i] for i in range(6)]
     seeds = [100 + i for i in range(6)]
-    reference = engine.generate(prompts, max_tokens=12, temperature=1.0, seeds=seeds)  # driven directly
+    reference = engine.generate(
+        prompts, max_tokens=12, temperature=1.0, seeds=seeds
+    )  # driven directly
 
     results: dict[int, list] = {}
 
     def ask(k: int) -> None:
-        results[k] = shared.generate(prompts[2 * k : 2 * k + 2], max_tokens=12, temperature=1.0,
-                                     seeds=seeds[2 * k : 2 * k + 2])
+        results[k] = shared.generate(
+            prompts[2 * k : 2 * k + 2],
+            max_tokens=12,
+            temperature=1.0,
+            seeds=seeds[2 * k : 2 * k + 2],
+        )
 
     hold = _hold(shared, 0.5)
     askers = [threading.Thread(target=ask, args=(k,)) for k in range(3)]
@@ -66,10 +74,15 @@ def test_concurrent_requests_share_one_call_and_get_what_one_plain_call_gives(en
         t.start()
     for t in [hold, *askers]:
         t.join()
-    assert shared.batch_sizes == [6] and shared.requests_merged == 3  # three requests, one engine call
+    assert (
+        shared.batch_sizes == [6] and shared.requests_merged == 3
+    )  # three requests, one engine call
     got = results[0] + results[1] + results[2]
     assert [g.token_ids for g in got] == [r.token_ids for r in reference]
-    assert max(abs(a - b) for g, r in zip(got, reference) for a, b in zip(g.logprobs, r.logprobs)) < 1e-6
+    assert (
+        max(abs(a - b) for g, r in zip(got, reference) for a, b in zip(g.logprobs, r.logprobs))
+        < 1e-6
+    )
     assert {g.version for g in got} == {engine.version}
 
 
@@ -77,10 +90,16 @@ def test_merged_mode_keeps_different_sampling_settings_apart(merged):
     shared = merged
     hold = _hold(shared, 0.5)
     out = {}
-    greedy = threading.Thread(target=lambda: out.setdefault("greedy", shared.generate([[5, 6, 7]], max_tokens=4,
-                                                                                      temperature=0.0, seeds=[1])))
-    sampled = threading.Thread(target=lambda: out.setdefault("hot", shared.generate([[5, 6, 7]], max_tokens=4,
-                                                                                   temperature=1.0, seeds=[1])))
+    greedy = threading.Thread(
+        target=lambda: out.setdefault(
+            "greedy", shared.generate([[5, 6, 7]], max_tokens=4, temperature=0.0, seeds=[1])
+        )
+    )
+    sampled = threading.Thread(
+        target=lambda: out.setdefault(
+            "hot", shared.generate([[5, 6, 7]], max_tokens=4, temperature=1.0, seeds=[1])
+        )
+    )
     for t in (greedy, sampled):
         t.start()
         time.sleep(0.05)
@@ -96,17 +115,29 @@ def test_requests_with_different_settings_share_the_batch_and_each_gets_its_own(
     hot_ref = engine.generate([prompt], max_tokens=8, temperature=1.0, top_p=0.9, seeds=[2])[0]
     hold = _hold(shared, 0.5)
     out = {}
-    asks = [threading.Thread(target=lambda: out.setdefault("greedy", shared.generate(
-                [prompt], max_tokens=8, temperature=0.0, seeds=[1]))),
-            threading.Thread(target=lambda: out.setdefault("hot", shared.generate(
-                [prompt], max_tokens=8, temperature=1.0, top_p=0.9, seeds=[2])))]
+    asks = [
+        threading.Thread(
+            target=lambda: out.setdefault(
+                "greedy", shared.generate([prompt], max_tokens=8, temperature=0.0, seeds=[1])
+            )
+        ),
+        threading.Thread(
+            target=lambda: out.setdefault(
+                "hot",
+                shared.generate([prompt], max_tokens=8, temperature=1.0, top_p=0.9, seeds=[2]),
+            )
+        ),
+    ]
     for t in asks:
         t.start()
         time.sleep(0.05)
     for t in (hold, *asks):
         t.join()
     assert shared.batch_sizes == [2] and shared.requests_merged == 2  # one batch, two settings
-    assert out["greedy"][0].token_ids == greedy_ref.token_ids and out["hot"][0].token_ids == hot_ref.token_ids
+    assert (
+        out["greedy"][0].token_ids == greedy_ref.token_ids
+        and out["hot"][0].token_ids == hot_ref.token_ids
+    )
 
 
 def test_a_request_joins_a_running_batch_and_leaves_it_when_it_ends(engine, shared):
@@ -126,13 +157,17 @@ def test_a_request_joins_a_running_batch_and_leaves_it_when_it_ends(engine, shar
         time.sleep(0.005)
     ask("short", [40, 41, 42], 3, 4)
     long.join()
-    assert shared.batch_sizes == [1, 1] and shared.requests_merged == 1  # it joined the running batch
+    assert (
+        shared.batch_sizes == [1, 1] and shared.requests_merged == 1
+    )  # it joined the running batch
     assert ended["short"] < ended["long"] and len(out["long"][0].token_ids) == 400
     assert out["short"][0].token_ids == short_ref.token_ids
 
 
 @pytest.mark.parametrize("mode", ["continuous", "merged"])
-def test_a_load_never_lands_inside_a_batch_and_each_generation_names_its_version(engine, tiny_policy, request, mode):
+def test_a_load_never_lands_inside_a_batch_and_each_generation_names_its_version(
+    engine, tiny_policy, request, mode
+):
     shared = request.getfixturevalue("shared" if mode == "continuous" else "merged")
     before = engine.version
     ckpt = CheckpointTensors(tiny_policy)

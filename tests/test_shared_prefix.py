@@ -24,7 +24,7 @@ def _rows(prefix: int = 40, suffixes=(30, 17, 25, 9), seed: int = 0):
     ids = torch.zeros(len(rows), T, dtype=torch.long)
     attn = torch.zeros(len(rows), T, dtype=torch.long)
     for b, r in enumerate(rows):
-        ids[b, :len(r)], attn[b, :len(r)] = r, 1
+        ids[b, : len(r)], attn[b, : len(r)] = r, 1
     return ids, attn
 
 
@@ -45,7 +45,7 @@ def _forward(lm, ids, attn, shared: int):
     aux, _ = balance_terms(captured, attn.reshape(-1).bool())
     ((h[valid] * w).sum() + aux).backward()
     grads = {n: p.grad.clone() for n, p in lm.module.named_parameters() if p.grad is not None}
-    return h.detach(), [(l.detach(), i) for l, i in captured], grads
+    return h.detach(), [(logits.detach(), i) for logits, i in captured], grads
 
 
 def test_the_shared_prefix_forward_equals_the_plain_one(tiny_policy):
@@ -65,7 +65,9 @@ def test_the_shared_prefix_forward_equals_the_plain_one(tiny_policy):
         assert l1.shape == l0.shape and torch.equal(i1[keep], i0[keep])
         torch.testing.assert_close(l1[keep], l0[keep], rtol=1e-4, atol=1e-5)
     assert g1.keys() == g0.keys() and len(g0) > 10
-    assert all(_close(g1[name], g0[name], 1e-5) for name in g0), [n for n in g0 if not _close(g1[n], g0[n], 1e-5)]
+    assert all(_close(g1[name], g0[name], 1e-5) for name in g0), [
+        n for n in g0 if not _close(g1[n], g0[n], 1e-5)
+    ]
 
 
 def test_only_a_long_enough_prefix_every_row_shares_is_run_once(tiny_policy):
@@ -73,13 +75,17 @@ def test_only_a_long_enough_prefix_every_row_shares_is_run_once(tiny_policy):
     lm.shared_prefix_tokens = 8
     ids, attn = _rows(prefix=40)
     assert lm.shared_prefix(ids[:1], attn[:1]) == 0  # one row: nothing to share
-    assert lm.shared_prefix(ids, attn, routing=torch.zeros(1)) == 0  # routing replay: the plain path
+    assert (
+        lm.shared_prefix(ids, attn, routing=torch.zeros(1)) == 0
+    )  # routing replay: the plain path
     other = ids.clone()
     other[2, 5] += 1  # one row leaves the prefix at token 5
     assert lm.shared_prefix(other, attn) == 0
     lm.shared_prefix_tokens = 4
     assert lm.shared_prefix(other, attn) == 5
-    short_ids, short_attn = _rows(prefix=40, suffixes=(30, 0))  # a row that is all prefix keeps one token
+    short_ids, short_attn = _rows(
+        prefix=40, suffixes=(30, 0)
+    )  # a row that is all prefix keeps one token
     assert lm.shared_prefix(short_ids, short_attn) == 40 - 0 and short_ids.shape[1] - 1 >= 40
 
 
@@ -91,9 +97,20 @@ def _group_batch(n: int = 6, prompt: int = 48, seed: int = 0) -> list[Trajectory
     for i in range(n):
         gen = torch.randint(2, 400, (20 + 3 * i,), generator=g).tolist()
         ids = head + gen
-        out.append(Trajectory(episode_id=f"e{i}", iteration=0, group_id=0, env_id="x", seed=0, prompt_len=prompt,
-                              token_ids=ids, loss_mask=[0] * prompt + [1] * len(gen),
-                              rollout_logprobs=[0.0] * prompt + [-6.0] * len(gen), reward=float(i % 3)))
+        out.append(
+            Trajectory(
+                episode_id=f"e{i}",
+                iteration=0,
+                group_id=0,
+                env_id="x",
+                seed=0,
+                prompt_len=prompt,
+                token_ids=ids,
+                loss_mask=[0] * prompt + [1] * len(gen),
+                rollout_logprobs=[0.0] * prompt + [-6.0] * len(gen),
+                reward=float(i % 3),
+            )
+        )
     return out
 
 
@@ -106,22 +123,36 @@ def test_a_train_step_with_shared_prefixes_is_the_plain_step(tiny_policy, precis
     grads, metrics = {}, {}
     for shared in (0, 16):
         torch.manual_seed(0)
-        learner = Learner(tiny_policy, AlgoConfig(threads=1, minibatch_episodes=6, shared_prefix_tokens=shared,
-                                                  router_aux_coef=0.01, lr=1e-3), precision=precision)
+        learner = Learner(
+            tiny_policy,
+            AlgoConfig(
+                threads=1,
+                minibatch_episodes=6,
+                shared_prefix_tokens=shared,
+                router_aux_coef=0.01,
+                lr=1e-3,
+            ),
+            precision=precision,
+        )
         step = learner._clip_and_step
 
         def record(shared=shared, step=step, learner=learner):
-            grads[shared] = {n: p.grad.clone() for n, p in learner.model.named_parameters() if p.grad is not None}
+            grads[shared] = {
+                n: p.grad.clone() for n, p in learner.model.named_parameters() if p.grad is not None
+            }
             return step()
 
         learner._clip_and_step = record
         metrics[shared] = learner.train_step(batch)
     rel = 1e-5 if precision == "fp32" else 2e-2  # bf16: the two paths round different sums
     assert grads[0].keys() == grads[16].keys() and len(grads[0]) > 10
-    assert all(_close(grads[16][n], g, rel) for n, g in grads[0].items()), \
-        [n for n, g in grads[0].items() if not _close(grads[16][n], g, rel)]
+    assert all(_close(grads[16][n], g, rel) for n, g in grads[0].items()), [
+        n for n, g in grads[0].items() if not _close(grads[16][n], g, rel)
+    ]
     for key in ("loss", "router_aux_loss", "rollout_kl", "grad_norm"):
-        assert metrics[16][key] == pytest.approx(metrics[0][key], rel=1e-4 if precision == "fp32" else 2e-2, abs=1e-7), key
+        assert metrics[16][key] == pytest.approx(
+            metrics[0][key], rel=1e-4 if precision == "fp32" else 2e-2, abs=1e-7
+        ), key
 
 
 def test_a_cache_that_cannot_be_shared_falls_back_to_the_plain_forward(tiny_policy, monkeypatch):

@@ -11,8 +11,8 @@ import torch
 
 from rl.logprobs import CausalLM
 from rl.shared_weights import SharedPublisher, layout, renamed_layout
-from rl.weight_source import _untied
 from rl.sync import shared_memory_kind
+from rl.weight_source import _untied
 from rollout.shared_memory import CudaIpc, SlabReader, view, written_version
 from rollout.weights import Manifest, iter_weights
 
@@ -22,8 +22,17 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 def _mixtral():
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    cfg = MixtralConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, num_local_experts=3, num_experts_per_tok=1, tie_word_embeddings=True)
+    cfg = MixtralConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=3,
+        num_experts_per_tok=1,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     return MixtralForCausalLM(cfg)
 
@@ -31,9 +40,20 @@ def _mixtral():
 def _qwen3_moe():
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    cfg = Qwen3MoeConfig(vocab_size=97, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                         num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])
+    cfg = Qwen3MoeConfig(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
     torch.manual_seed(0)
     return Qwen3MoeForCausalLM(cfg)
 
@@ -44,7 +64,9 @@ def _named(model):
 
 def _publish(lm, named, dtype, version=3, bucket_mb=0.01, lay=None):
     pub = SharedPublisher(lay or layout(lm, named, dtype))
-    plan = pub.plan(version, bucket_mb, iter(named) if pub.layout.views else lm.checkpoint_names(iter(named)))
+    plan = pub.plan(
+        version, bucket_mb, iter(named) if pub.layout.views else lm.checkpoint_names(iter(named))
+    )
     buckets = [pub.take(i) for i in range(len(plan["names"]))]
     return pub, plan, buckets
 
@@ -58,11 +80,19 @@ def test_shared_views_equal_the_renamed_checkpoint_tensors(make, dtype):
     model = make()
     lm, named = CausalLM(model, "hf"), _named(model)
     lay = layout(lm, named, dtype)
-    assert lay.views and len(lay.regions) == len(named) < len(lay.entries)  # per-expert names are slices
+    assert lay.views and len(lay.regions) == len(named) < len(
+        lay.entries
+    )  # per-expert names are slices
     pub, plan, buckets = _publish(lm, named, dtype, lay=lay)
     slab = pub.slabs[0]
-    assert written_version(slab.bytes) == 3 and plan["shared"] == slab.address and len(plan["names"]) > 1
-    want = list(lm.checkpoint_names((n, t.to(dtype) if t.is_floating_point() else t) for n, t in named))
+    assert (
+        written_version(slab.bytes) == 3
+        and plan["shared"] == slab.address
+        and len(plan["names"]) > 1
+    )
+    want = list(
+        lm.checkpoint_names((n, t.to(dtype) if t.is_floating_point() else t) for n, t in named)
+    )
     got = [(n, view(slab.bytes, ref)) for b in buckets for n, ref in b]
     assert [n for n, _ in got] == [n for n, _ in want] == [n for b in plan["names"] for n in b]
     for (name, a), (_, b) in zip(got, want):
@@ -111,7 +141,9 @@ def test_a_learner_whose_tensors_changed_fails_by_name():
     lm, named = CausalLM(model, "hf"), _named(model)
     pub = SharedPublisher(layout(lm, named, torch.float32))
     plan = pub.plan(1, 1e-9, iter(named[:1] + [("other.weight", named[1][1])] + named[2:]))
-    with pytest.raises(RuntimeError, match=r"learner's tensor 1 is other.weight .*layout expects model.layers.0"):
+    with pytest.raises(
+        RuntimeError, match=r"learner's tensor 1 is other.weight .*layout expects model.layers.0"
+    ):
         for i in range(len(plan["names"])):
             pub.take(i)
 
@@ -122,7 +154,9 @@ def _read(manifest, rewrite_to=None, publisher=None):
     out = []
     for i, (name, t) in enumerate(iter_weights(manifest)):
         out.append((name, t.clone()))
-        if i == 0 and publisher is not None:  # the learner starts the next version in this slab meanwhile
+        if (
+            i == 0 and publisher is not None
+        ):  # the learner starts the next version in this slab meanwhile
             ray.get(publisher.rewrite.remote(rewrite_to))
     return out
 
@@ -139,8 +173,14 @@ class _Publisher:
     def publish(self, version):
         plan = self.pub.plan(version, 1.0, iter(self.named))
         buckets = [self.pub.take(i) for i in range(len(plan["names"]))]
-        return Manifest(version, buckets, plan["bytes"], plan["names"], shared=plan["shared"],
-                        shared_node=ray.get_runtime_context().get_node_id())
+        return Manifest(
+            version,
+            buckets,
+            plan["bytes"],
+            plan["names"],
+            shared=plan["shared"],
+            shared_node=ray.get_runtime_context().get_node_id(),
+        )
 
     def rewrite(self, version):
         self.pub.release(version - 1)
@@ -156,12 +196,17 @@ def test_another_process_reads_a_version_in_place_and_a_rewrite_under_it_fails(r
     got, want = ray.get(_read.remote(manifest)), ray.get(pub.expected.remote())
     assert [n for n, _ in got] == [n for n, _ in want]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, want))
-    with pytest.raises(ray.exceptions.RayTaskError, match=r"version 4: the learner's shared-memory slab now holds version 5"):
+    with pytest.raises(
+        ray.exceptions.RayTaskError,
+        match=r"version 4: the learner's shared-memory slab now holds version 5",
+    ):
         ray.get(_read.remote(manifest, 5, pub))
 
 
 def test_a_slab_outside_reach_is_a_clear_error():
-    with pytest.raises(RuntimeError, match=r"cannot open the learner's shared-memory slab /proc/1/fd/999999"):
+    with pytest.raises(
+        RuntimeError, match=r"cannot open the learner's shared-memory slab /proc/1/fd/999999"
+    ):
         SlabReader().open("/proc/1/fd/999999")
 
 
@@ -169,19 +214,48 @@ def test_a_gpu_slab_on_a_gpu_this_process_lacks_is_a_clear_error():
     """A CUDA IPC address names its GPU by UUID; a worker that does not see that GPU says so (here: no
     GPU at all) instead of mapping another device's memory."""
     address = CudaIpc("GPU-0a1b", (None, (None,) * 15))
-    with pytest.raises(RuntimeError, match=r"slab lies on GPU GPU-0a1b, which this rollout worker does not see"):
+    with pytest.raises(
+        RuntimeError, match=r"slab lies on GPU GPU-0a1b, which this rollout worker does not see"
+    ):
         SlabReader().open(address)
 
 
-@pytest.mark.parametrize("learner, workers, kind", [
-    ({"node": "a", "gpus": []}, [{"node": "a", "gpus": []}] * 2, "host"),  # CPU learner and engines
-    ({"node": "a", "gpus": ["G0"]}, [{"node": "a", "gpus": ["G0"]}], "cuda"),  # one GPU shared (one_gpu.yaml)
-    ({"node": "a", "gpus": ["G0"]}, [{"node": "a", "gpus": ["G0"]}, {"node": "a", "gpus": ["G1"]}], "host"),
-    ({"node": "a", "gpus": ["G0"]}, [{"node": "a", "gpus": []}], "host"),  # CPU engines beside a GPU learner
-    ({"node": "a", "gpus": []}, [{"node": "a", "gpus": []}, {"node": "b", "gpus": []}], None),  # a worker elsewhere
-    ({"node": "a", "gpus": ["G0"]}, [{"node": "b", "gpus": ["G0"]}], None),
-    (None, [{"node": "a", "gpus": []}], None),  # a learner group publishes through the object store
-])
+@pytest.mark.parametrize(
+    "learner, workers, kind",
+    [
+        (
+            {"node": "a", "gpus": []},
+            [{"node": "a", "gpus": []}] * 2,
+            "host",
+        ),  # CPU learner and engines
+        (
+            {"node": "a", "gpus": ["G0"]},
+            [{"node": "a", "gpus": ["G0"]}],
+            "cuda",
+        ),  # one GPU shared (one_gpu.yaml)
+        (
+            {"node": "a", "gpus": ["G0"]},
+            [{"node": "a", "gpus": ["G0"]}, {"node": "a", "gpus": ["G1"]}],
+            "host",
+        ),
+        (
+            {"node": "a", "gpus": ["G0"]},
+            [{"node": "a", "gpus": []}],
+            "host",
+        ),  # CPU engines beside a GPU learner
+        (
+            {"node": "a", "gpus": []},
+            [{"node": "a", "gpus": []}, {"node": "b", "gpus": []}],
+            None,
+        ),  # a worker elsewhere
+        ({"node": "a", "gpus": ["G0"]}, [{"node": "b", "gpus": ["G0"]}], None),
+        (
+            None,
+            [{"node": "a", "gpus": []}],
+            None,
+        ),  # a learner group publishes through the object store
+    ],
+)
 def test_which_memory_a_shared_sync_uses(learner, workers, kind):
     assert shared_memory_kind(learner, workers) == kind
 
@@ -199,25 +273,43 @@ def test_a_real_learner_syncs_a_vllm_worker_through_shared_memory(ray_cluster, t
     from rl.sync import placements, start_sync
     from rollout.worker import RolloutWorkerActor
 
-    learner = LearnerActor.options(num_cpus=0).remote(tiny_policy, AlgoConfig(), seed=0, engine_dtype="bfloat16")
-    rollout = RolloutConfig(max_model_len=512, max_episode_tokens=512, kv_cache_gib=0.25, dtype="bfloat16")
-    worker = RolloutWorkerActor.options(num_cpus=0).remote(tiny_policy, rollout, EnvConfig(), seed=0)
+    learner = LearnerActor.options(num_cpus=0).remote(
+        tiny_policy, AlgoConfig(), seed=0, engine_dtype="bfloat16"
+    )
+    rollout = RolloutConfig(
+        max_model_len=512, max_episode_tokens=512, kv_cache_gib=0.25, dtype="bfloat16"
+    )
+    worker = RolloutWorkerActor.options(num_cpus=0).remote(
+        tiny_policy, rollout, EnvConfig(), seed=0
+    )
     try:
-        ray.get(learner.__ray_call__.remote(_move_weights))  # a version unlike the checkpoint the worker started from
+        ray.get(
+            learner.__ray_call__.remote(_move_weights)
+        )  # a version unlike the checkpoint the worker started from
         assert shared_memory_kind(*placements(learner, [worker])) == "host"
         ids = list(range(5, 45))
         got = {}
         for shared, stream in ((False, False), (True, True), (True, False)):
             out = start_sync(learner, [worker], 0.05, stream=stream, shared=shared).finish(120)
-            assert out["sync_shared"] == shared and out["sync_direct_tensors"] == out["sync_tensors"]
+            assert (
+                out["sync_shared"] == shared and out["sync_direct_tensors"] == out["sync_tensors"]
+            )
             assert out["sync_shared_gpu"] is False  # CPU: the slab is host memory
-            assert out["sync_unstaged_expert_layers"] == (2 if shared else 0)  # the tiny policy's MoE layers
+            assert out["sync_unstaged_expert_layers"] == (
+                2 if shared else 0
+            )  # the tiny policy's MoE layers
             got[shared, stream] = np.array(ray.get(worker.score.remote(ids)))
             if shared:  # handed back: the next shared sync reuses the one slab
-                assert ray.get(learner.__ray_call__.remote(lambda s: [x.version for x in s._shared.slabs])) == [None]
-        assert np.array_equal(got[True, True], got[False, False]) and np.array_equal(got[True, False], got[False, False])
+                assert ray.get(
+                    learner.__ray_call__.remote(lambda s: [x.version for x in s._shared.slabs])
+                ) == [None]
+        assert np.array_equal(got[True, True], got[False, False]) and np.array_equal(
+            got[True, False], got[False, False]
+        )
         start = np.array(ray.get(learner.logprobs.remote(ids)))
-        assert np.abs(got[True, True] - start).max() < 0.1  # the engine serves the learner's weights (bf16)
+        assert (
+            np.abs(got[True, True] - start).max() < 0.1
+        )  # the engine serves the learner's weights (bf16)
     finally:
         ray.kill(worker)
         ray.kill(learner)
@@ -237,7 +329,24 @@ def test_the_gpu_ipc_check_runs_through_host_memory():
     from pathlib import Path
 
     script = Path(__file__).resolve().parents[1] / "bench" / "gpu_ipc_check.py"
-    r = subprocess.run([sys.executable, str(script), "--cpu", "--hidden", "128", "--layers", "2", "--experts", "2"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            "--cpu",
+            "--hidden",
+            "128",
+            "--layers",
+            "2",
+            "--experts",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "tensors whose bits differ: 0; header read 2 (want 2), after the learner began version 3: -1" in r.stdout
+    assert (
+        "tensors whose bits differ: 0; header read 2 (want 2), after the learner began version 3: -1"
+        in r.stdout
+    )

@@ -29,7 +29,13 @@ def test_buckets_are_bounded_ordered_and_cover_every_tensor_once():
     for g in groups:
         size = sum(a.nbytes for _, a in g)
         assert size <= 1024 or len(g) == 1  # only a tensor larger than the bound sits alone over it
-    assert [[n for n, _ in g] for g in groups] == [["w0"], ["w1"], ["w2", "w3", "w4"], ["w5"], ["w6"]]
+    assert [[n for n, _ in g] for g in groups] == [
+        ["w0"],
+        ["w1"],
+        ["w2", "w3", "w4"],
+        ["w5"],
+        ["w6"],
+    ]
     assert list(bucketize([], 1024)) == []
 
 
@@ -76,25 +82,43 @@ def test_bf16_engines_are_sent_bf16_bits_and_load_bf16_tensors(ray_cluster):
     import torch
 
     g = torch.Generator().manual_seed(0)
-    named = [("a.weight", torch.randn(64, 33, generator=g)), ("steps", torch.arange(7)),
-             ("b.weight", torch.randn(300, 3, generator=g, dtype=torch.float64))]
+    named = [
+        ("a.weight", torch.randn(64, 33, generator=g)),
+        ("steps", torch.arange(7)),
+        ("b.weight", torch.randn(300, 3, generator=g, dtype=torch.float64)),
+    ]
     wire = list(to_wire(named, torch.bfloat16))
     assert [a.dtype for _, a in wire] == [np.int16, np.int64, np.int16]
     assert wire[0][1].nbytes == named[0][1].numel() * 2
 
     @ray.remote(num_cpus=0)
     def reader(manifest):
-        return [(n, t.dtype, t.float().numpy() if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t.copy())
-                for n, t in iter_weights(manifest)]
+        return [
+            (
+                n,
+                t.dtype,
+                t.float().numpy()
+                if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16
+                else t.copy(),
+            )
+            for n, t in iter_weights(manifest)
+        ]
 
     manifest = publish(wire, version=2, bucket_mb=0.01, bf16=True)
     assert manifest.bf16 and manifest.nbytes == 64 * 33 * 2 + 7 * 8 + 300 * 3 * 2
     got = ray.get(reader.remote(manifest))
-    assert [(n, d) for n, d, _ in got] == [("a.weight", torch.bfloat16), ("steps", np.int64), ("b.weight", torch.bfloat16)]
+    assert [(n, d) for n, d, _ in got] == [
+        ("a.weight", torch.bfloat16),
+        ("steps", np.int64),
+        ("b.weight", torch.bfloat16),
+    ]
     for (name, t), (_, _, arr) in zip(named, got):
         want = t.to(torch.bfloat16).float().numpy() if t.is_floating_point() else t.numpy()
         assert np.array_equal(arr, want), name
-    assert all(np.array_equal(a, t.numpy()) for (_, a), (_, t) in zip(to_wire(named[:2], torch.float32), named[:2]))
+    assert all(
+        np.array_equal(a, t.numpy())
+        for (_, a), (_, t) in zip(to_wire(named[:2], torch.float32), named[:2])
+    )
     with pytest.raises(ValueError, match="x is an int16 tensor"):
         list(to_wire([("x", torch.zeros(3, dtype=torch.int16))], torch.bfloat16))
 
@@ -126,7 +150,11 @@ class _StreamingLearner:
     def plan_publish(self, bucket_mb):
         from rollout.weights import Outgoing
 
-        named = self.named if self.fail_at is None else self.named[:self.fail_at] + [("renamed", self.named[-1][1])]
+        named = (
+            self.named
+            if self.fail_at is None
+            else self.named[: self.fail_at] + [("renamed", self.named[-1][1])]
+        )
         self.out = Outgoing([(n, a.nbytes) for n, a in self.named], iter(named), 5, bucket_mb)
         return self.out.plan
 
@@ -151,8 +179,14 @@ class _Reader:
         for name, arr in iter_weights(manifest):
             got.append((name, arr.copy()))
             at.append(time.time())
-        return {"version": manifest.version, "load_s": 0.0, "bytes": manifest.nbytes,
-                "buckets": len(manifest.buckets), "got": got, "at": at}
+        return {
+            "version": manifest.version,
+            "load_s": 0.0,
+            "bytes": manifest.nbytes,
+            "buckets": len(manifest.buckets),
+            "got": got,
+            "at": at,
+        }
 
 
 def test_a_single_learner_streams_its_buckets_to_the_workers(ray_cluster):
@@ -160,7 +194,10 @@ def test_a_single_learner_streams_its_buckets_to_the_workers(ray_cluster):
     every tensor exactly, in order, and start on the first bucket while the learner still cuts the
     later ones; the metrics count the learner's own seconds."""
     sizes = [1000, 2000, 50, 3000, 500]  # float32: 4000, 8000, 200, 12000, 2000 bytes
-    learner, readers = _StreamingLearner.remote(sizes, delay_s=0.5), [_Reader.remote() for _ in range(2)]
+    learner, readers = (
+        _StreamingLearner.remote(sizes, delay_s=0.5),
+        [_Reader.remote() for _ in range(2)],
+    )
     assert ray.get(learner.cuts.remote()) == []  # started, torch imported
     pending = start_sync(learner, readers, 8200 / (1 << 20))
     assert pending.publish_s < 0.5  # the driver did not wait for the buckets
@@ -171,12 +208,16 @@ def test_a_single_learner_streams_its_buckets_to_the_workers(ray_cluster):
     for out in ray.get(list(pending.futures)):
         assert [n for n, _ in out["got"]] == [n for n, _ in _named(sizes)]
         assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(out["got"], _named(sizes)))
-        assert out["at"][0] < cuts[-1] - 1.0  # bucket 0 loaded while buckets 2 and 3 were still to cut
+        assert (
+            out["at"][0] < cuts[-1] - 1.0
+        )  # bucket 0 loaded while buckets 2 and 3 were still to cut
 
 
 def test_a_bucket_cut_otherwise_than_planned_fails_the_sync_naming_the_learner(ray_cluster):
     learner = _StreamingLearner.remote([100, 100, 100], fail_at=2)
-    with pytest.raises(RuntimeError, match=r"version 5: the learner failed to publish it: .*bucket 2 was planned"):
+    with pytest.raises(
+        RuntimeError, match=r"version 5: the learner failed to publish it: .*bucket 2 was planned"
+    ):
         start_sync(learner, [_Reader.remote()], 500 / (1 << 20)).finish(timeout_s=60)
 
 
@@ -190,17 +231,27 @@ class _Worker:
     def load_weights(self, manifest):
         list(iter_weights(manifest))
         time.sleep(self.delay_s)
-        return {"version": manifest.version + self.offset, "load_s": self.delay_s, "bytes": manifest.nbytes,
-                "buckets": len(manifest.buckets)}
+        return {
+            "version": manifest.version + self.offset,
+            "load_s": self.delay_s,
+            "bytes": manifest.nbytes,
+            "buckets": len(manifest.buckets),
+        }
 
 
 def test_a_worker_that_does_not_load_in_time_is_named(ray_cluster):
     learner = _Learner.remote()
     workers = [_Worker.remote(0.0), _Worker.remote(30.0)]
-    with pytest.raises(TimeoutError, match=r"version 3: rollout worker 1 did not load it within 2s"):
+    with pytest.raises(
+        TimeoutError, match=r"version 3: rollout worker 1 did not load it within 2s"
+    ):
         start_sync(learner, workers, 1.0).finish(timeout_s=2)
     metrics = start_sync(learner, workers[:1], 1.0).finish(timeout_s=30)
-    assert metrics["sync_version"] == 3 and metrics["sync_bytes"] == 400 and metrics["sync_buckets"] == 1
+    assert (
+        metrics["sync_version"] == 3
+        and metrics["sync_bytes"] == 400
+        and metrics["sync_buckets"] == 1
+    )
     assert metrics["sync_wall_s"] >= metrics["sync_publish_s"] > 0
     for a in workers:
         ray.kill(a)
@@ -236,7 +287,9 @@ class _LoadTurn:
             return start, time.time()
 
 
-@pytest.mark.parametrize("gpus,serial,overlap", [(0.0, True, False), (0.0, False, True), (1.0, True, True)])
+@pytest.mark.parametrize(
+    "gpus,serial,overlap", [(0.0, True, False), (0.0, False, True), (1.0, True, True)]
+)
 def test_cpu_engines_of_a_node_load_one_at_a_time(ray_cluster, gpus, serial, overlap):
     """Two workers' loads in two processes of one node: on CPU they take turns (each engine's threads
     use every core), unless `serial_cpu_loads` is off; GPU engines never wait for each other. The two
@@ -246,7 +299,9 @@ def test_cpu_engines_of_a_node_load_one_at_a_time(ray_cluster, gpus, serial, ove
     holders = [_LoadTurn.remote() for _ in range(2)]
     try:
         assert ray.get([h.ready.remote() for h in holders], timeout=120) == [True, True]
-        (a0, a1), (b0, b1) = sorted(ray.get([h.hold.remote(gpus, serial, 2.5) for h in holders], timeout=120))
+        (a0, a1), (b0, b1) = sorted(
+            ray.get([h.hold.remote(gpus, serial, 2.5) for h in holders], timeout=120)
+        )
     finally:
         for h in holders:
             ray.kill(h)
@@ -260,7 +315,12 @@ def test_schedule_and_sync_settings_are_validated():
         load_config(None, ["schedule.mode=eventually"])
     with pytest.raises(ConfigError, match="sync.bucket_mb must be > 0"):
         load_config(None, ["sync.bucket_mb=0"])
-    assert load_config(None, ["schedule.mode=async", "schedule.max_staleness=2"]).schedule.max_staleness == 2
+    assert (
+        load_config(
+            None, ["schedule.mode=async", "schedule.max_staleness=2"]
+        ).schedule.max_staleness
+        == 2
+    )
     # streamed syncs: on GPUs by default, not where the learner and the engines share a node's CPUs
     assert not load_config(None, []).sync_streams()
     assert load_config(None, ["rollout.gpus_per_worker=1"]).sync_streams()
@@ -279,23 +339,39 @@ def test_the_loop_trains_fp32_and_rolls_out_with_bf16_engines(ray_cluster, tiny_
     in the metrics: larger than fp32 engines' (~1e-6), corrected by `algo.rollout_is`."""
     from conftest import started_trainer
 
-    with started_trainer("quickstart.yaml", [
-            "iterations=2", f"policy.path={tiny_policy}", "algo.entropy_coef=0.01", "rollout.dtype=bfloat16",
-            "sync.bucket_mb=0.25", "rollout.max_new_tokens=16", "rollout.cpus_per_worker=0.1",
-            "sync.publish=streamed"], tmp_path) as trainer:  # the real learner's streamed publish (auto: whole on CPU)
+    with started_trainer(
+        "quickstart.yaml",
+        [
+            "iterations=2",
+            f"policy.path={tiny_policy}",
+            "algo.entropy_coef=0.01",
+            "rollout.dtype=bfloat16",
+            "sync.bucket_mb=0.25",
+            "rollout.max_new_tokens=16",
+            "rollout.cpus_per_worker=0.1",
+            "sync.publish=streamed",
+        ],
+        tmp_path,
+    ) as trainer:  # the real learner's streamed publish (auto: whole on CPU)
         ids = list(range(5, 45))
         before = np.array(trainer.learner.call("logprobs", ids))
         rows = trainer.run()
         weights = trainer.learner.call("weights")
         fp32_bytes = sum(a.nbytes for _, a in weights)
         assert [r["sync_version"] for r in rows] == [1, 2]
-        assert all(r["sync_bytes"] == fp32_bytes // 2 for r in rows)  # every tensor of the tiny policy is a float
+        assert all(
+            r["sync_bytes"] == fp32_bytes // 2 for r in rows
+        )  # every tensor of the tiny policy is a float
         # the bf16 engines' tensors (experts packed by x86 AMX's kernel where the CPU has it) are
         # loaded straight where the engine reads them, as fp32 engines' are, not through vLLM's reload
         assert all(r["sync_direct_tensors"] == r["sync_tensors"] == len(weights) for r in rows)
-        assert all(r["rollout_logprob_diff_max"] > 1e-4 for r in rows)  # bf16 engines, not fp32 ones
+        assert all(
+            r["rollout_logprob_diff_max"] > 1e-4 for r in rows
+        )  # bf16 engines, not fp32 ones
         ours = np.array(trainer.learner.call("logprobs", ids))
-        moved = np.abs(ours - before).mean()  # what two updates changed: an engine still at version 0 is this far
+        moved = np.abs(
+            ours - before
+        ).mean()  # what two updates changed: an engine still at version 0 is this far
         for w in trainer.workers:
             got = np.array(ray.get(w.score.remote(ids)))
             assert 1e-4 < np.abs(got - ours).mean() < 0.1 * moved  # measured: 8e-4 against 0.055

@@ -39,9 +39,12 @@ def test_tool_schemas_are_the_environments_own(env_id):
         want = spec.to_openai()["function"]
         assert (got["name"], got["description"]) == (want["name"], want["description"])
         props = want["parameters"].get("properties", {})
-        assert {k: v["type"] for k, v in got["parameters"]["properties"].items()} == \
-               {k: v["type"] for k, v in props.items()}
-        assert set(got["parameters"].get("required", [])) == set(want["parameters"].get("required", props))
+        assert {k: v["type"] for k, v in got["parameters"]["properties"].items()} == {
+            k: v["type"] for k, v in props.items()
+        }
+        assert set(got["parameters"].get("required", [])) == set(
+            want["parameters"].get("required", props)
+        )
 
 
 def test_first_prompt_is_our_loops_token_for_token(tokenizer):
@@ -53,8 +56,13 @@ def test_first_prompt_is_our_loops_token_for_token(tokenizer):
     for seed, prompt in zip(data["seed"], data["prompt"]):
         obs, info = env.reset(seed=seed)
         ours = ChatFormat(tok).prompt_ids([{"role": "user", "content": obs}], info["tools"])
-        theirs = tok.apply_chat_template(prompt, tools=[adapted.calculator, adapted.submit], tokenize=True,
-                                         add_generation_prompt=True, return_dict=False)
+        theirs = tok.apply_chat_template(
+            prompt,
+            tools=[adapted.calculator, adapted.submit],
+            tokenize=True,
+            add_generation_prompt=True,
+            return_dict=False,
+        )
         assert list(theirs) == ours
 
 
@@ -93,8 +101,17 @@ def test_grpo_trainer_trains_a_step_through_it(tiny_policy, tmp_path):
     tok = AutoTokenizer.from_pretrained(tiny_policy)
     tok.response_template = qwen3_template
     model = AutoModelForCausalLM.from_pretrained(tiny_policy)
-    args = GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, num_generations=2, max_steps=1,
-                      max_completion_length=8, use_cpu=True, report_to="none", save_strategy="no", logging_steps=1)
+    args = GRPOConfig(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        num_generations=2,
+        max_steps=1,
+        max_completion_length=8,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+    )
     environment = trl_environment(CALC, max_turns=4)
     seeds = []
 
@@ -104,8 +121,13 @@ def test_grpo_trainer_trains_a_step_through_it(tiny_policy, tmp_path):
             return super().reset(**row)
 
     Watched.__name__ = environment.__name__
-    trainer = GRPOTrainer(model=model, args=args, processing_class=tok, environment_factory=Watched,
-                          train_dataset=Dataset.from_dict(trl_prompts(CALC, [5, 6], max_turns=4)))
+    trainer = GRPOTrainer(
+        model=model,
+        args=args,
+        processing_class=tok,
+        environment_factory=Watched,
+        train_dataset=Dataset.from_dict(trl_prompts(CALC, [5, 6], max_turns=4)),
+    )
     assert sorted(t.__name__ for t in trainer.tools) == ["calculator", "submit"]
     assert environment.__name__ in trainer.reward_func_names
     trainer.train()

@@ -68,7 +68,9 @@ def test_a_large_seeded_batch_is_prefilled_whole(engine):
     import random
 
     rng = random.Random(0)
-    prompts = [[rng.randrange(8, 1000) for _ in range(338)] for _ in range(64)]  # 21,632 prompt tokens
+    prompts = [
+        [rng.randrange(8, 1000) for _ in range(338)] for _ in range(64)
+    ]  # 21,632 prompt tokens
     gens = engine.generate(prompts, max_tokens=4, seeds=list(range(64)))
     assert len(gens) == 64 and all(len(g.token_ids) >= 1 for g in gens)
     again = engine.generate(prompts[:2], max_tokens=4, seeds=[0, 1])
@@ -83,7 +85,9 @@ def test_reload_bugs_are_caught_and_load_weights_avoids_them(engine, hf_model, p
     new = list(perturbed.state_dict().items())
 
     # 1) reload without the MoE repack: outputs silently wrong even for the right weights
-    engine.llm.collective_rpc("lh_reload_weights", args=(new,), kwargs={"repack_moe": False, "direct": False})
+    engine.llm.collective_rpc(
+        "lh_reload_weights", args=(new,), kwargs={"repack_moe": False, "direct": False}
+    )
     engine.llm.reset_prefix_cache()
     assert gen_error(engine, perturbed, prompt) > 1e-2
 
@@ -110,7 +114,10 @@ def _checkpoint_tensors(path, moved: float = 0.0, seed: int = 0) -> list:
     from safetensors.torch import load_file
 
     g = torch.Generator().manual_seed(seed)
-    return [(n, (t + torch.randn(t.shape, generator=g) * moved).numpy()) for n, t in load_file(f"{path}/model.safetensors").items()]
+    return [
+        (n, (t + torch.randn(t.shape, generator=g) * moved).numpy())
+        for n, t in load_file(f"{path}/model.safetensors").items()
+    ]
 
 
 def _served(worker) -> dict:
@@ -145,27 +152,44 @@ def test_direct_loading_serves_what_vllms_own_reload_serves(engine, hf_model, ti
     n_experts = sum(".experts." in n for n, _ in moved)
     assert n_experts > 0 and any(n.endswith("q_proj.weight") for n, _ in moved)
     try:
-        out = engine.llm.collective_rpc("lh_reload_weights", args=(iter(moved),), kwargs={"direct": False})[0]
+        out = engine.llm.collective_rpc(
+            "lh_reload_weights", args=(iter(moved),), kwargs={"direct": False}
+        )[0]
         assert out == {"tensors": len(moved), "direct": 0, "unstaged": 0}
         engine.llm.reset_prefix_cache()
         ref_served, ref = engine.llm.collective_rpc(_served)[0], engine.score(prompt)
-        engine.load_weights(_checkpoint_tensors(tiny_policy), version=1)  # back, through the direct path
+        engine.load_weights(
+            _checkpoint_tensors(tiny_policy), version=1
+        )  # back, through the direct path
         assert gen_error(engine, hf_model, prompt) < TOL
         out = engine.llm.collective_rpc("lh_reload_weights", args=(iter(moved),))[0]
-        assert out == {"tensors": len(moved), "direct": len(moved), "unstaged": 0}  # separate arrays: staged
+        assert out == {
+            "tensors": len(moved),
+            "direct": len(moved),
+            "unstaged": 0,
+        }  # separate arrays: staged
         engine.llm.reset_prefix_cache()
         served, got = engine.llm.collective_rpc(_served)[0], engine.score(prompt)
         assert served.keys() == ref_served.keys() and any("qkv_proj" in k for k in served)
         assert [k for k in served if not torch.equal(served[k], ref_served[k])] == []
         assert got == ref and max(abs(a - b) for a, b in zip(got, engine.score(prompt))) == 0.0
         partial = [(n, a) for n, a in moved if not n.endswith("experts.1.up_proj.weight")]
-        with pytest.raises(Exception, match=r"layers\.\d+\.mlp\.experts received \d+ of its \d+ expert tensors"):
+        with pytest.raises(
+            Exception, match=r"layers\.\d+\.mlp\.experts received \d+ of its \d+ expert tensors"
+        ):
             engine.llm.collective_rpc("lh_reload_weights", args=(iter(partial),))
         partial = [(n, a) for n, a in moved if not n.endswith("layers.0.self_attn.k_proj.weight")]
-        with pytest.raises(Exception, match=r"layers\.0\.self_attn\.qkv_proj received 2 of its 3 checkpoint tensors"):
+        with pytest.raises(
+            Exception,
+            match=r"layers\.0\.self_attn\.qkv_proj received 2 of its 3 checkpoint tensors",
+        ):
             engine.llm.collective_rpc("lh_reload_weights", args=(iter(partial),))
-        wrong = [(n, a[:-1] if n.endswith("layers.1.self_attn.v_proj.weight") else a) for n, a in moved]
-        with pytest.raises(Exception, match=r"layers\.1\.self_attn\.qkv_proj\.weight shard 2: got shape"):
+        wrong = [
+            (n, a[:-1] if n.endswith("layers.1.self_attn.v_proj.weight") else a) for n, a in moved
+        ]
+        with pytest.raises(
+            Exception, match=r"layers\.1\.self_attn\.qkv_proj\.weight shard 2: got shape"
+        ):
             engine.llm.collective_rpc("lh_reload_weights", args=(iter(wrong),))
     finally:  # back to the checkpoint's weights for the other tests of this session
         engine.load_weights(_checkpoint_tensors(tiny_policy), version=0)
@@ -187,9 +211,20 @@ def _fused_slices(named: list) -> list:
     blocks = {}
     for prefix, ids in experts.items():
         e = range(len(ids))
-        blocks[prefix] = (torch.stack([torch.cat([tensors[f"{prefix}.{i}.gate_proj.weight"],
-                                                  tensors[f"{prefix}.{i}.up_proj.weight"]]) for i in e]),
-                          torch.stack([tensors[f"{prefix}.{i}.down_proj.weight"] for i in e]))
+        blocks[prefix] = (
+            torch.stack(
+                [
+                    torch.cat(
+                        [
+                            tensors[f"{prefix}.{i}.gate_proj.weight"],
+                            tensors[f"{prefix}.{i}.up_proj.weight"],
+                        ]
+                    )
+                    for i in e
+                ]
+            ),
+            torch.stack([tensors[f"{prefix}.{i}.down_proj.weight"] for i in e]),
+        )
     out = []
     for n, t in tensors.items():
         m = re.match(r"(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", n)
@@ -201,7 +236,9 @@ def _fused_slices(named: list) -> list:
     return out
 
 
-def test_experts_sent_as_slices_of_the_kernels_layout_are_packed_without_staging(engine, hf_model, tiny_policy, prompt):
+def test_experts_sent_as_slices_of_the_kernels_layout_are_packed_without_staging(
+    engine, hf_model, tiny_policy, prompt
+):
     """A shared-memory sync sends the experts as slices of the learner's fused blocks, which are in
     the CPU kernel's layout: the engine packs each layer straight from them (no staging copy) and then
     serves exactly what the same weights sent as separate arrays (staged) give. A block whose slices
@@ -252,7 +289,9 @@ def test_a_module_loads_by_one_path_only():
     w, b = torch.arange(4.0), torch.ones(4)
     assert loader.take("norm.weight", w) and loader.take("norm.bias", b)
     assert torch.equal(model.norm.weight.data, w) and torch.equal(model.norm.bias.data, b)
-    assert not loader.take("odd.weight", w) and not loader.take("odd.bias", b)  # both to vLLM's reload
+    assert not loader.take("odd.weight", w) and not loader.take(
+        "odd.bias", b
+    )  # both to vLLM's reload
     assert not loader.take("missing.weight", w)
     with pytest.raises(ValueError, match=r"norm\.weight: got shape \(3,\), the engine's is \(4,\)"):
         loader.take("norm.weight", torch.zeros(3))

@@ -54,8 +54,10 @@ class _Loader(yaml.SafeLoader):
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
-            raise ConfigError(f"line {event.start_mark.line + 1}: YAML aliases (*{event.anchor}) are not accepted "
-                              "in a config: write the value out")
+            raise ConfigError(
+                f"line {event.start_mark.line + 1}: YAML aliases (*{event.anchor}) are not accepted "
+                "in a config: write the value out"
+            )
         return super().compose_node(parent, index)
 
     def construct_mapping(self, node, deep=False):
@@ -63,7 +65,9 @@ class _Loader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)
             if isinstance(key, (str, int, float, bool)) and key in seen:
-                raise ConfigError(f"line {key_node.start_mark.line + 1}: key {short(key)} is given twice")
+                raise ConfigError(
+                    f"line {key_node.start_mark.line + 1}: key {short(key)} is given twice"
+                )
             seen.add(key) if isinstance(key, (str, int, float, bool)) else None
         return super().construct_mapping(node, deep=deep)
 
@@ -123,7 +127,9 @@ def _coerce(value: Any, tp, key: str, source: str):
         return list(value)
     if base in (int, float, str, bool) and type(value) is base:
         return value
-    raise ConfigError(f"{source}: {key} must be {_type_name(tp)}, got {type(value).__name__} {short(value)}")
+    raise ConfigError(
+        f"{source}: {key} must be {_type_name(tp)}, got {type(value).__name__} {short(value)}"
+    )
 
 
 def build_dataclass(cls, raw: dict, prefix: str, source: str):
@@ -148,20 +154,26 @@ def _one_line(exc: Exception) -> str:
 def apply_override(raw: dict, override: str) -> None:
     key, eq, text = override.partition("=")
     if not eq or not key:
-        raise ConfigError(f"command-line override {short(override)} must look like section.key=value")
+        raise ConfigError(
+            f"command-line override {short(override)} must look like section.key=value"
+        )
     node = raw
     parts = key.split(".")
     for part in parts[:-1]:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"command-line override {short(override)}: {short(part)} is not a section")
+            raise ConfigError(
+                f"command-line override {short(override)}: {short(part)} is not a section"
+            )
     try:
         node[parts[-1]] = load_yaml(text) if text.strip() else ""
     except ConfigError as exc:
         raise ConfigError(f"command-line override {short(override)}: {exc}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"command-line override {short(override)}: the value is not valid YAML "
-                          f"({_one_line(exc)})") from None
+        raise ConfigError(
+            f"command-line override {short(override)}: the value is not valid YAML "
+            f"({_one_line(exc)})"
+        ) from None
 
 
 def load_dataclass(cls, path: str | Path):
@@ -176,7 +188,9 @@ def load_dataclass(cls, path: str | Path):
     except PermissionError:
         raise ConfigError(f"config file {source} cannot be read (permission denied)") from None
     except UnicodeDecodeError:
-        raise ConfigError(f"config file {source} is not text (not UTF-8): is it the right file?") from None
+        raise ConfigError(
+            f"config file {source} is not text (not UTF-8): is it the right file?"
+        ) from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: not valid YAML ({_one_line(exc)})") from None
     except ConfigError as exc:

@@ -26,13 +26,29 @@ from __future__ import annotations
 import os
 
 from envs.sandbox.base import (  # noqa: F401  (the package's public names)
-    BACKENDS, HostView, Limits, SandboxBase, SandboxError, SandboxResult, Workspace, classify, host_view, sandbox_env,
-    sandbox_uid, toolchain_paths, workspace_bytes,
+    BACKENDS,
+    HostView,
+    Limits,
+    SandboxBase,
+    SandboxError,
+    SandboxResult,
+    Workspace,
+    classify,
+    host_view,
+    sandbox_env,
+    sandbox_uid,
+    toolchain_paths,
+    workspace_bytes,
 )
 
 
-def open_sandbox(backend: str = "bwrap", *, workspace: str | os.PathLike | None = None,
-                 limits: Limits | None = None, **options):
+def open_sandbox(
+    backend: str = "bwrap",
+    *,
+    workspace: str | os.PathLike | None = None,
+    limits: Limits | None = None,
+    **options,
+):
     """A sandbox of the named backend over `workspace` (a fresh temporary one when None)."""
     limits = limits or Limits()
     if backend == "bwrap":
@@ -69,8 +85,10 @@ def options_problem(backend: str, options: dict) -> str | None:
     except TypeError:
         named = [p.name for p in signature.parameters.values() if p.kind == p.KEYWORD_ONLY]
         unknown = sorted(set(options) - set(named))
-        return (f"the {backend} sandbox does not take {', '.join(map(repr, unknown))}; "
-                f"its options: {', '.join(named) or 'none'}")
+        return (
+            f"the {backend} sandbox does not take {', '.join(map(repr, unknown))}; "
+            f"its options: {', '.join(named) or 'none'}"
+        )
     return None
 
 
@@ -89,4 +107,15 @@ def backend_status(backend: str, docker_host: str | None = None) -> str | None:
     return unavailable_reason()
 
 
-__all__ = ["BACKENDS", "HostView", "host_view", "Limits", "SandboxResult", "SandboxError", "open_sandbox", "options_problem", "backend_status", "classify"]
+__all__ = [
+    "BACKENDS",
+    "HostView",
+    "host_view",
+    "Limits",
+    "SandboxResult",
+    "SandboxError",
+    "open_sandbox",
+    "options_problem",
+    "backend_status",
+    "classify",
+]

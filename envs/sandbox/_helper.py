@@ -22,8 +22,12 @@ import threading
 import time
 
 UID = -1  # the sandbox user, from the command line (main)
-TMP_AT_START: set = set()  # what /tmp held when the sandbox started (bwrap's mount points: never swept)
-FLOOD = 16  # output past this many times the kept bytes: the call is killed rather than left printing
+TMP_AT_START: set = (
+    set()
+)  # what /tmp held when the sandbox started (bwrap's mount points: never swept)
+FLOOD = (
+    16  # output past this many times the kept bytes: the call is killed rather than left printing
+)
 
 
 def as_user() -> None:
@@ -42,7 +46,9 @@ def sweep() -> None:
         try:
             as_user()
             deadline = time.monotonic() + 2.0
-            while time.monotonic() < deadline:  # a fork in flight when the first signal lands: send again
+            while (
+                time.monotonic() < deadline
+            ):  # a fork in flight when the first signal lands: send again
                 try:
                     os.kill(-1, signal.SIGKILL)
                 except ProcessLookupError:
@@ -95,7 +101,9 @@ def living() -> list[int]:
                     fields = dict(line.split(":", 1) for line in fh if ":" in line)
             except OSError:
                 continue
-            if int(fields.get("Uid", "-1").split()[0]) == UID and not fields.get("State", "").strip().startswith("Z"):
+            if int(fields.get("Uid", "-1").split()[0]) == UID and not fields.get(
+                "State", ""
+            ).strip().startswith("Z"):
                 out.append(int(name))
     return out
 
@@ -140,7 +148,9 @@ def child(argv, lim, fds) -> None:
         os.closerange(3, 4096)
         as_user()
         cpu, mem, fsize = int(lim["cpu_s"]), lim["memory_mb"] << 20, lim["file_mb"] << 20
-        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU, then SIGKILL a second later
+        resource.setrlimit(
+            resource.RLIMIT_CPU, (cpu, cpu + 1)
+        )  # SIGXCPU, then SIGKILL a second later
         resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
         resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
@@ -208,16 +218,25 @@ def run(req: dict) -> dict:
     for fd in (out_r, err_r):
         os.close(fd)
     code = os.waitstatus_to_exitcode(status[0])
-    result = {"exit_code": 128 - code if code < 0 else code, "stdout": out.text(), "stderr": err.text(),
-              "truncated": out.total > out.kept or err.total > err.kept, "timed_out": timed_out,
-              "killed": timed_out or flooded.is_set() or code < 0, "resource": None, "events": [],
-              "duration_s": time.monotonic() - t0}
+    result = {
+        "exit_code": 128 - code if code < 0 else code,
+        "stdout": out.text(),
+        "stderr": err.text(),
+        "truncated": out.total > out.kept or err.total > err.kept,
+        "timed_out": timed_out,
+        "killed": timed_out or flooded.is_set() or code < 0,
+        "resource": None,
+        "events": [],
+        "duration_s": time.monotonic() - t0,
+    }
     if timed_out:
         result["resource"] = "wall_time"
         result["events"].append(f"killed at the wall-time limit ({lim['timeout_s']:g}s)")
     elif flooded.is_set():
         result["resource"] = "output"
-        result["events"].append(f"killed for output flooding (> {FLOOD}x {lim['output_bytes']} bytes)")
+        result["events"].append(
+            f"killed for output flooding (> {FLOOD}x {lim['output_bytes']} bytes)"
+        )
     return result
 
 

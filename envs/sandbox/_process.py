@@ -13,7 +13,7 @@ import signal
 import subprocess
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from envs.sandbox._helper import FLOOD as _FLOOD_FACTOR
 from envs.sandbox._helper import Capture
@@ -46,15 +46,29 @@ def _kill_group(pgid: int) -> None:
         pass
 
 
-def run_process(argv: list[str], *, limits: Limits, backend: str, cwd: str | None = None,
-                env: dict | None = None, stdin: str | None = None,
-                preexec: Callable[[], None] | None = None, pass_fds=()) -> SandboxResult:
+def run_process(
+    argv: list[str],
+    *,
+    limits: Limits,
+    backend: str,
+    cwd: str | None = None,
+    env: dict | None = None,
+    stdin: str | None = None,
+    preexec: Callable[[], None] | None = None,
+    pass_fds=(),
+) -> SandboxResult:
     """Run `argv`; return its result (limits known here filled in; the rest is `classify`'s)."""
     t0 = time.monotonic()
     proc = subprocess.Popen(
-        argv, cwd=cwd, env=env, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-        preexec_fn=preexec, pass_fds=pass_fds,
+        argv,
+        cwd=cwd,
+        env=env,
+        stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+        preexec_fn=preexec,
+        pass_fds=pass_fds,
     )
     flooded = threading.Event()
 
@@ -67,6 +81,7 @@ def run_process(argv: list[str], *, limits: Limits, backend: str, cwd: str | Non
     out.start()
     err.start()
     if stdin is not None:
+
         def feed():
             try:
                 proc.stdin.write(stdin.encode())
@@ -101,5 +116,7 @@ def run_process(argv: list[str], *, limits: Limits, backend: str, cwd: str | Non
         result.events.append(f"killed at the wall-time limit ({limits.timeout_s:g}s)")
     elif flooded.is_set():
         result.resource = "output"
-        result.events.append(f"killed for output flooding (> {_FLOOD_FACTOR}x {limits.output_bytes} bytes)")
+        result.events.append(
+            f"killed for output flooding (> {_FLOOD_FACTOR}x {limits.output_bytes} bytes)"
+        )
     return result

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import itertools
 import os
-import stat
 import shutil
 import signal
+import stat
 import sys
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -44,7 +43,7 @@ class Limits:
     """Workspace size after the call, in MiB; above it the result reports `resource="disk"`."""
 
     @classmethod
-    def within(cls, timeout_s: float, **kwargs) -> "Limits":
+    def within(cls, timeout_s: float, **kwargs) -> Limits:
         """Limits for a `timeout_s` wall clock, with CPU time at half of it so a busy loop is reported
         as `cpu_time` rather than running into the wall."""
         return cls(timeout_s=timeout_s, cpu_s=max(1, int(timeout_s / 2)), **kwargs)
@@ -105,7 +104,12 @@ def _clip(text: str, n: int) -> str:
 _SIGNAL_RESOURCE = {signal.SIGXCPU: "cpu_time", signal.SIGXFSZ: "file_size"}
 # What programs print when a memory or process limit refuses them (there is no signal for those).
 _MEMORY_WORDS = ("MemoryError", "Cannot allocate memory", "bad_alloc", "out of memory")
-_PROCESS_WORDS = ("Resource temporarily unavailable", "BlockingIOError", "can't fork", "Cannot fork")
+_PROCESS_WORDS = (
+    "Resource temporarily unavailable",
+    "BlockingIOError",
+    "can't fork",
+    "Cannot fork",
+)
 _FILE_SIZE_WORDS = ("File size limit exceeded",)  # what a shell says of a child killed by SIGXFSZ
 
 
@@ -123,9 +127,13 @@ def classify(result: SandboxResult, *, oom: bool = False) -> None:
     found = None
     if code != 0 and any(w in err for w in _MEMORY_WORDS):
         found = "memory"
-    elif any(w in err for w in _FILE_SIZE_WORDS):  # a child killed by SIGXFSZ, its shell line exiting 0
+    elif any(
+        w in err for w in _FILE_SIZE_WORDS
+    ):  # a child killed by SIGXFSZ, its shell line exiting 0
         found = "file_size"
-    elif any(w in err for w in _PROCESS_WORDS):  # a fork bomb's children fail even when its parent exits 0
+    elif any(
+        w in err for w in _PROCESS_WORDS
+    ):  # a fork bomb's children fail even when its parent exits 0
         found = "processes"
     if found and result.resource is None:
         result.resource = found
@@ -164,7 +172,9 @@ class Workspace:
 
     def __init__(self, path: str | os.PathLike | None, owner: int | None = None):
         self.owned = path is None
-        self.path = Path(tempfile.mkdtemp(prefix="lh-ws-")) if path is None else Path(path).resolve()
+        self.path = (
+            Path(tempfile.mkdtemp(prefix="lh-ws-")) if path is None else Path(path).resolve()
+        )
         self.path.mkdir(parents=True, exist_ok=True)
         self.owner = owner
         if owner is not None:
@@ -232,13 +242,17 @@ class SandboxBase:
     def path(self) -> Path:
         return self.workspace.path
 
-    def _check_disk(self, result: SandboxResult, limits: Limits, started: float = 0.0) -> SandboxResult:
+    def _check_disk(
+        self, result: SandboxResult, limits: Limits, started: float = 0.0
+    ) -> SandboxResult:
         """The workspace after a call that began at `started` (time.time()): over the disk limit, or
         holding a file this call wrote up to the file size limit."""
         used = workspace_bytes(self.path)
         if used > limits.disk_mb << 20:
             result.resource = result.resource or "disk"
-            result.events.append(f"workspace holds {used >> 20} MiB, over the {limits.disk_mb} MiB limit")
+            result.events.append(
+                f"workspace holds {used >> 20} MiB, over the {limits.disk_mb} MiB limit"
+            )
         # RLIMIT_FSIZE stops a write at the limit and kills the writer (SIGXFSZ), but a shell line
         # whose last command succeeded still exits 0: a file at the limit says it was hit
         if result.resource is None and largest_file(self.path, started) >= limits.file_mb << 20:
@@ -298,15 +312,24 @@ def host_view(extra_ro: list[str] | None = None) -> HostView:
         elif host.is_dir():
             dirs.append(str(host))
     extra = toolchain_paths() if extra_ro is None else [str(Path(p).resolve()) for p in extra_ro]
-    return HostView(links, dirs, [f for f in _ETC_FILES if os.path.exists(f)],
-                    [p for p in extra if not (p == "/usr" or p.startswith("/usr/")) and os.path.isdir(p)])
+    return HostView(
+        links,
+        dirs,
+        [f for f in _ETC_FILES if os.path.exists(f)],
+        [p for p in extra if not (p == "/usr" or p.startswith("/usr/")) and os.path.isdir(p)],
+    )
 
 
 def sandbox_env(extra: dict | None = None) -> dict:
     """The environment inside a sandbox: nothing of the host's but a PATH to the same Python."""
     venv_bin = [str(Path(sys.prefix) / "bin")] if sys.prefix != sys.base_prefix else []
     return {
-        "PATH": ":".join(venv_bin + [str(Path(sys.base_prefix) / "bin"), "/usr/local/bin", "/usr/bin", "/bin"]),
-        "HOME": "/workspace", "TMPDIR": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
+        "PATH": ":".join(
+            venv_bin + [str(Path(sys.base_prefix) / "bin"), "/usr/local/bin", "/usr/bin", "/bin"]
+        ),
+        "HOME": "/workspace",
+        "TMPDIR": "/tmp",
+        "LANG": "C.UTF-8",
+        "PYTHONDONTWRITEBYTECODE": "1",
         **(extra or {}),
     }

@@ -51,9 +51,18 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from envs.sandbox.base import (Limits, SandboxBase, SandboxError, SandboxResult, Workspace, classify, host_view,
-                          sandbox_env, sandbox_uid)
 from envs.sandbox._process import rlimit_setter, run_process
+from envs.sandbox.base import (
+    Limits,
+    SandboxBase,
+    SandboxError,
+    SandboxResult,
+    Workspace,
+    classify,
+    host_view,
+    sandbox_env,
+    sandbox_uid,
+)
 from envs.sandbox.cgroup import SandboxCgroup
 
 
@@ -90,8 +99,15 @@ def _user_process_count(uid: int) -> int:
 class BwrapSandbox(SandboxBase):
     backend = "bwrap"
 
-    def __init__(self, workspace=None, limits: Limits | None = None, *, extra_ro: list[str] | None = None,
-                 env: dict | None = None, per_episode: bool = True):
+    def __init__(
+        self,
+        workspace=None,
+        limits: Limits | None = None,
+        *,
+        extra_ro: list[str] | None = None,
+        env: dict | None = None,
+        per_episode: bool = True,
+    ):
         reason = unavailable_reason()
         if reason:
             raise SandboxError(reason)
@@ -130,10 +146,27 @@ class BwrapSandbox(SandboxBase):
 
     def command(self, argv: list[str], status_fd: int | None, drop_user: bool = True) -> list[str]:
         if self.as_root:
-            ns = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
-                  "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-            drop = [shutil.which("setpriv"), f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups",
-                    "--inh-caps=-all", "--"]
+            ns = [
+                "--unshare-ipc",
+                "--unshare-pid",
+                "--unshare-net",
+                "--unshare-uts",
+                "--unshare-cgroup-try",
+                "--cap-drop",
+                "ALL",
+                "--cap-add",
+                "CAP_SETUID",
+                "--cap-add",
+                "CAP_SETGID",
+            ]
+            drop = [
+                shutil.which("setpriv"),
+                f"--reuid={self.uid}",
+                f"--regid={self.uid}",
+                "--clear-groups",
+                "--inh-caps=-all",
+                "--",
+            ]
         else:
             ns = ["--unshare-all", "--disable-userns", "--cap-drop", "ALL"]
             drop = []
@@ -141,10 +174,25 @@ class BwrapSandbox(SandboxBase):
         for k, v in self.env.items():
             env += ["--setenv", k, v]
         status = ["--json-status-fd", str(status_fd)] if status_fd is not None else []
-        return [self.binary, *ns, "--die-with-parent", "--new-session", "--hostname", "sandbox", *status,
-                "--clearenv", *env, *self._mounts(), "--", *(drop if drop_user else []), *argv]
+        return [
+            self.binary,
+            *ns,
+            "--die-with-parent",
+            "--new-session",
+            "--hostname",
+            "sandbox",
+            *status,
+            "--clearenv",
+            *env,
+            *self._mounts(),
+            "--",
+            *(drop if drop_user else []),
+            *argv,
+        ]
 
-    def run(self, argv: list[str] | str, *, stdin: str | None = None, limits: Limits | None = None) -> SandboxResult:
+    def run(
+        self, argv: list[str] | str, *, stdin: str | None = None, limits: Limits | None = None
+    ) -> SandboxResult:
         limits = limits or self.limits
         if isinstance(argv, str):
             argv = ["/bin/sh", "-c", argv]
@@ -153,7 +201,11 @@ class BwrapSandbox(SandboxBase):
         kills = self._memory_limit(limits)
         if self.per_episode:
             return self._run_in_session(argv, stdin, limits, started, kills)
-        nproc = limits.processes if self.as_root else _user_process_count(os.getuid()) + limits.processes
+        nproc = (
+            limits.processes
+            if self.as_root
+            else _user_process_count(os.getuid()) + limits.processes
+        )
         r_fd, w_fd = os.pipe()
         rlimits = rlimit_setter(limits, processes=nproc)
         enter = self.cgroup.enter if self.cgroup is not None else None
@@ -164,8 +216,14 @@ class BwrapSandbox(SandboxBase):
                 enter()
 
         try:
-            result = run_process(self.command(argv, w_fd), limits=limits, backend=self.backend, stdin=stdin,
-                                    preexec=preexec, pass_fds=(w_fd,))
+            result = run_process(
+                self.command(argv, w_fd),
+                limits=limits,
+                backend=self.backend,
+                stdin=stdin,
+                preexec=preexec,
+                pass_fds=(w_fd,),
+            )
         finally:
             os.close(w_fd)
         with os.fdopen(r_fd) as fh:
@@ -175,7 +233,11 @@ class BwrapSandbox(SandboxBase):
                     status.update(json.loads(line))
                 except json.JSONDecodeError:
                     pass
-        if "exit-code" not in status and result.stderr.startswith("bwrap:") and not result.timed_out:
+        if (
+            "exit-code" not in status
+            and result.stderr.startswith("bwrap:")
+            and not result.timed_out
+        ):
             raise SandboxError(f"bwrap could not start the sandbox: {result.stderr.strip()[:500]}")
         if "exit-code" in status and not result.timed_out and result.resource != "output":
             result.exit_code = int(status["exit-code"])
@@ -193,16 +255,22 @@ class BwrapSandbox(SandboxBase):
         """Whether the kernel killed a process of the sandbox for its memory limit during the call."""
         if self.cgroup is None or self.cgroup.oom_kills() <= before:
             return False
-        result.events.append(f"the sandbox's memory limit ({self.cgroup.limit_mb} MiB for all its processes, "
-                             f"cgroup v{self.cgroup.version}) was reached")
+        result.events.append(
+            f"the sandbox's memory limit ({self.cgroup.limit_mb} MiB for all its processes, "
+            f"cgroup v{self.cgroup.version}) was reached"
+        )
         return True
 
-    def _run_in_session(self, argv: list[str], stdin: str | None, limits: Limits, started: float,
-                        kills: int) -> SandboxResult:
+    def _run_in_session(
+        self, argv: list[str], stdin: str | None, limits: Limits, started: float, kills: int
+    ) -> SandboxResult:
         if self._session is None or not self._session.alive():
-            self._session = _Session(self.command([sys.executable, "-I", "-c", HELPER, str(self.uid)], None,
-                                                  drop_user=False),
-                                     preexec=self.cgroup.enter if self.cgroup is not None else None)
+            self._session = _Session(
+                self.command(
+                    [sys.executable, "-I", "-c", HELPER, str(self.uid)], None, drop_user=False
+                ),
+                preexec=self.cgroup.enter if self.cgroup is not None else None,
+            )
         request = {"argv": argv, "stdin": stdin, "limits": asdict(limits)}
         try:
             reply = self._session.call(request, timeout_s=limits.timeout_s + 30)
@@ -232,8 +300,14 @@ class _Session:
     bwrap's process before it starts (the sandbox's cgroup: everything below it is counted)."""
 
     def __init__(self, argv: list[str], preexec=None):
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     start_new_session=True, preexec_fn=preexec)
+        self.proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            preexec_fn=preexec,
+        )
         self._buf = b""
 
     def alive(self) -> bool:

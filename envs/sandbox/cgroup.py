@@ -42,23 +42,32 @@ class SandboxCgroup:
         self.path, self.version, self.limit_mb = path, version, limit_mb
 
     @classmethod
-    def make(cls, limit_mb: int) -> "SandboxCgroup | None":
+    def make(cls, limit_mb: int) -> SandboxCgroup | None:
         """A new cgroup limited to `limit_mb` MiB, or None where none can be made here."""
         name = f"longhorizon-sandbox-{os.getpid()}-{next(_names)}"
         limit = str(limit_mb << 20)
         v2 = _own(r"0::(/.*)$")
         if v2 is not None and (ROOT / "cgroup.controllers").exists():
-            made = cls._try(ROOT / v2.lstrip("/") / name, {"memory.max": limit, "memory.swap.max": "0"}, 2, limit_mb)
+            made = cls._try(
+                ROOT / v2.lstrip("/") / name,
+                {"memory.max": limit, "memory.swap.max": "0"},
+                2,
+                limit_mb,
+            )
             if made:
                 return made
         v1 = _own(r"\d+:memory:(/.*)$")
         if v1 is not None and (ROOT / "memory").is_dir():
-            return cls._try(ROOT / "memory" / v1.lstrip("/") / name,
-                            {"memory.limit_in_bytes": limit, "memory.memsw.limit_in_bytes": limit}, 1, limit_mb)
+            return cls._try(
+                ROOT / "memory" / v1.lstrip("/") / name,
+                {"memory.limit_in_bytes": limit, "memory.memsw.limit_in_bytes": limit},
+                1,
+                limit_mb,
+            )
         return None
 
     @classmethod
-    def _try(cls, path: Path, settings: dict, version: int, limit_mb: int) -> "SandboxCgroup | None":
+    def _try(cls, path: Path, settings: dict, version: int, limit_mb: int) -> SandboxCgroup | None:
         try:
             path.mkdir()
         except OSError:
@@ -88,8 +97,14 @@ class SandboxCgroup:
         if limit_mb == self.limit_mb:
             return
         value = str(limit_mb << 20)
-        keys = ("memory.max",) if self.version == 2 else ("memory.memsw.limit_in_bytes", "memory.limit_in_bytes")
-        if limit_mb > self.limit_mb and self.version == 1:  # v1: memsw must stay >= the memory limit
+        keys = (
+            ("memory.max",)
+            if self.version == 2
+            else ("memory.memsw.limit_in_bytes", "memory.limit_in_bytes")
+        )
+        if (
+            limit_mb > self.limit_mb and self.version == 1
+        ):  # v1: memsw must stay >= the memory limit
             keys = tuple(reversed(keys))
         for key in keys:
             try:

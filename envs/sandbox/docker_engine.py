@@ -31,12 +31,22 @@ import shutil
 import tarfile
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
-from envs.sandbox.base import (HostView, Limits, SandboxBase, SandboxError, SandboxResult, Workspace, classify,
-                          host_view, sandbox_env, sandbox_uid)
+from envs.sandbox.base import (
+    HostView,
+    Limits,
+    SandboxBase,
+    SandboxError,
+    SandboxResult,
+    Workspace,
+    classify,
+    host_view,
+    sandbox_env,
+    sandbox_uid,
+)
 
 IMAGE = "longhorizon/sandbox:0"
 
@@ -49,7 +59,9 @@ def _client(docker_host: str | None = None):
         client.ping()
         return client
     except Exception as exc:  # DockerException, connection refused, missing socket
-        raise SandboxError(f"no Docker engine reachable at {docker_host or os.environ.get('DOCKER_HOST') or 'the default socket'}: {exc}") from None
+        raise SandboxError(
+            f"no Docker engine reachable at {docker_host or os.environ.get('DOCKER_HOST') or 'the default socket'}: {exc}"
+        ) from None
 
 
 def unavailable_reason(docker_host: str | None = None) -> str | None:
@@ -64,6 +76,7 @@ def _skeleton_tar(host: HostView) -> bytes:
     """A root filesystem of empty mount points and the host's /bin, /lib* links."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
+
         def add_dir(name, mode=0o755):
             info = tarfile.TarInfo(name)
             info.type, info.mode = tarfile.DIRTYPE, mode
@@ -100,8 +113,16 @@ def ensure_image(client, host: HostView) -> str:
 class DockerSandbox(SandboxBase):
     backend = "docker"
 
-    def __init__(self, workspace=None, limits: Limits | None = None, *, docker_host: str | None = None,
-                 runtime: str | None = None, extra_ro: list[str] | None = None, env: dict | None = None):
+    def __init__(
+        self,
+        workspace=None,
+        limits: Limits | None = None,
+        *,
+        docker_host: str | None = None,
+        runtime: str | None = None,
+        extra_ro: list[str] | None = None,
+        env: dict | None = None,
+    ):
         self.client = _client(docker_host)
         self.host = host_view(extra_ro)
         self.image = ensure_image(self.client, self.host)
@@ -113,12 +134,17 @@ class DockerSandbox(SandboxBase):
         self.env = sandbox_env(env)
 
     def _volumes(self, io_dir: str) -> dict:
-        vols = {p: {"bind": p, "mode": "ro"} for p in self.host.dirs + self.host.etc_files + self.host.extra}
+        vols = {
+            p: {"bind": p, "mode": "ro"}
+            for p in self.host.dirs + self.host.etc_files + self.host.extra
+        }
         vols[str(self.path)] = {"bind": "/workspace", "mode": "rw"}
         vols[io_dir] = {"bind": "/.io", "mode": "rw"}
         return vols
 
-    def run(self, argv: list[str] | str, *, stdin: str | None = None, limits: Limits | None = None) -> SandboxResult:
+    def run(
+        self, argv: list[str] | str, *, stdin: str | None = None, limits: Limits | None = None
+    ) -> SandboxResult:
         import docker
         import requests
 
@@ -146,15 +172,33 @@ class DockerSandbox(SandboxBase):
         timed_out = False
         try:
             container = self.client.containers.create(
-                self.image, argv, detach=True, user=f"{self.uid}:{self.uid}", working_dir="/workspace",
-                environment=self.env, volumes=self._volumes(str(io_dir)), network_mode="none", read_only=True,
-                tmpfs={"/tmp": f"size={limits.disk_mb}m,mode=1777"}, mem_limit=f"{limits.memory_mb}m",
-                memswap_limit=f"{limits.memory_mb}m", pids_limit=pids_limit, nano_cpus=10**9,
-                ulimits=[docker.types.Ulimit(name="cpu", soft=int(limits.cpu_s), hard=int(limits.cpu_s) + 1),
-                         docker.types.Ulimit(name="fsize", soft=limits.file_mb << 20, hard=limits.file_mb << 20),
-                         docker.types.Ulimit(name="core", soft=0, hard=0),
-                         docker.types.Ulimit(name="nproc", soft=limits.processes, hard=limits.processes)],
-                cap_drop=["ALL"], security_opt=["no-new-privileges"], runtime=self.runtime,
+                self.image,
+                argv,
+                detach=True,
+                user=f"{self.uid}:{self.uid}",
+                working_dir="/workspace",
+                environment=self.env,
+                volumes=self._volumes(str(io_dir)),
+                network_mode="none",
+                read_only=True,
+                tmpfs={"/tmp": f"size={limits.disk_mb}m,mode=1777"},
+                mem_limit=f"{limits.memory_mb}m",
+                memswap_limit=f"{limits.memory_mb}m",
+                pids_limit=pids_limit,
+                nano_cpus=10**9,
+                ulimits=[
+                    docker.types.Ulimit(
+                        name="cpu", soft=int(limits.cpu_s), hard=int(limits.cpu_s) + 1
+                    ),
+                    docker.types.Ulimit(
+                        name="fsize", soft=limits.file_mb << 20, hard=limits.file_mb << 20
+                    ),
+                    docker.types.Ulimit(name="core", soft=0, hard=0),
+                    docker.types.Ulimit(name="nproc", soft=limits.processes, hard=limits.processes),
+                ],
+                cap_drop=["ALL"],
+                security_opt=["no-new-privileges"],
+                runtime=self.runtime,
                 log_config=docker.types.LogConfig(type="none"),
             )
             container.start()
@@ -183,15 +227,23 @@ class DockerSandbox(SandboxBase):
         shutil.rmtree(io_dir, ignore_errors=True)
         flooded = max(sizes) > 16 * keep
         result = SandboxResult(
-            exit_code=code, stdout=texts[0], stderr=texts[1], truncated=max(sizes) > keep, timed_out=timed_out,
-            killed=timed_out, duration_s=time.monotonic() - t0, backend=self.backend,
+            exit_code=code,
+            stdout=texts[0],
+            stderr=texts[1],
+            truncated=max(sizes) > keep,
+            timed_out=timed_out,
+            killed=timed_out,
+            duration_s=time.monotonic() - t0,
+            backend=self.backend,
         )
         if timed_out:
             result.resource = "wall_time"
             result.events.append(f"killed at the wall-time limit ({limits.timeout_s:g}s)")
         elif flooded:
             result.resource = "output"
-            result.events.append(f"output flood: {max(sizes)} bytes written, stopped by the file-size limit")
+            result.events.append(
+                f"output flood: {max(sizes)} bytes written, stopped by the file-size limit"
+            )
         classify(result, oom=oom)
         return self._check_disk(result, limits, started)
 
@@ -201,7 +253,9 @@ class DockerSandbox(SandboxBase):
 
 
 def dockerd_binary() -> str | None:
-    return shutil.which("dockerd") or next((p for p in ("/usr/sbin/dockerd", "/usr/bin/dockerd") if os.path.exists(p)), None)
+    return shutil.which("dockerd") or next(
+        (p for p in ("/usr/sbin/dockerd", "/usr/bin/dockerd") if os.path.exists(p)), None
+    )
 
 
 def private_dockerd_unavailable() -> str | None:
@@ -226,24 +280,43 @@ def private_dockerd(root: str | Path | None = None, timeout_s: float = 60.0) -> 
     reason = private_dockerd_unavailable()
     if reason:
         raise RuntimeError(reason)
-    d = Path(root or f"/tmp/lh-dockerd-{os.getpid()}")  # short: unix socket paths are limited to 108 bytes
+    d = Path(
+        root or f"/tmp/lh-dockerd-{os.getpid()}"
+    )  # short: unix socket paths are limited to 108 bytes
     d.mkdir(parents=True, exist_ok=True)
     sock = f"unix://{d}/docker.sock"
-    runsc = shutil.which("runsc") or ("/usr/bin/runsc" if os.path.exists("/usr/bin/runsc") else None)
-    runtimes = {"runtimes": {"runsc": {"path": runsc, "runtimeArgs": ["--network=none"]}}} if runsc else {}
+    runsc = shutil.which("runsc") or (
+        "/usr/bin/runsc" if os.path.exists("/usr/bin/runsc") else None
+    )
+    runtimes = (
+        {"runtimes": {"runsc": {"path": runsc, "runtimeArgs": ["--network=none"]}}} if runsc else {}
+    )
     (d / "daemon.json").write_text(json.dumps(runtimes))
     log = open(d / "dockerd.log", "w")
     proc = subprocess.Popen(
-        [dockerd_binary(), f"--config-file={d}/daemon.json", f"--host={sock}", f"--data-root={d}/data",
-         f"--exec-root={d}/exec", f"--pidfile={d}/dockerd.pid", "--bridge=none", "--iptables=false",
-         "--ip6tables=false", "--ip-masq=false"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            dockerd_binary(),
+            f"--config-file={d}/daemon.json",
+            f"--host={sock}",
+            f"--data-root={d}/data",
+            f"--exec-root={d}/exec",
+            f"--pidfile={d}/dockerd.pid",
+            "--bridge=none",
+            "--iptables=false",
+            "--ip6tables=false",
+            "--ip-masq=false",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + timeout_s
         while unavailable_reason(sock) is not None:
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"dockerd did not start; its log: {(d / 'dockerd.log').read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"dockerd did not start; its log: {(d / 'dockerd.log').read_text()[-2000:]}"
+                )
             time.sleep(0.3)
         yield sock
     finally:
@@ -256,7 +329,9 @@ def private_dockerd(root: str | Path | None = None, timeout_s: float = 60.0) -> 
         log.close()
         # a dockerd stopped with containers still mounted leaves mounts under its root: detach them first
         with open("/proc/mounts") as fh:
-            stale = sorted({line.split()[1] for line in fh if line.split()[1].startswith(str(d))}, reverse=True)
+            stale = sorted(
+                {line.split()[1] for line in fh if line.split()[1].startswith(str(d))}, reverse=True
+            )
         for mount in stale:
             subprocess.run(["umount", "-l", mount], capture_output=True)
         shutil.rmtree(d, ignore_errors=True)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 import time
 
-from envs.sandbox.base import Limits, SandboxBase, SandboxResult, Workspace, classify
 from envs.sandbox._process import rlimit_setter, run_process
+from envs.sandbox.base import Limits, SandboxBase, SandboxResult, Workspace, classify
 
 
 class UnsafeSandbox(SandboxBase):
@@ -28,12 +28,21 @@ class UnsafeSandbox(SandboxBase):
         self.workspace = Workspace(workspace)
         self.env = {**os.environ, "HOME": str(self.workspace.path), **(env or {})}
 
-    def run(self, argv: list[str] | str, *, stdin: str | None = None, limits: Limits | None = None) -> SandboxResult:
+    def run(
+        self, argv: list[str] | str, *, stdin: str | None = None, limits: Limits | None = None
+    ) -> SandboxResult:
         limits = limits or self.limits
         if isinstance(argv, str):
             argv = ["/bin/sh", "-c", argv]
         started = time.time()
-        result = run_process(argv, limits=limits, backend=self.backend, cwd=str(self.path), env=self.env,
-                                stdin=stdin, preexec=rlimit_setter(limits, processes=0))
+        result = run_process(
+            argv,
+            limits=limits,
+            backend=self.backend,
+            cwd=str(self.path),
+            env=self.env,
+            stdin=stdin,
+            preexec=rlimit_setter(limits, processes=0),
+        )
         classify(result)
         return self._check_disk(result, limits, started)

@@ -13,20 +13,40 @@ from __future__ import annotations
 from policy.checkpoint import is_policy_checkpoint
 
 
-def make_engine(kind: str, policy_path: str, *, seed: int, max_model_len: int, dtype: str = "float32",
-                kv_cache_gib: float = 1.0, enforce_eager: bool = True, max_batch: int = 32,
-                gpu_memory_utilization: float = 0.0):
+def make_engine(
+    kind: str,
+    policy_path: str,
+    *,
+    seed: int,
+    max_model_len: int,
+    dtype: str = "float32",
+    kv_cache_gib: float = 1.0,
+    enforce_eager: bool = True,
+    max_batch: int = 32,
+    gpu_memory_utilization: float = 0.0,
+):
     """The engine `kind` serving `policy_path`; a checkpoint the engine cannot serve is refused by name."""
     if kind == "native":
         if not is_policy_checkpoint(policy_path):
-            raise ValueError(f"rollout.engine=native serves the project's policy/ model only; {policy_path} is a "
-                             "Hugging Face checkpoint (use rollout.engine=vllm)")
+            raise ValueError(
+                f"rollout.engine=native serves the project's policy/ model only; {policy_path} is a "
+                "Hugging Face checkpoint (use rollout.engine=vllm)"
+            )
         from rollout.engines.native import NativeEngine
 
-        return NativeEngine(policy_path, seed=seed, max_model_len=max_model_len, dtype=dtype, max_batch=max_batch)
+        return NativeEngine(
+            policy_path, seed=seed, max_model_len=max_model_len, dtype=dtype, max_batch=max_batch
+        )
     if kind == "vllm":
         from rollout.engines.vllm_engine import VLLMEngine
 
-        return VLLMEngine(policy_path, seed=seed, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib, dtype=dtype,
-                          enforce_eager=enforce_eager, gpu_memory_utilization=gpu_memory_utilization)
+        return VLLMEngine(
+            policy_path,
+            seed=seed,
+            max_model_len=max_model_len,
+            kv_cache_gib=kv_cache_gib,
+            dtype=dtype,
+            enforce_eager=enforce_eager,
+            gpu_memory_utilization=gpu_memory_utilization,
+        )
     raise ValueError(f"unknown rollout engine {kind!r}: vllm or native")

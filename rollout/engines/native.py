@@ -41,9 +41,9 @@ import dataclasses
 import os
 import time
 from collections import OrderedDict, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -85,7 +85,11 @@ def select_rows(cache: PolicyCache, rows: list[int]) -> PolicyCache:
         if isinstance(st, KDAState):
             layers.append(KDAState(*(t.index_select(0, idx) for t in _fields(st))))
         else:
-            c_kv, k_rope, pad = st.c_kv.index_select(0, idx), st.k_rope.index_select(0, idx), st.pad.index_select(0, idx)
+            c_kv, k_rope, pad = (
+                st.c_kv.index_select(0, idx),
+                st.k_rope.index_select(0, idx),
+                st.pad.index_select(0, idx),
+            )
             trim = int(pad.min())
             layers.append(MLACache(c_kv[:, trim:], k_rope[:, trim:], pad - trim))
     return PolicyCache(layers)
@@ -103,8 +107,13 @@ def merge_rows(a: PolicyCache | None, b: PolicyCache) -> PolicyCache:
             sa, sb = _with_pad(sa), _with_pad(sb)
             n = max(sa.length, sb.length)
             parts = [_left_pad(s, n - s.length) for s in (sa, sb)]
-            layers.append(MLACache(torch.cat([p.c_kv for p in parts]), torch.cat([p.k_rope for p in parts]),
-                                   torch.cat([p.pad for p in parts])))
+            layers.append(
+                MLACache(
+                    torch.cat([p.c_kv for p in parts]),
+                    torch.cat([p.k_rope for p in parts]),
+                    torch.cat([p.pad for p in parts]),
+                )
+            )
     return PolicyCache(layers)
 
 
@@ -123,19 +132,31 @@ def _left_pad(st: MLACache, n: int) -> MLACache:
 def _unpadded_row(cache: PolicyCache, row: int) -> PolicyCache:
     """One row's cache without its padding (what the prefix cache keeps)."""
     one = select_rows(cache, [row])
-    return PolicyCache([st if isinstance(st, KDAState) else MLACache(st.c_kv, st.k_rope, None) for st in one.layers])
+    return PolicyCache(
+        [
+            st if isinstance(st, KDAState) else MLACache(st.c_kv, st.k_rope, None)
+            for st in one.layers
+        ]
+    )
 
 
 def _clone(cache: PolicyCache) -> PolicyCache:
-    return PolicyCache([type(st)(*(None if t is None else t.clone() for t in _fields(st))) for st in cache.layers])
+    return PolicyCache(
+        [type(st)(*(None if t is None else t.clone() for t in _fields(st))) for st in cache.layers]
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Sampling
 
 
-def processed_logprobs(logits_BV: torch.Tensor, temperature: float, top_k: int, top_p: float,
-                       banned_ids: list[int] | None = None) -> torch.Tensor:
+def processed_logprobs(
+    logits_BV: torch.Tensor,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    banned_ids: list[int] | None = None,
+) -> torch.Tensor:
     """Log-probs of the distribution sampled from: banned tokens removed, temperature, then top-k,
     then top-p (the smallest set of most likely tokens whose mass reaches top_p), renormalised;
     -inf elsewhere."""
@@ -161,8 +182,17 @@ class NativeEngine:
     """Generate with per-token log-probs and routed experts, score fixed sequences, load new
     weights in place; see the module docstring."""
 
-    def __init__(self, model_path: str, *, seed: int = 0, max_model_len: int = 4096, dtype: str = "float32",
-                 max_batch: int = 32, prefix_cache_entries: int = 64, threads: int | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        seed: int = 0,
+        max_model_len: int = 4096,
+        dtype: str = "float32",
+        max_batch: int = 32,
+        prefix_cache_entries: int = 64,
+        threads: int | None = None,
+    ):
         from policy.checkpoint import load_policy
 
         # every core this process may use (default): Ray starts an actor reserving under one CPU
@@ -183,16 +213,31 @@ class NativeEngine:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.prefix_cache_entries = prefix_cache_entries
         self._prefixes: OrderedDict[tuple, PolicyCache] = OrderedDict()
-        self.stats = {"prefill_tokens": 0, "prefix_hit_tokens": 0, "prefill_s": 0.0, "decode_steps": 0,
-                      "decode_s": 0.0, "generated_tokens": 0}
+        self.stats = {
+            "prefill_tokens": 0,
+            "prefix_hit_tokens": 0,
+            "prefill_s": 0.0,
+            "decode_steps": 0,
+            "decode_s": 0.0,
+            "generated_tokens": 0,
+        }
 
     # -- protocol ------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], *, max_tokens: int | list[int], temperature: float = 1.0,
-                 top_p: float = 1.0, top_k: int = 0, stop_token_ids: list[int] | None = None,
-                 stop: list[str] | None = None, seeds: list[int] | None = None,
-                 min_tokens: int = 0) -> list[Generation]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        max_tokens: int | list[int],
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        stop_token_ids: list[int] | None = None,
+        stop: list[str] | None = None,
+        seeds: list[int] | None = None,
+        min_tokens: int = 0,
+    ) -> list[Generation]:
         """One completion per prompt (token ids in, token ids out), continuously batched."""
         if isinstance(max_tokens, int):
             max_tokens = [max_tokens] * len(prompts)
@@ -204,8 +249,12 @@ class NativeEngine:
             if not p:
                 raise ValueError(f"prompt {i} is empty")
             if len(p) >= self.max_model_len:
-                raise ValueError(f"prompt {i} has {len(p)} tokens; max_model_len is {self.max_model_len}")
-            g = torch.Generator().manual_seed(int(seeds[i]) if seeds is not None else self.seed * 1_000_003 + i)
+                raise ValueError(
+                    f"prompt {i} has {len(p)} tokens; max_model_len is {self.max_model_len}"
+                )
+            g = torch.Generator().manual_seed(
+                int(seeds[i]) if seeds is not None else self.seed * 1_000_003 + i
+            )
             n = min(int(max_tokens[i]), self.max_model_len - len(p))
             reqs.append(_Request(i, list(p), n, min(min_tokens, n), g))
         pending = deque(r for r in reqs if r.max_tokens > 0)
@@ -214,10 +263,14 @@ class NativeEngine:
                 r.finish = "length"
         active: list[_Request] = []
         cache: PolicyCache | None = None
-        sample = dict(temperature=temperature, top_k=top_k, top_p=top_p, stop_ids=stop_ids, stop=stop or [])
+        sample = dict(
+            temperature=temperature, top_k=top_k, top_p=top_p, stop_ids=stop_ids, stop=stop or []
+        )
 
         while pending or active:
-            while pending and len(active) < self.max_batch:  # admit: prefill alone, then join the batch
+            while (
+                pending and len(active) < self.max_batch
+            ):  # admit: prefill alone, then join the batch
                 r = pending.popleft()
                 logits_V, row = self._prefill(r)
                 self._sample([r], logits_V[None], **sample)
@@ -249,8 +302,15 @@ class NativeEngine:
         for r in reqs:
             self.stats["generated_tokens"] += len(r.out)
             routed = (r.routed + [[]])[: len(r.out)] if self._has_moe else None
-            out.append(Generation(r.out, r.logprobs, r.finish or "length", routed,
-                                  r.prompt_routed if self._has_moe else None))
+            out.append(
+                Generation(
+                    r.out,
+                    r.logprobs,
+                    r.finish or "length",
+                    routed,
+                    r.prompt_routed if self._has_moe else None,
+                )
+            )
         return out
 
     @torch.no_grad()
@@ -273,7 +333,9 @@ class NativeEngine:
                 raise KeyError(f"load_weights: {name!r} is not a tensor of this policy")
             t = torch.as_tensor(value)
             if tuple(t.shape) != tuple(state[name].shape):
-                raise ValueError(f"load_weights: {name!r} has shape {tuple(t.shape)}, the model's is {tuple(state[name].shape)}")
+                raise ValueError(
+                    f"load_weights: {name!r} has shape {tuple(t.shape)}, the model's is {tuple(state[name].shape)}"
+                )
             state[name].copy_(t)
         self._prefixes.clear()
         self.version = version
@@ -317,7 +379,17 @@ class NativeEngine:
         while len(self._prefixes) > self.prefix_cache_entries:
             self._prefixes.popitem(last=False)
 
-    def _sample(self, reqs: list[_Request], logits_BV: torch.Tensor, *, temperature, top_k, top_p, stop_ids, stop):
+    def _sample(
+        self,
+        reqs: list[_Request],
+        logits_BV: torch.Tensor,
+        *,
+        temperature,
+        top_k,
+        top_p,
+        stop_ids,
+        stop,
+    ):
         lp_BV = processed_logprobs(logits_BV, temperature, top_k, top_p, self._banned)
         for b, r in enumerate(reqs):
             lp = lp_BV[b]
@@ -340,5 +412,5 @@ class NativeEngine:
         if not stop:
             return False
         # the tail is enough: every stop string fits in its last len(s) + 8 tokens' text
-        tail = self.tokenizer.decode(r.out[-(max(map(len, stop)) + 8):], skip_special_tokens=False)
+        tail = self.tokenizer.decode(r.out[-(max(map(len, stop)) + 8) :], skip_special_tokens=False)
         return any(s in tail for s in stop)

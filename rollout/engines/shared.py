@@ -39,9 +39,10 @@ import itertools
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 
 class Cancelled(RuntimeError):
@@ -55,7 +56,9 @@ class _Generate:
     max_tokens: list[int]
     seeds: list | None
     done: Future = field(default_factory=Future)
-    results: list = field(default_factory=list)  # continuous batching: per prompt, None until it ends
+    results: list = field(
+        default_factory=list
+    )  # continuous batching: per prompt, None until it ends
     cancel: threading.Event | None = None
 
     def cancelled(self) -> bool:
@@ -64,8 +67,12 @@ class _Generate:
     def sampling(self) -> dict:
         """The engine's sampling options of the request (all but the per-prompt ones)."""
         temperature, top_p, stop, options, _ = self.key
-        return dict(temperature=temperature, top_p=top_p, stop_token_ids=list(stop) or None,
-                    **{k: _unhashable(v) for k, v in options})
+        return dict(
+            temperature=temperature,
+            top_p=top_p,
+            stop_token_ids=list(stop) or None,
+            **{k: _unhashable(v) for k, v in options},
+        )
 
 
 @dataclass
@@ -82,19 +89,27 @@ class SharedEngine:
         self._queue: deque = deque()
         self._ready = threading.Condition()
         self._closed = False
-        self.batch_sizes: list[int] = []  # prompts per engine generate call, or that joined the batch together
+        self.batch_sizes: list[
+            int
+        ] = []  # prompts per engine generate call, or that joined the batch together
         self.requests_merged = 0  # generate requests that shared the engine's batch with another
         self.aborted = 0  # prompts taken out of the running batch by a cancelled request
         self._busy_s = 0.0  # seconds spent in finished engine calls
         self._call_started: float | None = None  # when the call in progress began
         self._timing = threading.Lock()  # the two above change together
-        self.continuous_batching = False  # set by the engine's thread, before it hands the engine over
+        self.continuous_batching = (
+            False  # set by the engine's thread, before it hands the engine over
+        )
         started: Future = Future()
-        self._thread = threading.Thread(target=self._run, args=(make, started), name=name, daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, args=(make, started), name=name, daemon=True
+        )
         self._thread.start()
         self._engine = started.result()  # the engine's own construction error is raised here
 
-        @functools.wraps(self._engine.generate)  # its signature: callers check which options it takes
+        @functools.wraps(
+            self._engine.generate
+        )  # its signature: callers check which options it takes
         def generate(prompts, **kwargs):
             return self._generate_request(prompts, **kwargs)
 
@@ -113,16 +128,35 @@ class SharedEngine:
     def version(self) -> int:
         return self._engine.version
 
-    def _generate_request(self, prompts, *, max_tokens, temperature: float = 1.0, top_p: float = 1.0,
-                          stop_token_ids=None, seeds=None, cancel: threading.Event | None = None, **sampling):
+    def _generate_request(
+        self,
+        prompts,
+        *,
+        max_tokens,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop_token_ids=None,
+        seeds=None,
+        cancel: threading.Event | None = None,
+        **sampling,
+    ):
         if not prompts:
             return []
-        max_tokens = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+        max_tokens = (
+            [max_tokens] * len(prompts) if isinstance(max_tokens, int) else list(max_tokens)
+        )
         options = tuple(sorted((k, _hashable(v)) for k, v in sampling.items()))
         # seeded and unseeded requests never share a call: the engine takes seeds for all or none
         key = (temperature, top_p, tuple(stop_token_ids or ()), options, seeds is not None)
-        return self._submit(_Generate(key, list(prompts), max_tokens, None if seeds is None else list(seeds),
-                                      cancel=cancel))
+        return self._submit(
+            _Generate(
+                key,
+                list(prompts),
+                max_tokens,
+                None if seeds is None else list(seeds),
+                cancel=cancel,
+            )
+        )
 
     def load_weights(self, named_tensors, version: int) -> dict:
         return self.call(lambda engine: engine.load_weights(named_tensors, version))
@@ -158,15 +192,17 @@ class SharedEngine:
         except BaseException as exc:  # noqa: BLE001 - handed to the constructing thread
             started.set_exception(exc)
             return
-        self.continuous_batching = all(callable(getattr(engine, name, None)) for name in ("add", "step", "abort"))
+        self.continuous_batching = all(
+            callable(getattr(engine, name, None)) for name in ("add", "step", "abort")
+        )
         started.set_result(engine)
         (self._serve_continuous if self.continuous_batching else self._serve_merged)(engine)
 
-    def _timed(self, fn) -> None:
+    def _timed(self, fn, *args) -> None:
         with self._timing:
             self._call_started = t0 = time.perf_counter()
         try:
-            fn()
+            fn(*args)
         finally:
             with self._timing:
                 self._busy_s += time.perf_counter() - t0
@@ -183,16 +219,22 @@ class SharedEngine:
                 batch = [first]
                 # the generate requests queued right behind it with the same settings share its call;
                 # the first other item stops the merge, so nothing overtakes a load queued before it
-                while isinstance(first, _Generate) and self._queue and isinstance(self._queue[0], _Generate) \
-                        and self._queue[0].key == first.key:
+                while (
+                    isinstance(first, _Generate)
+                    and self._queue
+                    and isinstance(self._queue[0], _Generate)
+                    and self._queue[0].key == first.key
+                ):
                     batch.append(self._queue.popleft())
             if isinstance(first, _Call):
-                self._timed(lambda: _settle(first.done, lambda: first.fn(engine)))
+                self._timed(_settle, first.done, functools.partial(first.fn, engine))
             else:
-                self._timed(lambda: self._generate(engine, batch))
+                self._timed(self._generate, engine, batch)
 
     def _serve_continuous(self, engine) -> None:
-        running: dict[str, tuple[_Generate, int]] = {}  # engine request id -> (request, prompt index)
+        running: dict[
+            str, tuple[_Generate, int]
+        ] = {}  # engine request id -> (request, prompt index)
         ids = itertools.count()
         while True:
             call = None
@@ -209,12 +251,12 @@ class SharedEngine:
                 if not running and not joining:
                     call = self._queue.popleft()
             if call is not None:
-                self._timed(lambda: _settle(call.done, lambda: call.fn(engine)))
+                self._timed(_settle, call.done, functools.partial(call.fn, engine))
                 continue
             if joining:
                 self.batch_sizes.append(sum(len(r.prompts) for r in joining))
                 self.requests_merged += len(joining) if running or len(joining) > 1 else 0
-            self._timed(lambda: self._step(engine, joining, running, ids))
+            self._timed(self._step, engine, joining, running, ids)
 
     def _step(self, engine, joining: list[_Generate], running: dict, ids) -> None:
         for r in joining:
@@ -225,14 +267,19 @@ class SharedEngine:
             try:
                 for i, prompt in enumerate(r.prompts):
                     rid = str(next(ids))
-                    engine.add(rid, prompt, max_tokens=r.max_tokens[i], seed=None if r.seeds is None else r.seeds[i],
-                               **r.sampling())
+                    engine.add(
+                        rid,
+                        prompt,
+                        max_tokens=r.max_tokens[i],
+                        seed=None if r.seeds is None else r.seeds[i],
+                        **r.sampling(),
+                    )
                     added.append(rid)
                     running[rid] = (r, i)
             except BaseException as exc:  # noqa: BLE001 - the request's caller gets it; the others go on
                 for rid in added:
                     running.pop(rid)
-                _quietly(lambda: engine.abort(added))
+                _quietly(functools.partial(engine.abort, added))
                 r.done.set_exception(exc)
         if not running:
             return
@@ -270,9 +317,12 @@ class SharedEngine:
         self.requests_merged += len(batch) if len(batch) > 1 else 0
         try:
             # one key for the batch: every request is seeded or none is
-            gens = engine.generate(prompts, max_tokens=[m for r in batch for m in r.max_tokens],
-                                   seeds=None if batch[0].seeds is None else [s for r in batch for s in r.seeds],
-                                   **batch[0].sampling())
+            gens = engine.generate(
+                prompts,
+                max_tokens=[m for r in batch for m in r.max_tokens],
+                seeds=None if batch[0].seeds is None else [s for r in batch for s in r.seeds],
+                **batch[0].sampling(),
+            )
         except BaseException as exc:  # noqa: BLE001 - every waiting caller gets the engine's error
             for r in batch:
                 r.done.set_exception(exc)

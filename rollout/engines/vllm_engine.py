@@ -17,7 +17,7 @@ Not covered here: tensor/pipeline parallel engines; multimodal prompts.
 from __future__ import annotations
 
 import os
-from typing import Iterable
+from collections.abc import Iterable
 
 from rollout.engines.base import Generation
 
@@ -81,10 +81,14 @@ class VLLMEngine:
         if is_policy_checkpoint(model_path):
             from importlib.metadata import entry_points
 
-            if not any(e.name == "longhorizon_policy" for e in entry_points(group="vllm.general_plugins")):
-                raise RuntimeError(f"{model_path} is a policy/ checkpoint, which vLLM serves through the project's "
-                                   "plugin, but its entry point is not installed: run `make install` "
-                                   "(or `pip install -e .`) so vLLM can find it")
+            if not any(
+                e.name == "longhorizon_policy" for e in entry_points(group="vllm.general_plugins")
+            ):
+                raise RuntimeError(
+                    f"{model_path} is a policy/ checkpoint, which vLLM serves through the project's "
+                    "plugin, but its entry point is not installed: run `make install` "
+                    "(or `pip install -e .`) so vLLM can find it"
+                )
         self.model_path = model_path
         self.version = 0
         self.llm = LLM(
@@ -109,7 +113,11 @@ class VLLMEngine:
             # is what the importance ratio needs; the learner applies the same temperature.
             logprobs_mode="processed_logprobs",
             # on a GPU shared with the learner: the engine's share (vLLM checks that much is free)
-            **({"gpu_memory_utilization": gpu_memory_utilization} if gpu_memory_utilization > 0 else {}),
+            **(
+                {"gpu_memory_utilization": gpu_memory_utilization}
+                if gpu_memory_utilization > 0
+                else {}
+            ),
         )
         # The first engine step pays a one-time set-up (~3 s here for a tiny model, whatever the batch):
         # paid now, at start-up, so a run's first rollout is timed like the others. Greedy and seeded:
@@ -137,27 +145,53 @@ class VLLMEngine:
 
         if isinstance(max_tokens, int):
             max_tokens = [max_tokens] * len(prompts)
-        params = [self._params(max_tokens[i], temperature, top_p, stop_token_ids, None if seeds is None else seeds[i],
-                               min_tokens, stop) for i in range(len(prompts))]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        params = [
+            self._params(
+                max_tokens[i],
+                temperature,
+                top_p,
+                stop_token_ids,
+                None if seeds is None else seeds[i],
+                min_tokens,
+                stop,
+            )
+            for i in range(len(prompts))
+        ]
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+        )
         return [_generation(out) for out in outs]
 
     # --- continuous batching: requests join and leave the running batch between engine steps ---
-    def add(self, request_id: str, prompt: list[int], *, max_tokens: int, temperature: float = 1.0,
-            top_p: float = 1.0, stop_token_ids: list[int] | None = None, seed: int | None = None,
-            min_tokens: int = 0, stop: list[str] | None = None) -> None:
+    def add(
+        self,
+        request_id: str,
+        prompt: list[int],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop_token_ids: list[int] | None = None,
+        seed: int | None = None,
+        min_tokens: int = 0,
+        stop: list[str] | None = None,
+    ) -> None:
         """Queue one prompt under `request_id` (the caller's, unique among those running); `step`
         runs it with whatever else is running. The sampling options are `generate`'s."""
         from vllm import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        params = self._params(max_tokens, temperature, top_p, stop_token_ids, seed, min_tokens, stop)
+        params = self._params(
+            max_tokens, temperature, top_p, stop_token_ids, seed, min_tokens, stop
+        )
         params.output_kind = RequestOutputKind.FINAL_ONLY  # a request's output once, when it ends
         self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompt), params)
 
     def step(self) -> list[tuple[str, Generation]]:
         """One engine step over every running request; the requests that ended in it."""
-        return [(out.request_id, _generation(out)) for out in self.llm.llm_engine.step() if out.finished]
+        return [
+            (out.request_id, _generation(out)) for out in self.llm.llm_engine.step() if out.finished
+        ]
 
     def abort(self, request_ids: list[str]) -> None:
         self.llm.llm_engine.abort_request(list(request_ids))
@@ -191,8 +225,10 @@ class VLLMEngine:
             SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
             use_tqdm=False,
         )
-        return [[step[tok].logprob for tok, step in zip(ids[1:], out.prompt_logprobs[1:])]
-                for ids, out in zip(sequences, outs)]
+        return [
+            [step[tok].logprob for tok, step in zip(ids[1:], out.prompt_logprobs[1:])]
+            for ids, out in zip(sequences, outs)
+        ]
 
     def load_weights(self, named_tensors: Iterable, version: int) -> dict:
         """Replace the served weights in place (no restart) and drop every cached prefix; returns how

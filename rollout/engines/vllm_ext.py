@@ -33,8 +33,8 @@ caught when the fix is missing.
 from __future__ import annotations
 
 import logging
-import math
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -60,8 +60,11 @@ def _tied_groups(model: torch.nn.Module) -> list[list[torch.nn.Module]]:
     holders: dict[int, list[torch.nn.Module]] = {}
     for module in model.modules():
         w = getattr(module, "weight", None)
-        if isinstance(w, torch.Tensor) and w.numel() and hasattr(getattr(module, "quant_method", None),
-                                                                 "process_weights_after_loading"):
+        if (
+            isinstance(w, torch.Tensor)
+            and w.numel()
+            and hasattr(getattr(module, "quant_method", None), "process_weights_after_loading")
+        ):
             holders.setdefault(w.data_ptr(), []).append(module)
     return [group for group in holders.values() if len(group) > 1]
 
@@ -93,7 +96,9 @@ class _ExpertLayer:
         self.stage: tuple[torch.Tensor, torch.Tensor] | None = None
         self.done: set[tuple[int, str]] = set()
         self.held: dict[tuple[int, str], torch.Tensor] | None = {}  # None: staging
-        self.blocks: dict[str, tuple] = {}  # "w13"/"w2" -> (storage pointer, element offset of expert 0)
+        self.blocks: dict[
+            str, tuple
+        ] = {}  # "w13"/"w2" -> (storage pointer, element offset of expert 0)
         self.loaded = False
         self.unstaged = False  # this load packed the experts straight from the tensors sent
 
@@ -106,7 +111,11 @@ class _ExpertLayer:
         if t.dtype != target.dtype or not t.is_contiguous():
             return False
         per_expert = target[0].numel()
-        start = t.storage_offset() - expert * per_expert - (self.inter * target.shape[-1] if shard == "w3" else 0)
+        start = (
+            t.storage_offset()
+            - expert * per_expert
+            - (self.inter * target.shape[-1] if shard == "w3" else 0)
+        )
         where = (t.untyped_storage().data_ptr(), start)
         if start < 0 or start + target.numel() > t.untyped_storage().nbytes() // t.element_size():
             return False
@@ -114,10 +123,15 @@ class _ExpertLayer:
 
     def _to_stage(self, key: tuple[int, str], t: torch.Tensor, pool: dict) -> None:
         if self.stage is None:
-            self.stage = (_staging(pool, self.w13.shape, self.w13.dtype), _staging(pool, self.w2.shape, self.w2.dtype))
+            self.stage = (
+                _staging(pool, self.w13.shape, self.w13.dtype),
+                _staging(pool, self.w2.shape, self.w2.dtype),
+            )
         s13, s2 = self.stage
         expert, shard = key
-        rows = {"w1": s13[expert, :self.inter], "w3": s13[expert, self.inter:], "w2": s2[expert]}[shard]
+        rows = {"w1": s13[expert, : self.inter], "w3": s13[expert, self.inter :], "w2": s2[expert]}[
+            shard
+        ]
         rows.copy_(t)  # vLLM's w13 is [gate (w1); up (w3)]
 
     def put(self, key: tuple[int, str], t: torch.Tensor, pool: dict) -> None:
@@ -126,8 +140,10 @@ class _ExpertLayer:
         expert, shard = key
         want = self.w2.shape[1:] if shard == "w2" else (self.inter, self.w13.shape[-1])
         if tuple(t.shape) != tuple(want):
-            raise ValueError(f"weight sync: {self.name} expert {expert} {shard}: got shape {tuple(t.shape)}, "
-                             f"the engine's is {tuple(want)}")
+            raise ValueError(
+                f"weight sync: {self.name} expert {expert} {shard}: got shape {tuple(t.shape)}, "
+                f"the engine's is {tuple(want)}"
+            )
         if self.held is not None and self._in_block(key, t):
             self.held[key] = t
         else:
@@ -138,8 +154,12 @@ class _ExpertLayer:
             self._to_stage(key, t, pool)
         self.done.add(key)
         if len(self.done) == 3 * self.w13.shape[0]:
-            if self.held is not None:  # both blocks complete, in the kernel's layout: packed from them
-                src13, src2 = (self._block(b, target) for b, target in (("w13", self.w13), ("w2", self.w2)))
+            if (
+                self.held is not None
+            ):  # both blocks complete, in the kernel's layout: packed from them
+                src13, src2 = (
+                    self._block(b, target) for b, target in (("w13", self.w13), ("w2", self.w2))
+                )
             else:
                 src13, src2 = self.stage
             torch.ops._C.prepack_moe_weight(src13, self.w13.data, self.fused.isa)
@@ -156,11 +176,17 @@ class _ExpertLayer:
 
     def check(self) -> None:
         if self.done and not self.loaded:
-            raise RuntimeError(f"weight sync: {self.name} received {len(self.done)} of its {3 * self.w13.shape[0]} "
-                               "expert tensors; a version must carry all of a layer's experts")
-        if self.loaded and (self.module.w13_weight is not self.w13 or self.module.w2_weight is not self.w2):
-            raise RuntimeError(f"weight sync: vLLM replaced {self.name}'s kernel tensors during the reload, "
-                               "so the experts loaded directly are not the ones served")
+            raise RuntimeError(
+                f"weight sync: {self.name} received {len(self.done)} of its {3 * self.w13.shape[0]} "
+                "expert tensors; a version must carry all of a layer's experts"
+            )
+        if self.loaded and (
+            self.module.w13_weight is not self.w13 or self.module.w2_weight is not self.w2
+        ):
+            raise RuntimeError(
+                f"weight sync: vLLM replaced {self.name}'s kernel tensors during the reload, "
+                "so the experts loaded directly are not the ones served"
+            )
 
 
 class _DenseLayer:
@@ -169,7 +195,14 @@ class _DenseLayer:
     layer, whose weight vLLM drops once oneDNN has packed its own copy) rebuilt in a staging buffer
     from the checkpoint's shards and packed again by the layer's own post-load step."""
 
-    def __init__(self, module: torch.nn.Module, name: str, param: str, shape: tuple, rows: list[tuple[int, int]]):
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        name: str,
+        param: str,
+        shape: tuple,
+        rows: list[tuple[int, int]],
+    ):
         self.module, self.name, self.param, self.shape, self.rows = module, name, param, shape, rows
         method = getattr(module, "quant_method", None)
         self.process = getattr(method, "process_weights_after_loading", None)
@@ -185,13 +218,16 @@ class _DenseLayer:
         start, size = self.rows[shard]
         want = (size, *self.shape[1:])
         if tuple(t.shape) != want:
-            raise ValueError(f"weight sync: {self.name}.{self.param}" + (f" shard {shard}" if len(self.rows) > 1 else "")
-                             + f": got shape {tuple(t.shape)}, the engine's is {want}")
+            raise ValueError(
+                f"weight sync: {self.name}.{self.param}"
+                + (f" shard {shard}" if len(self.rows) > 1 else "")
+                + f": got shape {tuple(t.shape)}, the engine's is {want}"
+            )
         if self.target is None:
             live = self.module._parameters[self.param]
             self.staged = tuple(live.shape) != self.shape  # the engine dropped it after packing
             self.target = _staging(pool, self.shape, live.dtype) if self.staged else live.data
-        self.target[start:start + size].copy_(t)
+        self.target[start : start + size].copy_(t)
         self.done.add(shard)
         if len(self.done) == len(self.rows):
             self._finish(pool)
@@ -203,15 +239,19 @@ class _DenseLayer:
         if stage is not None:
             setattr(self.module, self.param, torch.nn.Parameter(stage, requires_grad=False))
         if self.process is not None:
-            self.process(self.module)  # CPU: packs a oneDNN copy, and drops the weight of a linear layer
+            self.process(
+                self.module
+            )  # CPU: packs a oneDNN copy, and drops the weight of a linear layer
         if stage is not None and self.module._parameters[self.param].data_ptr() != stage.data_ptr():
             pool[(tuple(stage.shape), stage.dtype)].append(stage)  # not kept by the layer: reusable
         self.target, self.loaded = None, True
 
     def check(self) -> None:
         if self.done and not self.loaded:
-            raise RuntimeError(f"weight sync: {self.name} received {len(self.done)} of its {len(self.rows)} "
-                               "checkpoint tensors; a version must carry all of a layer's parts")
+            raise RuntimeError(
+                f"weight sync: {self.name} received {len(self.done)} of its {len(self.rows)} "
+                "checkpoint tensors; a version must carry all of a layer's parts"
+            )
 
 
 class _DirectLoader:
@@ -249,8 +289,11 @@ class _DirectLoader:
         if w13 is None or w2 is None or hasattr(module, "w13_bias"):
             return False
         inter = fused.moe_config.intermediate_size_per_partition
-        return (w13.shape[1] == 2 * inter and w2.shape[-1] == inter
-                and fused._padded_intermediate_size(fused.moe_config) == inter)
+        return (
+            w13.shape[1] == 2 * inter
+            and w2.shape[-1] == inter
+            and fused._padded_intermediate_size(fused.moe_config) == inter
+        )
 
     def _resolve(self, name: str):
         path, _, param = name.rpartition(".")
@@ -262,7 +305,9 @@ class _DirectLoader:
                 return None
             path = f"{parent}.{fused}" if parent else fused
             module = self.modules.get(path)
-        if module is None or id(module) in self.layers:  # unknown, or a fused-MoE layer's other tensors
+        if (
+            module is None or id(module) in self.layers
+        ):  # unknown, or a fused-MoE layer's other tensors
             return None
         layer = self.layers.get((id(module), param))
         if layer is None:
@@ -270,7 +315,9 @@ class _DirectLoader:
             if shape is None:
                 return None
             sizes = getattr(module, "output_sizes", None)
-            if shard is None:  # a padded vocabulary's rows past the checkpoint's are zero, as vLLM loads them
+            if (
+                shard is None
+            ):  # a padded vocabulary's rows past the checkpoint's are zero, as vLLM loads them
                 rows = [(0, getattr(module, "org_vocab_size", shape[0]))]
                 if getattr(module, "num_added_embeddings", 0) or rows[0][1] > shape[0]:
                     return None
@@ -294,18 +341,28 @@ class _DirectLoader:
         if p is None or getattr(module, "tp_size", 1) != 1:
             return None
         method = getattr(module, "quant_method", None)
-        if method is None:  # a norm: loaded as it is, unless a loader of the module's transforms (vLLM's path)
-            plain = all(getattr(q, "weight_loader", default_weight_loader) is default_weight_loader
-                        for q in module._parameters.values() if q is not None)
+        if (
+            method is None
+        ):  # a norm: loaded as it is, unless a loader of the module's transforms (vLLM's path)
+            plain = all(
+                getattr(q, "weight_loader", default_weight_loader) is default_weight_loader
+                for q in module._parameters.values()
+                if q is not None
+            )
             return tuple(p.shape) if plain else None
-        if (not isinstance(method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod))
-                or {k for k, v in module._parameters.items() if v is not None} != {"weight"}):  # no bias
+        if not isinstance(method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)) or {
+            k for k, v in module._parameters.items() if v is not None
+        } != {"weight"}:  # no bias
             return None
         if p.numel():
             return tuple(p.shape)
         # dropped after packing: its shape from the layer (a replicated layer has no per-partition sizes)
-        out = getattr(module, "output_size_per_partition", None) or sum(getattr(module, "output_partition_sizes", None) or [0])
-        inp = getattr(module, "input_size_per_partition", None) or getattr(module, "input_size", None)
+        out = getattr(module, "output_size_per_partition", None) or sum(
+            getattr(module, "output_partition_sizes", None) or [0]
+        )
+        inp = getattr(module, "input_size_per_partition", None) or getattr(
+            module, "input_size", None
+        )
         return (out, inp) if isinstance(out, int) and out and isinstance(inp, int) else None
 
     def begin(self) -> None:
@@ -352,8 +409,9 @@ class _QuietDirectLayers(logging.Filter):
 class WeightSyncExtension:
     """Methods added to vLLM's worker. `self` is the worker (it has `model_runner`)."""
 
-    def lh_reload_weights(self, named_tensors: Iterable[tuple[str, Any]], repack_moe: bool = True,
-                          direct: bool = True) -> dict:
+    def lh_reload_weights(
+        self, named_tensors: Iterable[tuple[str, Any]], repack_moe: bool = True, direct: bool = True
+    ) -> dict:
         """Load checkpoint-format (HF-named) tensors in place; return how many tensors were loaded
         (`tensors`) and how many of them went straight into the served tensors (`direct`: see the
         module docstring; every tensor of the policy/ plugin) rather than through vLLM's reload.
@@ -394,20 +452,32 @@ class WeightSyncExtension:
             for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
                 getattr(self.model_runner, reset, lambda: None)()
         processed = {id(layer.module) for layer in done}
-        for group in _tied_groups(model):  # a tied head's packed copy of the embedding, packed again
+        for group in _tied_groups(
+            model
+        ):  # a tied head's packed copy of the embedding, packed again
             if rest or any(id(m) in processed for m in group):
                 for module in group:
                     if id(module) not in processed:
                         module.quant_method.process_weights_after_loading(module)
         # `unstaged`: expert layers packed straight from the tensors sent (no staging copy; _ExpertLayer)
-        return {"tensors": count, "direct": count - len(rest),
-                "unstaged": sum(isinstance(layer, _ExpertLayer) and layer.unstaged for layer in done)}
+        return {
+            "tensors": count,
+            "direct": count - len(rest),
+            "unstaged": sum(isinstance(layer, _ExpertLayer) and layer.unstaged for layer in done),
+        }
 
     def _lh_vllm_reload(self, model, rest: list, done: list, repack_moe: bool) -> None:
         """vLLM's layerwise reload of what the direct path did not load."""
-        loggers = [logging.getLogger(f"vllm.model_executor.model_loader.reload.{m}") for m in ("layerwise", "inplace")]
+        loggers = [
+            logging.getLogger(f"vllm.model_executor.model_loader.reload.{m}")
+            for m in ("layerwise", "inplace")
+        ]
         names = {id(m): n for n, m in model.named_modules()}
-        params = {f"{names[id(layer.module)]}.{p}" for layer in done for p, _ in layer.module.named_parameters()}
+        params = {
+            f"{names[id(layer.module)]}.{p}"
+            for layer in done
+            for p, _ in layer.module.named_parameters()
+        }
         quiet = _QuietDirectLayers({type(layer.module).__name__ for layer in done}, params)
         for logger in loggers:
             logger.addFilter(quiet)

@@ -54,7 +54,9 @@ def register() -> None:
     except ValueError:  # registered already (the plugin loads once per process, but be safe)
         pass
     if ARCHITECTURE not in ModelRegistry.get_supported_archs():
-        ModelRegistry.register_model(ARCHITECTURE, "rollout.engines.vllm_plugin:LonghorizonPolicyForCausalLM")
+        ModelRegistry.register_model(
+            ARCHITECTURE, "rollout.engines.vllm_plugin:LonghorizonPolicyForCausalLM"
+        )
 
 
 class LonghorizonPolicyConfig(PretrainedConfig):
@@ -70,7 +72,11 @@ class LonghorizonPolicyConfig(PretrainedConfig):
         fields = {f.name for f in dataclasses.fields(ModelArgs)}
         own = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
         super().__init__(**kwargs)
-        args = build_dataclass(ModelArgs, own, "", "config.json").validate("config.json") if own else ModelArgs()
+        args = (
+            build_dataclass(ModelArgs, own, "", "config.json").validate("config.json")
+            if own
+            else ModelArgs()
+        )
         self.model_args = args
         for k, v in own.items():
             setattr(self, k, v)
@@ -80,7 +86,9 @@ class LonghorizonPolicyConfig(PretrainedConfig):
         self.num_key_value_heads = args.mla.n_heads
         self.head_dim = mla_head_size(args)
         self.max_position_embeddings = args.max_seq_len
-        self.layer_types = ["linear_attention" if k == "kda" else "full_attention" for k in args.layer_kinds()]
+        self.layer_types = [
+            "linear_attention" if k == "kda" else "full_attention" for k in args.layer_kinds()
+        ]
         self.tie_word_embeddings = False
 
     def to_dict(self):
@@ -123,7 +131,9 @@ class VLLMKDA(nn.Module, MambaBase):
     def mamba_type(self):
         from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-        return MambaAttentionBackendEnum.GDN_ATTN  # its metadata: state slots, starts, history flags
+        return (
+            MambaAttentionBackendEnum.GDN_ATTN
+        )  # its metadata: state slots, starts, history flags
 
     def get_state_shape(self):
         return _kda_state_shapes(self.args)
@@ -181,8 +191,14 @@ class VLLMMLA(nn.Module):
         self.a = args.mla
         self.P = mla_head_size(args)
         self.positions: torch.Tensor | None = None  # set by the model before each forward
-        self.attn = Attention(self.a.n_heads, self.P, mla.scale, num_kv_heads=self.a.n_heads,
-                              cache_config=vllm_config.cache_config, prefix=prefix)
+        self.attn = Attention(
+            self.a.n_heads,
+            self.P,
+            mla.scale,
+            num_kv_heads=self.a.n_heads,
+            cache_config=vllm_config.cache_config,
+            prefix=prefix,
+        )
 
     def forward(self, x_ND: torch.Tensor) -> torch.Tensor:
         import torch.nn.functional as F
@@ -200,8 +216,11 @@ class VLLMMLA(nn.Module):
             kr = rope(kr[None, :, None, :], self.positions, a.rope_theta)[0, :, 0]
         kv = mla.wkv_b(c).view(T, H, N + Vd)
         k = torch.cat([kv[..., :N], kr[:, None, :].expand(T, H, R)], -1)
-        o = self.attn(F.pad(q, (0, P - N - R)).reshape(T, H * P), F.pad(k, (0, P - N - R)).reshape(T, H * P),
-                      F.pad(kv[..., N:], (0, P - Vd)).reshape(T, H * P))
+        o = self.attn(
+            F.pad(q, (0, P - N - R)).reshape(T, H * P),
+            F.pad(k, (0, P - N - R)).reshape(T, H * P),
+            F.pad(kv[..., N:], (0, P - Vd)).reshape(T, H * P),
+        )
         o = o.view(T, H, P)[..., :Vd] * torch.sigmoid(mla.w_gate(x_ND)).view(T, H, Vd)
         return mla.wo(o.reshape(T, H * Vd))
 
@@ -222,7 +241,9 @@ class LonghorizonPolicyForCausalLM(nn.Module, IsHybrid, HasInnerState):
         cfg = vllm_config.model_config.hf_config
         self.args = args = cfg.model_args
         if args.vision.enabled and args.vision.image_token_id >= args.vocab_size:
-            raise ValueError(f"image_token_id {args.vision.image_token_id} outside the vocabulary {args.vocab_size}")
+            raise ValueError(
+                f"image_token_id {args.vision.image_token_id} outside the vocabulary {args.vocab_size}"
+            )
         # built on the device and dtype vLLM's loader has made the defaults (CPU here, CUDA on GPUs)
         self.policy = Policy(args).to(vllm_config.model_config.dtype)
         self.adapters = nn.ModuleList()
@@ -237,9 +258,13 @@ class LonghorizonPolicyForCausalLM(nn.Module, IsHybrid, HasInnerState):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.policy.embed(input_ids)
 
-    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+    def forward(
+        self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs
+    ):
         if inputs_embeds is not None:
-            raise NotImplementedError("the policy plugin takes token ids (images in prompts are not covered)")
+            raise NotImplementedError(
+                "the policy plugin takes token ids (images in prompts are not covered)"
+            )
         for adapter in self.adapters:
             if isinstance(adapter, VLLMMLA):
                 adapter.positions = positions
@@ -264,10 +289,14 @@ class LonghorizonPolicyForCausalLM(nn.Module, IsHybrid, HasInnerState):
         with torch.no_grad():
             for name, w in weights:
                 if name not in own:
-                    raise KeyError(f"policy plugin: checkpoint tensor {name!r} is not a weight of this model")
+                    raise KeyError(
+                        f"policy plugin: checkpoint tensor {name!r} is not a weight of this model"
+                    )
                 t = own[name]
                 if tuple(t.shape) != tuple(w.shape):
-                    raise ValueError(f"policy plugin: {name} has shape {tuple(w.shape)}, the model {tuple(t.shape)}")
+                    raise ValueError(
+                        f"policy plugin: {name} has shape {tuple(w.shape)}, the model {tuple(t.shape)}"
+                    )
                 getattr(t, "weight_loader", default_weight_loader)(t, w)
                 loaded.add(f"policy.{name}")
         return loaded
