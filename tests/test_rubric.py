@@ -214,11 +214,11 @@ def test_a_run_trains_on_its_rubric(ray_cluster, tiny_policy, tmp_path):
     assert any(t.reward != 0 for t in trajs)
 
 
-def test_the_readme_rubric_example_builds():
+def test_the_docs_rubric_example_builds():
     import yaml
 
-    text = (REPO / "README.md").read_text()
-    start = text.index("```yaml\n", text.index("## Rewards and rubrics")) + len("```yaml\n")
+    text = (REPO / "docs" / "rewards.md").read_text()
+    start = text.index("```yaml\n") + len("```yaml\n")
     parts = yaml.safe_load(text[start : text.index("```\n", start)])["reward"]["parts"]
     rubric = build(parts)
     assert [p.name for p in rubric.parts] == ["milestones", "format", "length", "discounted"]

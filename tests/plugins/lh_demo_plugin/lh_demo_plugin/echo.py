@@ -5,16 +5,12 @@ The README's "Your own environment" shows this file verbatim after this docstrin
 from envs import Milestone, ToolEnv, ToolFailure, ToolSpec
 from envs.tool_calls import format_tool_call
 
+SAY = {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}
+
 
 class EchoEnv(ToolEnv):
     # what the model is told it can call: a name, a description, a JSON schema of the arguments
-    tools = [
-        ToolSpec(
-            "say",
-            "Say a word; ends the episode.",
-            {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]},
-        )
-    ]
+    tools = [ToolSpec("say", "Say a word; ends the episode.", SAY)]
     # what it can be paid for (`envs show` lists these; `envs check` fails on an undeclared one)
     milestones = (Milestone("echoed", 1.0, "said the word the task asked for"),)
 
@@ -31,16 +27,14 @@ class EchoEnv(ToolEnv):
 
     def _say(self, word: str) -> str:  # returns the observation the model reads next
         if not word.isalpha():
-            raise ToolFailure(
-                "a word has letters only"
-            )  # an error observation; the turn's `tool_error`
+            # an error observation; the turn's failure kind is `tool_error`
+            raise ToolFailure("a word has letters only")
         self.finish()  # ends the episode after this turn
         if word == self.word:
             self.reach("echoed", 1.0)  # pays the milestone (once per episode)
             return "right"
         return "wrong"
 
-    def expert_turns(self):  # turns that solve the current task, as a model writes them:
-        return [
-            format_tool_call("say", word=self.word)
-        ]  # the warm start and `envs check` play these
+    def expert_turns(self):  # turns that solve the current task, as a model writes them
+        # the warm start and `envs check` play these
+        return [format_tool_call("say", word=self.word)]
