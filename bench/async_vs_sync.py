@@ -110,9 +110,8 @@ def main() -> None:
 
     shutil.rmtree(tmp, ignore_errors=True)  # the runs were only measured, not kept
     med = {m: statistics.median(v) for m, v in per_min.items()}
-    s = max(
-        v for m, v in med.items() if m[0] == "sync"
-    )  # the ratios are against the faster sync setting
+    # the ratios are against the faster sync setting
+    s = max(v for m, v in med.items() if m[0] == "sync")
     best = max((m for m in med if m[0] == "async"), key=med.get)
     result = {
         "sync_iter_per_min": s,

@@ -144,9 +144,8 @@ def main() -> int:
     p.start()
     to_learner.get(timeout=300)
     pub.release(2)
-    pub.plan(
-        3, 256, iter(named), device
-    )  # marks the slab -1 (being written): the reader must see it
+    # marks the slab -1 (being written): the reader must see it
+    pub.plan(3, 256, iter(named), device)
     from_learner.put("done")
     r = out.get(timeout=300)
     p.join(60)

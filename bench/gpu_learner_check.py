@@ -111,9 +111,8 @@ def learner(path, device, precision="fp32", **kw):
 
 
 def params(lrn) -> dict:
-    return {
-        n: p.detach().float().cpu().clone() for n, p in lrn.model.named_parameters()
-    }  # a copy, not a view
+    # a copy, not a view
+    return {n: p.detach().float().cpu().clone() for n, p in lrn.model.named_parameters()}
 
 
 def check_equal_step(device: str) -> dict:
@@ -130,9 +129,8 @@ def check_equal_step(device: str) -> dict:
         cpu,
         dev,
     ):  # plain SGD, lr 1: the step is the gradient (Adam's first step is sign-like,
-        lrn.opt = torch.optim.SGD(
-            lrn.model.parameters(), lr=1.0
-        )  # which blows near-zero gradients' noise up)
+        # which blows near-zero gradients' noise up)
+        lrn.opt = torch.optim.SGD(lrn.model.parameters(), lr=1.0)
     before = params(cpu)
     a, g = cpu.train_step(b), dev.train_step(b)
     pa, pg = params(cpu), params(dev)

@@ -122,9 +122,8 @@ def main() -> int:
     ipc = any(r.get("sync_shared_gpu") for r in rows) or a.config != ap.get_default("config")
     if not ipc:
         print("error: no sync went through the GPU's memory (CUDA IPC)", file=sys.stderr)
-    return (
-        0 if gap < 0.05 and ipc else 1
-    )  # bf16 learner against an fp32 engine: ~1e-2 (bench/gpu_learner_check.py)
+    # bf16 learner against an fp32 engine: ~1e-2 (bench/gpu_learner_check.py)
+    return 0 if gap < 0.05 and ipc else 1
 
 
 if __name__ == "__main__":

@@ -45,9 +45,8 @@ def measure(path: str, device: str, lora: bool, episodes: int, length: int, step
         lora=LoraConfig(enabled=lora),
     )
     b = batch(episodes, length, SMOLLM2_MOE["vocab_size"])
-    step_s, stats = timed_steps(
-        lrn, b, steps, device
-    )  # the warm-up step also moves the adapters off zero
+    # the warm-up step also moves the adapters off zero
+    step_s, stats = timed_steps(lrn, b, steps, device)
     t0 = time.perf_counter()
     payload = list(lrn.engine_factors()) if lora else lrn.weights()
     produce_s = time.perf_counter() - t0

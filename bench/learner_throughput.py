@@ -87,9 +87,8 @@ def one(precision: str, spec: dict, engine_logprobs: list | None) -> dict:
         threads=2,
     )
     learner = Learner(spec["path"], algo, precision=precision)
-    if (
-        engine_logprobs is None
-    ):  # the fp32 learner scores the batch: the engine's numbers for both runs
+    # the fp32 learner scores the batch: the engine's numbers for both runs
+    if engine_logprobs is None:
         engine_logprobs = [[0.0] + learner.logprobs(t.token_ids) for t in episodes]
     # the expert always succeeds: rewards vary by episode so GRPO's advantages are not all zero
     batch = [
@@ -102,9 +101,8 @@ def one(precision: str, spec: dict, engine_logprobs: list | None) -> dict:
         for i, (t, lps) in enumerate(zip(episodes, engine_logprobs))
     ]
     start = {k: v.clone() for k, v in learner.model.state_dict().items()}
-    learner.train_step(
-        batch
-    )  # untimed: one-time costs; then the weights the engine log-probs are of
+    # untimed: one-time costs; then the weights the engine log-probs are of
+    learner.train_step(batch)
     learner.model.load_state_dict(start)
     del start
     t0 = time.perf_counter()

@@ -107,9 +107,8 @@ def one(horizon: int, n: int, layout: str) -> dict:
         "turns": sum(len(t.turns) for t in eps) / n,
         "longest": max(len(t.token_ids) for t in eps),
     }
-    if (
-        layout == "full" and sizes["longest"] > WINDOW
-    ):  # no engine of this window could have produced it
+    # no engine of this window could have produced it
+    if layout == "full" and sizes["longest"] > WINDOW:
         return sizes
     torch.set_num_threads(2)
     learner = Learner(

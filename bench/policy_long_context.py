@@ -77,9 +77,8 @@ def measure(config: str, length: int, all_attention: bool, repeats: int, ac: boo
     args, model, ids = build(config, length, all_attention)
     model.activation_checkpointing = ac
     times = []
-    warmup = (
-        1 if length < 32768 else 0
-    )  # warm-up matters for short runs only; long ones take minutes
+    # warm-up matters for short runs only; long ones take minutes
+    warmup = 1 if length < 32768 else 0
     for _ in range(repeats + warmup):
         t0 = time.perf_counter()
         logits, _, _ = model(ids)

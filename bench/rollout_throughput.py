@@ -93,9 +93,8 @@ def run_hf(path: str, n: int, new: int, dtype: str) -> dict:
     ids = torch.tensor(prompts(vocab, n))
     kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=0)
     with torch.inference_mode():
-        model.generate(
-            ids[:2], attention_mask=torch.ones_like(ids[:2]), max_new_tokens=8, **kw
-        )  # warm-up
+        # warm-up
+        model.generate(ids[:2], attention_mask=torch.ones_like(ids[:2]), max_new_tokens=8, **kw)
         t0 = time.perf_counter()
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, **kw

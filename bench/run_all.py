@@ -34,9 +34,8 @@ class Bench:
     args: list[str]
     quick: list[str]
     limit_s: int
-    plot: dict = field(
-        default_factory=dict
-    )  # kind: bar|line, x: label column(s), y: value columns, ylabel
+    # kind: bar|line, x: label column(s), y: value columns, ylabel
+    plot: dict = field(default_factory=dict)
 
 
 BENCHES = [

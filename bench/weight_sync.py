@@ -89,9 +89,8 @@ def run_case(case: str, args) -> dict:
     spec = CASES[case]
     path, engine_dtype, n_workers = model_path(case, args), spec["engine_dtype"], spec["workers"]
     init_ray(RayConfig(num_cpus=2, object_store_mb=2048))
-    env = actor_env(
-        "auto"
-    )  # the learner's malloc as the trainer starts it (tcmalloc where installed)
+    # the learner's malloc as the trainer starts it (tcmalloc where installed)
+    env = actor_env("auto")
     learner = LearnerActor.options(**({"runtime_env": {"env_vars": env}} if env else {})).remote(
         path, AlgoConfig(), seed=0, engine_dtype=engine_dtype
     )

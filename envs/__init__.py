@@ -84,9 +84,8 @@ def config_problem(env_id: str, kwargs: dict | None = None) -> tuple[str, str] |
         return "id", f"environment {env_id!r} cannot be imported: {type(exc).__name__}: {exc}"
     signature = inspect.signature(cls)
     merged = {**spec(env_id).kwargs, **(kwargs or {})}
-    program = is_agent_program(
-        cls
-    )  # an agent program takes its AgentTask first (envs/agent_program.py)
+    # an agent program takes its AgentTask first (envs/agent_program.py)
+    program = is_agent_program(cls)
     try:
         signature.bind(*([None] if program else []), **merged)
     except TypeError as exc:
@@ -99,9 +98,8 @@ def config_problem(env_id: str, kwargs: dict | None = None) -> tuple[str, str] |
             "kwargs",
             f"environment {env_id!r} does not accept them ({exc}); it takes: {', '.join(named) or 'none'}",
         )
-    check = getattr(
-        cls, "kwargs_problem", None
-    )  # an environment's (or a program's) own checks of its values
+    # an environment's (or a program's) own checks of its values
+    check = getattr(cls, "kwargs_problem", None)
     problem = check(merged) if check else None
     return ("kwargs", f"environment {env_id!r}: {problem}") if problem else None
 

@@ -167,9 +167,8 @@ class ToolEnv(gym.Env):
     def step(self, action: str):
         if self._done:
             raise RuntimeError("step() called on a finished episode; call reset() first")
-        if isinstance(
-            action, (bytes, bytearray)
-        ):  # what a model wrote, as bytes: undecodable bytes become U+FFFD
+        # what a model wrote, as bytes: undecodable bytes become U+FFFD
+        if isinstance(action, (bytes, bytearray)):
             action = bytes(action).decode("utf-8", errors="replace")
         if not isinstance(action, str):
             raise TypeError(

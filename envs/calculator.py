@@ -45,9 +45,8 @@ def evaluate(expression: str) -> int | float:
     if not isinstance(expression, str) or len(expression) > 200:
         raise ToolFailure("expression must be a string of at most 200 characters")
     try:
-        tree = ast.parse(
-            expression.strip(), mode="eval"
-        )  # " 2 * 3" is what a person would accept too
+        # " 2 * 3" is what a person would accept too
+        tree = ast.parse(expression.strip(), mode="eval")
     except SyntaxError:
         raise ToolFailure(f"cannot parse expression {expression!r}") from None
 

@@ -75,9 +75,8 @@ class DigitsEnv(ToolEnv):
         self._turn += 1
         score = digit_share(action)
         events = [{"name": "digits", "reward": score}]
-        calls, errors = parse_tool_calls(
-            action
-        )  # there are no tools: any call, well formed or not, is an error
+        # there are no tools: any call, well formed or not, is an error
+        calls, errors = parse_tool_calls(action)
         return (
             "",
             score,

@@ -98,9 +98,8 @@ class FixTestsEnv(SandboxedEnv):
     ]
 
     @classmethod
-    def succeeded(
-        cls, milestones, reward
-    ) -> bool:  # every broken test passes: the pass:* rewards add up to 1
+    # every broken test passes: the pass:* rewards add up to 1
+    def succeeded(cls, milestones, reward) -> bool:
         return sum(m["reward"] for m in milestones if m["name"].startswith("pass:")) >= 1.0 - 1e-9
 
     milestones = (

@@ -167,9 +167,8 @@ class OncallEnv(SandboxedEnv):
     def _reset_task(self) -> str:
         rng = self.np_random
         self.horizon = self.horizons[int(rng.integers(len(self.horizons)))]
-        self.max_turns = (
-            self.fixed_turns or self.horizon + SLACK
-        )  # a few turns of slack on the solution's
+        # a few turns of slack on the solution's
+        self.max_turns = self.fixed_turns or self.horizon + SLACK
         self.services = [
             SERVICES[i] for i in rng.choice(len(SERVICES), size=self.horizon, replace=False)
         ]
@@ -180,9 +179,8 @@ class OncallEnv(SandboxedEnv):
         picks |= {
             int(i) for i in rng.choice(self.horizon, size=min(extra, self.horizon), replace=False)
         }
-        picks = (
-            picks if len(picks) < self.horizon else set(sorted(picks)[:-1])
-        )  # one healthy service at least
+        # one healthy service at least
+        picks = picks if len(picks) < self.horizon else set(sorted(picks)[:-1])
         self.failing = [self.services[i] for i in sorted(picks)]
         self.new_sandbox()
         for i, name in enumerate(self.services):

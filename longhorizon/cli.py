@@ -51,9 +51,8 @@ def _train(args) -> int:
         return 2
     if args.resume:
         run_dir = Path(args.resume)
-        config = (
-            args.config or run_dir / "config.yaml"
-        )  # the config as run, unless another is given
+        # the config as run, unless another is given
+        config = args.config or run_dir / "config.yaml"
         if not Path(config).exists():
             print(f"error: nothing to resume in {run_dir}: no {config}", file=sys.stderr)
             return 2
@@ -296,9 +295,8 @@ def _export(args) -> int:
     if not out.parent.is_dir():
         print(f"error: --out {out}: its directory {out.parent} does not exist", file=sys.stderr)
         return 2
-    warnings.filterwarnings(
-        "ignore", message="skipping corrupt trajectory shard"
-    )  # reported below, once
+    # reported below, once
+    warnings.filterwarnings("ignore", message="skipping corrupt trajectory shard")
     tmp = out.with_name(f".{out.name}.tmp")
     try:
         if args.format == "datasets":  # a `datasets` directory: datasets.load_from_disk(OUT)
@@ -325,9 +323,8 @@ def _export(args) -> int:
                     if isinstance(exc.__cause__, CorruptShard):
                         raise exc.__cause__ from None
                     raise
-                ds.save_to_disk(
-                    str(out)
-                )  # only once every row was read: a failure leaves OUT as it was
+                # only once every row was read: a failure leaves OUT as it was
+                ds.save_to_disk(str(out))
             n = len(ds)
         else:
             n = 0
@@ -367,9 +364,8 @@ def _submit(args) -> int:
     except (ConfigError, ConnectionError, FileNotFoundError) as exc:
         print(f"error: {message(exc)}", file=sys.stderr)
         return 2
-    except (
-        RuntimeError
-    ) as exc:  # the jobs API's refusal (e.g. "No available agent to submit job"), as one line
+    # the jobs API's refusal (e.g. "No available agent to submit job"), as one line
+    except RuntimeError as exc:
         print(
             f"error: the cluster at {args.address} did not take the job: {message(exc)}",
             file=sys.stderr,
@@ -854,14 +850,12 @@ def main(argv: list[str] | None = None) -> int:
         code = args.fn(args)
         sys.stdout.flush()  # here, where a reader that left can be caught, not at interpreter exit
         return code
-    except (
-        BrokenPipeError
-    ):  # `longhorizon ... --json | head`: the reader left; no traceback for that
+    # `longhorizon ... --json | head`: the reader left; no traceback for that
+    except BrokenPipeError:
         import os
 
-        os.dup2(
-            os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno()
-        )  # so the exit's flush cannot fail again
+        # so the exit's flush cannot fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # what a shell reports for a command ended by SIGPIPE
 
 

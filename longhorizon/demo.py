@@ -153,9 +153,8 @@ def run_demo(
                 "run_min": (time.perf_counter() - t0) / 60,
             }
         )
-        (out / "eval.json").write_text(
-            json.dumps(rows, indent=2) + "\n"
-        )  # after each run: nothing is lost
+        # after each run: nothing is lost
+        (out / "eval.json").write_text(json.dumps(rows, indent=2) + "\n")
     plot_curves(curves, out / "curve.png")
     if any(r["horizon"] is not None for r in rows):
         plot_horizons(rows, out / "horizon.png")

@@ -69,9 +69,8 @@ def summary(run_dir: str | Path) -> dict:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # reported in the summary instead
-        rows = list(
-            store.rows(SUMMARY_COLUMNS, strict=False)
-        )  # corrupt shards are listed, not fatal
+        # corrupt shards are listed, not fatal
+        rows = list(store.rows(SUMMARY_COLUMNS, strict=False))
     for row in rows:
         per_iter[row["iteration"]].append(row)
         versions.update(row["policy_versions"])
@@ -211,9 +210,8 @@ def print_episode(run_dir: str | Path, episode_id: str, console: Console) -> Non
     for i, turn in enumerate(t.turns):
         if i in openers:
             console.print(Text(opener_note(t, i, openers[i]), style="yellow"))
-        if (
-            turn.kind == "summary"
-        ):  # a compaction turn (rollout/context.py): the policy's own summary
+        # a compaction turn (rollout/context.py): the policy's own summary
+        if turn.kind == "summary":
             console.print(
                 Panel(
                     Text(turn.text or "(empty)"),

@@ -75,9 +75,8 @@ def submit(
 
     name = Path(config_path).stem
     run_dir = run_dir or f"~/longhorizon-runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    cfg = load_config(
-        config_path, list(overrides or [])
-    )  # a bad config fails before anything ships
+    # a bad config fails before anything ships
+    cfg = load_config(config_path, list(overrides or []))
     client = _client(address)
     staged = stage(cfg)
     try:

@@ -116,9 +116,8 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
         ax.set_xlabel("iteration")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-        if (
-            name == "failures" and keys
-        ):  # shares that add up to one: stacked, the most common at the bottom
+        # shares that add up to one: stacked, the most common at the bottom
+        if name == "failures" and keys:
             keys = sorted(keys, key=lambda k: -sum(y for _, y in series[k]))
             xs = [x for x, _ in series[keys[0]]]
             ax.stackplot(

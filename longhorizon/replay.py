@@ -111,9 +111,8 @@ def _replay(env, traj: Trajectory) -> ReplayResult:
     for m in traj.milestones:
         recorded.setdefault(m["turn"], []).append((m["name"], m["reward"]))
     total = 0.0
-    last = len(traj.turns) - (
-        1 if traj.infra_error and traj.turns else 0
-    )  # the failing turn has no record
+    # the failing turn has no record
+    last = len(traj.turns) - (1 if traj.infra_error and traj.turns else 0)
     for i, turn in enumerate(traj.turns[:last]):
         obs, reward, _, _, info = env.step(turn.text)
         total += reward
@@ -141,9 +140,8 @@ def replay_segments(traj: Trajectory, make_env: Callable, tokenizer, rollout) ->
     from rollout.trajectory import EpisodeTask, first_difference
 
     calls = []
-    for (
-        turn
-    ) in traj.turns:  # what the engine was given and what it answered: the turn's sampled ids
+    # what the engine was given and what it answered: the turn's sampled ids
+    for turn in traj.turns:
         start = max(s for s, _ in traj.sample_spans() if s <= turn.gen_start)
         ids = [
             x

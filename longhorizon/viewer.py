@@ -181,9 +181,8 @@ def write_html(
         }
 
     held_out = [point(r["iteration"], r) for r in load_metrics(run_dir) if "eval/success" in r]
-    initial = (
-        run_dir / "eval-initial.json"
-    )  # before the first iteration (after any warm start): drawn at -1
+    # before the first iteration (after any warm start): drawn at -1
+    initial = run_dir / "eval-initial.json"
     try:
         first = json.loads(initial.read_text()) if initial.exists() else {}
     except json.JSONDecodeError:

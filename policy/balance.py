@@ -71,9 +71,8 @@ class QuantileHistogram:
             torch.zeros_like(j, dtype=cdf.dtype),
         )
         here = cdf.gather(1, j[:, None])[:, 0]
-        frac = ((q - prev) / (here - prev).clamp(min=1e-12)).clamp(
-            0, 1
-        )  # interpolate inside the bin
+        # interpolate inside the bin
+        frac = ((q - prev) / (here - prev).clamp(min=1e-12)).clamp(0, 1)
         width = (self.hi - self.lo) / bins
         b_hat = (self.lo + (j.double() + frac) * width).float()
         return b_hat - b_hat.mean()

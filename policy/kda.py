@@ -156,9 +156,8 @@ def _intra(q, k, v, g, beta, s: int, pairwise: bool):
     C, K = q.shape[-2:]
     G = g.cumsum(-2)
     kk, qk = _products(torch.stack([k, q]), k, G, s, pairwise).unbind(0)
-    A = (kk * beta[..., None]).tril(
-        -1
-    )  # unitriangular: the solve takes I + A's unit diagonal as read
+    # unitriangular: the solve takes I + A's unit diagonal as read
+    A = (kk * beta[..., None]).tril(-1)
     X = torch.linalg.solve_triangular(
         A, beta[..., None] * torch.cat([k * G.exp(), v], -1), upper=False, unitriangular=True
     )
@@ -237,14 +236,12 @@ class _KDAChunked(torch.autograd.Function):
                 leaves = [t.requires_grad_() for t in _segment(inputs, t0, t1, C, starts.dtype)]
                 outs = W, U, Qg, QK, carry, K_out = _intra(*leaves, s, pairwise)
             M = _transition(W, carry, K_out)
-            S = _scan(M, K_out @ U, starts[i])[
-                :-1
-            ]  # the chunks' states again, from the segment's start
+            # the chunks' states again, from the segment's start
+            S = _scan(M, K_out @ U, starts[i])[:-1]
             dO = _chunks(dO_BTHV[:, t0:t1], C)
             c = Qg.transpose(-1, -2) @ dO - W.transpose(-1, -2) @ (QK.transpose(-1, -2) @ dO)
-            dS_all = _scan(M.transpose(-1, -2).flip(0), c.flip(0), dS).flip(
-                0
-            )  # dS_n = M_nᵀ dS_{n+1} + c_n
+            # dS_n = M_nᵀ dS_{n+1} + c_n
+            dS_all = _scan(M.transpose(-1, -2).flip(0), c.flip(0), dS).flip(0)
             dS_next, dS = dS_all[1:], dS_all[0]
             V_new = U - W @ S
             dV_new = QK.transpose(-1, -2) @ dO + K_out.transpose(-1, -2) @ dS_next
@@ -257,9 +254,8 @@ class _KDAChunked(torch.autograd.Function):
                 dS_next @ V_new.transpose(-1, -2),
             )
             for grad, leaf_grad in zip(grads, torch.autograd.grad(outs, leaves, douts)):
-                grad[:, t0:t1] = _unchunk(
-                    leaf_grad, t1 - t0
-                )  # in the input's dtype (bf16: rounded once)
+                # in the input's dtype (bf16: rounded once)
+                grad[:, t0:t1] = _unchunk(leaf_grad, t1 - t0)
         return (*grads, dS if ctx.needs_input_grad[5] else None, None, None, None)
 
 
@@ -340,9 +336,8 @@ def safe_gate_bias(
     that remembers from the start. A zero bias would give e^{g_min/2} ≈ 0.08 per step, nearly
     memoryless."""
     H = A_log_H.shape[0]
-    lo, hi = (
-        math.log(-math.log(d)) for d in (decay[1], decay[0])
-    )  # -log(decay) between these, log-uniform
+    # -log(decay) between these, log-uniform
+    lo, hi = (math.log(-math.log(d)) for d in (decay[1], decay[0]))
     minus_g = torch.empty(H, head_dim, dtype=torch.float64).uniform_(lo, hi).exp()
     p = (minus_g / -g_min).clamp(1e-12, 1 - 1e-12)  # σ(·) = g / g_min
     return (torch.log(p / (1 - p)) / A_log_H.double().exp()[:, None]).reshape(-1).to(A_log_H.dtype)
@@ -446,15 +441,13 @@ class KDA(nn.Module):
         if recurrent if recurrent is not None else T == 1:
             o, S = kda_recurrent(q, k, v, g, beta, st.S)
         else:
-            bound = (
-                -self.a.g_min if self.a.gate == "safe" else None
-            )  # the softplus gate is unbounded
+            # the softplus gate is unbounded
+            bound = -self.a.g_min if self.a.gate == "safe" else None
             o, S = kda_chunked(q, k, v, g, beta, st.S, self.a.chunk_size, step_bound=bound)
         if state is not None:
             (state.conv_q, state.conv_k, state.conv_v), state.S = convs, S
-        o = o.to(
-            x_BTD.dtype
-        )  # what `output` reads it as: kept for backward in the model's dtype, not fp32
+        # what `output` reads it as: kept for backward in the model's dtype, not fp32
+        o = o.to(x_BTD.dtype)
         return (
             recompute(self.output, (o, x_BTD), list(self.parameters()))
             if train

@@ -153,9 +153,8 @@ class GatedMLA(nn.Module):
 
     def _softmax(self, scores_BHTS, pos_T, S: int, pad_B=None):
         slots_S = torch.arange(S, device=pos_T.device)
-        keep = (
-            slots_S[None, :] <= pos_T[:, None]
-        )  # causal, T × S (only where scores are T × S anyway)
+        # causal, T × S (only where scores are T × S anyway)
+        keep = slots_S[None, :] <= pos_T[:, None]
         if pad_B is not None:  # and never a row's left padding: B × 1 × T × S
             keep = keep[None, None] & (slots_S[None, :] >= pad_B[:, None])[:, None, None, :]
         s = (upcast(scores_BHTS) * self.scale).masked_fill(~keep, -math.inf)

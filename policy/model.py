@@ -70,9 +70,8 @@ class _AttnResMix(torch.autograd.Function):
         w, g = w_D.to(dt), dout_BTD.to(dt)
         D = g.shape[-1]
         dalpha = torch.stack([(g * V.to(dt)).sum(-1) for V in sources])
-        dlogit = alpha_SBT * (
-            dalpha - (alpha_SBT * dalpha).sum(0, keepdim=True)
-        )  # softmax backward
+        # softmax backward
+        dlogit = alpha_SBT * (dalpha - (alpha_SBT * dalpha).sum(0, keepdim=True))
         dw, dsources = torch.zeros_like(w), []
         for V, a, r, dl in zip(sources, alpha_SBT, r_SBT, dlogit):
             Vf = V.to(dt)

@@ -362,9 +362,8 @@ def clip_grad_norm_(
     """Clip the global gradient norm (FSDP shards and expert blocks are disjoint across ranks, so
     the squared norm is the sum of every rank's local squares); returns the norm before clipping."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    sq = torch.zeros(
-        (), dtype=torch.float64, device=grads[0].device if grads else None
-    )  # where NCCL reaches it
+    # where NCCL reaches it
+    sq = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else None)
     for g in grads:
         sq += _local(g).double().pow(2).sum()
     dist.all_reduce(sq, group=group)
@@ -467,9 +466,8 @@ def load_sharded(model: nn.Module, optimizer, path: str) -> None:
     dcp.load(state, checkpoint_id=path)
     experts = _expert_modules(model)
 
-    def local(
-        sd, fqn=None
-    ):  # the expert blocks back as this rank's plain tensors (`_as_shards` undone)
+    # the expert blocks back as this rank's plain tensors (`_as_shards` undone)
+    def local(sd, fqn=None):
         return {
             k: (v.to_local() if isinstance(v, DTensor) and (fqn or k) in experts else v)
             for k, v in sd.items()

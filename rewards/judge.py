@@ -235,9 +235,8 @@ class JudgeCache:
         if self.path is None:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(
-            self.path, "ab+"
-        ) as f:  # a last line cut short by a crash must not swallow the next
+        # a last line cut short by a crash must not swallow the next
+        with open(self.path, "ab+") as f:
             cut = f.seek(0, os.SEEK_END) > 0 and (
                 f.seek(-1, os.SEEK_END) >= 0 and f.read(1) != b"\n"
             )

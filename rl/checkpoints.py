@@ -240,9 +240,8 @@ def load_learner(learner, path: str) -> dict:
                 "sharded/): resume with learner.world_size > 1, or start a new run from its "
                 "weights (policy.path)"
             )
-        if (
-            learner.lora is not None
-        ):  # the base again, the adapters on top (the saved model has them merged)
+        # the base again, the adapters on top (the saved model has them merged)
+        if learner.lora is not None:
             from safetensors.torch import load_file
 
             from rl.lora import load_adapter_state

@@ -718,9 +718,8 @@ class RunConfig:
                         f"is wrong: {problem[1]}",
                     )
                 )
-            elif envs.is_agent_program(
-                envs.env_class(env_id)
-            ):  # envs/agent_program.py: run by the rollout worker
+            # envs/agent_program.py: run by the rollout worker
+            elif envs.is_agent_program(envs.env_class(env_id)):
                 demos = id_key == "warm_start.envs" or (
                     id_key == "env.id" and self.warm_start.demos and not self.warm_start.envs
                 )
@@ -773,9 +772,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
         return built[-1][1].validate("overrides")
     except ConfigError as exc:
         problem, culprit = str(exc).split(": ", 1)[1], built[-1][0]
-        for ov, partial in reversed(
-            built[:-1]
-        ):  # the earliest override from which the problem holds
+        # the earliest override from which the problem holds
+        for ov, partial in reversed(built[:-1]):
             try:
                 partial.validate("overrides")
             except ConfigError as earlier:

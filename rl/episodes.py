@@ -37,9 +37,8 @@ def batch_metrics(trajs: list[Trajectory]) -> dict:
         "stop_reasons": dict(Counter(t.stop_reason for t in trajs)),
     }
     out.update({f"milestone_rate/{k}": v / n for k, v in sorted(reached.items())})
-    scored = [
-        t for t in trajs if t.reward_parts
-    ]  # a rubric's parts, each on its own (rewards/rubric.py)
+    # a rubric's parts, each on its own (rewards/rubric.py)
+    scored = [t for t in trajs if t.reward_parts]
     for name in dict.fromkeys(k for t in scored for k in t.reward_parts):
         out[f"reward/{name}"] = sum(t.reward_parts.get(name, 0.0) for t in scored) / max(
             1, len(scored)

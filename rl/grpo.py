@@ -86,9 +86,8 @@ def policy_loss(
     elif ratio_level != "token":
         raise ValueError(f"unknown ratio level {ratio_level!r}")
     ratio = torch.exp(log_ratio)
-    adv = (
-        adv_B[:, None] if adv_B.dim() == 1 else adv_B
-    )  # per episode, or per token (milestone credit)
+    # per episode, or per token (milestone credit)
+    adv = adv_B[:, None] if adv_B.dim() == 1 else adv_B
     objective = torch.minimum(
         ratio * adv, torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * adv
     )
@@ -185,12 +184,10 @@ def mismatch_metrics(
         "rollout_logprob_diff_mean": float(d.mean()),
         "rollout_logprob_diff_max": float(d.max()),
         "rollout_kl": float((torch.exp(-r) + r - 1).mean()),  # k3 estimate of KL(learner ‖ engine)
-        "rollout_chi2": float(
-            ((torch.exp(r) - 1) ** 2).mean()
-        ),  # χ²(learner ‖ engine), sampled by the engine
-        "rollout_ppl_ratio": float(
-            torch.exp(-r.mean())
-        ),  # perplexity of the tokens, learner / engine
+        # χ²(learner ‖ engine), sampled by the engine
+        "rollout_chi2": float(((torch.exp(r) - 1) ** 2).mean()),
+        # perplexity of the tokens, learner / engine
+        "rollout_ppl_ratio": float(torch.exp(-r.mean())),
         "rollout_is_weight_mean": float(w.mean()),
         "rollout_is_dropped_tokens": float((w == 0).float().mean()),
         "rollout_is_dropped_seqs": seqs_dropped / max(n_seqs, 1),

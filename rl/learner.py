@@ -108,9 +108,8 @@ class Learner(WeightSource):
         self.max_generated_tokens = max_generated_tokens
         self.max_staleness = max_staleness
         self._tokenizer_path = policy_path
-        self.lora = (
-            lora if lora is not None and lora.enabled else None
-        )  # rl/lora.py: adapters on policy_path
+        # rl/lora.py: adapters on policy_path
+        self.lora = lora if lora is not None and lora.enabled else None
         self.base_path = policy_path
         self.value_head = None
         self._load(policy_path)
@@ -247,9 +246,8 @@ class Learner(WeightSource):
         logits and choices (both for balancing), `replayed` the routing-replay counts; `only`: the
         loss mask, to run the head on the generated tokens alone (0 elsewhere); `temperature`: the
         sampling temperature's by default."""
-        with devices.autocast(
-            self.device, self.precision
-        ):  # bf16: forward (and its backward) in bf16
+        # bf16: forward (and its backward) in bf16
+        with devices.autocast(self.device, self.precision):
             h, router_info = lm.hidden_and_routing(
                 ids, attn, routing, capture=hf_routers is not None
             )
@@ -257,14 +255,12 @@ class Learner(WeightSource):
             replayed.append(router_info["replayed"])
         valid = attn.reshape(-1).bool()  # padding takes no part in balancing
         if routing_out is not None and router_info is not None and router_info["scores"]:
-            routing_out.add(
-                [s[valid] for s in router_info["scores"]]
-            )  # counted now, the scores let go
+            # counted now, the scores let go
+            routing_out.add([s[valid] for s in router_info["scores"]])
         if hf_routers is not None and router_info is not None and router_info["hf_routers"]:
             hf_routers.append((router_info["hf_routers"], valid))
-        with devices.autocast(
-            self.device, self.precision
-        ):  # the head's matmul in bf16; log-softmax in fp32
+        # the head's matmul in bf16; log-softmax in fp32
+        with devices.autocast(self.device, self.precision):
             logp, ent = chunked_logprobs(
                 h,
                 lm.head,
@@ -325,9 +321,8 @@ class Learner(WeightSource):
         returns: dict = {}
         if c.name == "ppo" or c.credit == "milestone":
             if c.name == "ppo":
-                values = episode_values(
-                    rows, batch, old_v
-                )  # values[i][p - 1]: value before token p
+                # values[i][p - 1]: value before token p
+                values = episode_values(rows, batch, old_v)
                 per_token, ep_returns = [], []
                 for i, t in enumerate(batch):
                     adv, ret = episode_targets(
@@ -461,9 +456,8 @@ class Learner(WeightSource):
         seqs = [row.seq for row in rows]
         shares = self.shares(seqs)
         plan = [[m for share in mb for m in share] for mb in shares]
-        mine = [
-            padded_slots(mb, self.rank) for mb in shares
-        ]  # this rank's micro-batches, None: a dummy
+        # this rank's micro-batches, None: a dummy
+        mine = [padded_slots(mb, self.rank) for mb in shares]
         old, old_v, ref, replays, replayed = {}, {}, {}, {}, []
         # One optimiser step on the weights that would score `old`: the training forward's own
         # log-probs, detached, are the pre-update ones (the same weights on the same micro-batches),
@@ -483,9 +477,8 @@ class Learner(WeightSource):
                 )
                 if self.ref is not None:
                     ref[key], _, _ = self._logprobs(self.ref, ids, attn, only=mask)
-        if (
-            self.world > 1
-        ):  # every rank needs every micro-batch's numbers (advantages, KL, annotations)
+        # every rank needs every micro-batch's numbers (advantages, KL, annotations)
+        if self.world > 1:
             parts = all_gather_objects((old, old_v, ref, replayed))
             for part in parts:
                 for own, theirs in zip((old, old_v, ref), part[:3]):
@@ -503,14 +496,12 @@ class Learner(WeightSource):
                 n_seqs = sum(len(m) for m in mb)
                 self.opt.zero_grad(set_to_none=True)
                 total = 0.0
-                routing = RouterStats(
-                    self.lm
-                )  # this step's router statistics, a micro-batch at a time
+                # this step's router statistics, a micro-batch at a time
+                routing = RouterStats(self.lm)
                 hf_loads: list = []  # per micro-batch, per MoE layer, tokens per expert (Hugging Face MoE)
                 mb_tokens = sum(len(seqs[i].token_ids) for m in mb for i in m)
-                for micro in casts_cached_over(
-                    slots
-                ):  # one bf16 cast of the experts per optimizer step
+                # one bf16 cast of the experts per optimizer step
+                for micro in casts_cached_over(slots):
                     if micro is None:
                         self._dummy(backward=True)
                         continue
@@ -583,9 +574,8 @@ class Learner(WeightSource):
             )
         if self.rank == 0:
             out["annotations"] = annotations(batch, rows, plan, old, adv_of)
-        if (
-            self.world > 1
-        ):  # per-micro-batch metrics from every rank, as one learner would average them
+        # per-micro-batch metrics from every rank, as one learner would average them
+        if self.world > 1:
             merged: dict[str, list[float]] = {}
             for part in all_gather_objects(stats):
                 for k, v in part.items():

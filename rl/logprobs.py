@@ -127,9 +127,8 @@ def chunked_logprobs(
         sel_BT = only_BT.bool()
         h_ND, t_N = h[sel_BT], targets[sel_BT]
         n = len(t_N)
-        pad = (
-            padded_rows(n) - n
-        )  # rows to a multiple of ROWS: one oneDNN kernel per few shapes (rl/hf_experts.py)
+        # rows to a multiple of ROWS: one oneDNN kernel per few shapes (rl/hf_experts.py)
+        pad = padded_rows(n) - n
         if pad:
             h_ND = torch.cat([h_ND, h_ND.new_zeros(pad, h_ND.shape[-1])])
             t_N = torch.cat([t_N, t_N.new_zeros(pad)])
@@ -243,9 +242,8 @@ class CausalLM:
                 h = self.root(input_ids, mask)
             elif shared:
                 h = self._hf_shared_prefix(input_ids, attention_mask, shared)
-            if (
-                h is None
-            ):  # no prefix to share, or a cache it cannot be shared through: the plain forward
+            # no prefix to share, or a cache it cannot be shared through: the plain forward
+            if h is None:
                 shared = 0
                 if self.hf_replay.capture:
                     self.hf_replay.capture.clear()  # the prefix forward's captures, if one ran
@@ -297,9 +295,8 @@ class CausalLM:
         model, B, T = self.module.model, ids_BT.shape[0], ids_BT.shape[1]
         pre = model(input_ids=ids_BT[:1, :n], use_cache=True)
         cache = pre.past_key_values
-        if not all(
-            type(layer) is DynamicLayer for layer in cache.layers
-        ):  # sliding windows, static caches
+        # sliding windows, static caches
+        if not all(type(layer) is DynamicLayer for layer in cache.layers):
             return None  # the caller runs the plain forward
         for layer in cache.layers:
             layer.keys, layer.values = (

@@ -88,9 +88,8 @@ def _lora_layers(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]
 def factors(layer) -> tuple[torch.Tensor, torch.Tensor]:
     """(B·scale, A) with B·scale @ A = the layer's update of its weight, in the weight's layout:
     (out, r) and (r, in) for a linear layer, (E, rows, r) and (E, r, cols) for fused experts."""
-    if hasattr(
-        layer, "get_delta_factors"
-    ):  # ParamWrapper (fused experts): delta = scale · lhs @ rhs
+    # ParamWrapper (fused experts): delta = scale · lhs @ rhs
+    if hasattr(layer, "get_delta_factors"):
         lhs, rhs, scale = layer.get_delta_factors(ADAPTER)
         return lhs * scale, rhs
     return layer.lora_B[ADAPTER].weight * layer.scaling[ADAPTER], layer.lora_A[ADAPTER].weight

@@ -58,9 +58,8 @@ def gguf_path(name: str) -> Path:
             f"unknown pretrained model {name!r}; known: {', '.join(sorted(PRETRAINED))}"
         )
     package, filename = PRETRAINED[name]
-    spec = importlib.util.find_spec(
-        package
-    )  # finds the folder without running the package's __init__
+    # finds the folder without running the package's __init__
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise PretrainedError(
             f"{name}: the package {package!r} is not installed; run `make install` "
@@ -219,9 +218,8 @@ def upcycle(
     src, out = Path(src), Path(out)
     if not (src / "config.json").is_file():
         raise PretrainedError(f"{src}: not a Hugging Face checkpoint (no config.json)")
-    _mixtral_config(
-        AutoConfig.from_pretrained(src), experts, top_k
-    )  # refuse before loading any weights
+    # refuse before loading any weights
+    _mixtral_config(AutoConfig.from_pretrained(src), experts, top_k)
     dense_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     moe = upcycle_model(dense_model, experts, top_k, seed=seed)
     tok = AutoTokenizer.from_pretrained(src)

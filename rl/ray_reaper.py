@@ -36,9 +36,8 @@ def watch(pids: list[int]) -> None:
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     )
     os.close(read)
-    os.set_inheritable(
-        write, False
-    )  # only this process holds it: our children must not keep it open
+    # only this process holds it: our children must not keep it open
+    os.set_inheritable(write, False)
     watch.fd = write  # kept open (and referenced) for this process's lifetime
 
 

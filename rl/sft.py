@@ -141,9 +141,8 @@ def warm_start(
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=data, processing_class=tokenizer, callbacks=[Curve()]
     )
-    trainer.remove_callback(
-        PrinterCallback
-    )  # it prints every log dict; `Curve` reports progress instead
+    # it prints every log dict; `Curve` reports progress instead
+    trainer.remove_callback(PrinterCallback)
     trainer.train()
     seconds = time.perf_counter() - t0
     trainer.save_model(str(out_dir))

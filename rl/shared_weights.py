@@ -219,9 +219,8 @@ class SharedPublisher:
                     f"{tuple(t.shape) if t is not None else ''}; its shared-memory layout expects "
                     f"{want} {shape}"
                 )
-            slab.region(offset, shape, dtype).copy_(
-                t
-            )  # the cast to the engines' dtype is this copy
+            # the cast to the engines' dtype is this copy
+            slab.region(offset, shape, dtype).copy_(t)
             cut["written"] += 1
 
     def release(self, version: int) -> None:

@@ -221,9 +221,8 @@ class TrajectoryStore:
         still show the rest."""
         for shard in self.shards() if shards is None else shards:
             try:
-                pf = pq.ParquetFile(
-                    shard
-                )  # one open: the footer tells which columns this shard has
+                # one open: the footer tells which columns this shard has
+                pf = pq.ParquetFile(shard)
                 present = pf.schema_arrow.names
                 table = pf.read(
                     columns=None if columns is None else [c for c in columns if c in present]

@@ -167,9 +167,8 @@ class PendingSync:
         shared = bool(self.manifest is not None and self.manifest.shared)
         on_gpu = shared and isinstance(self.manifest.shared, CudaIpc)
         self.manifest = None  # the buckets are freed once nobody holds a reference
-        if (
-            self.release is not None
-        ):  # every load is done (a late one raised above: its slab stays held)
+        # every load is done (a late one raised above: its slab stays held)
+        if self.release is not None:
             self.release()
         out = {
             "sync_version": self.version,
@@ -203,9 +202,8 @@ class PendingSync:
                         "sync_direct_tensors": min(r["direct"] for _, r in loads),
                     }
                 )
-            if all(
-                "unstaged" in r for _, r in loads
-            ):  # expert layers packed straight from what was sent
+            # expert layers packed straight from what was sent
+            if all("unstaged" in r for _, r in loads):
                 out["sync_unstaged_expert_layers"] = min(r["unstaged"] for _, r in loads)
         return out
 
@@ -275,9 +273,8 @@ def start_sync(
     plan = result(learner.plan_publish.remote(bucket_mb, **shared)) if stream else None
     seconds = None
     if plan is None:
-        manifest = result(
-            learner.publish.remote(bucket_mb, **shared)
-        )  # a learner group answers with rank 0's manifest
+        # a learner group answers with rank 0's manifest
+        manifest = result(learner.publish.remote(bucket_mb, **shared))
     else:
         manifest = planned_manifest(
             plan, [_one(learner.publish_bucket.remote(i)) for i in range(len(plan["names"]))]
@@ -297,9 +294,8 @@ def placements(learner, workers: list) -> tuple[dict | None, list[dict]]:
     and each worker run: {"node": Ray node id, "gpus": UUIDs of the GPUs its process uses}. Asked at
     every sync: a worker Ray restarted may be elsewhere. (In async mode a worker runs this call
     beside its rollouts; in sync mode it has none queued.)"""
-    ranks = getattr(
-        learner, "actors", [learner]
-    )  # rl/learner_group.py LearnerGroup, or the actor itself
+    # rl/learner_group.py LearnerGroup, or the actor itself
+    ranks = getattr(learner, "actors", [learner])
     if len(ranks) > 1:
         return None, []
     places = ray.get([a.placement.remote() for a in [ranks[0], *workers]], timeout=60)

@@ -125,21 +125,17 @@ class Trainer:
         self._judge_row: dict = {}  # the judge's metrics of the iteration being collected
         self.tensorboard = None
         self.wandb = None
-        self._inflight: dict[
-            int, list
-        ] = {}  # iteration → [(worker index, share, min version, future)]
+        # iteration → [(worker index, share, min version, future)]
+        self._inflight: dict[int, list] = {}
         self.worker_restarts = 0  # rollout worker deaths this driver recovered from, so far
-        self._outstanding: list[
-            dict
-        ] = []  # per rollout worker: episode id → task, given and not yet back
+        # per rollout worker: episode id → task, given and not yet back
+        self._outstanding: list[dict] = []
         self._busy_last: list[float] = []  # the engines' busy seconds at the last row
-        self._held: list[
-            Trajectory
-        ] = []  # ended episodes whose group has not ended yet (partial rollouts)
+        # ended episodes whose group has not ended yet (partial rollouts)
+        self._held: list[Trajectory] = []
         self.episodes_rerun = 0
-        self._syncs: list[
-            tuple[int, PendingSync]
-        ] = []  # (last iteration submitted before it, sync)
+        # (last iteration submitted before it, sync)
+        self._syncs: list[tuple[int, PendingSync]] = []
         self._last_row_t = 0.0
         self.guard = LearningGuard(cfg, self.run_dir)  # stops a run that cannot learn
         self.warm = None  # the warm start phase, once run (rl/warm_start.py)
@@ -148,17 +144,15 @@ class Trainer:
     # --- set-up ---
     def policy_path(self) -> str:
         """The policy the run starts from (before any warm start: that runs on the learner, `start`)."""
-        if (
-            self.cfg.policy.pretrained
-        ):  # converted and upcycled once, in the local cache (rl/pretrained.py)
+        # converted and upcycled once, in the local cache (rl/pretrained.py)
+        if self.cfg.policy.pretrained:
             from rl.pretrained import for_config
 
             return str(for_config(self.cfg.policy))
         if self.cfg.policy.path:
             return self.cfg.policy.path
-        if (
-            self.source is not None
-        ):  # the stored token ids are that run's tokenizer's: train its policy
+        # the stored token ids are that run's tokenizer's: train its policy
+        if self.source is not None:
             init = self.source.dir.parent / "policy-init"
             if not (init / "config.json").exists():
                 raise FileNotFoundError(f"--from-store: set policy.path; {init} holds no policy")
@@ -277,9 +271,8 @@ class Trainer:
         )
         rollouts = self.source is None  # training from a store needs no engines and no environments
         self.rubric = build_rubric(c.reward.parts)
-        j = (
-            c.reward.judge
-        )  # a judge model for the rubric's judge parts: one actor, restarted if it dies
+        # a judge model for the rubric's judge parts: one actor, restarted if it dies
+        j = c.reward.judge
         self.judge = (
             JudgeActor.options(
                 num_cpus=j.cpus, num_gpus=j.gpus, max_restarts=r.max_restarts
@@ -664,13 +657,11 @@ class Trainer:
         t0 = time.perf_counter()
         asynchronous = self.cfg.schedule.mode == "async"
         trajs = self.rollout(it)
-        rollout_s = (
-            time.perf_counter() - t0
-        )  # async: only the wait for rollouts that were not done yet
+        # async: only the wait for rollouts that were not done yet
+        rollout_s = time.perf_counter() - t0
         sync = self._finish_syncs(it) if asynchronous else {}
-        self.store.write(
-            f"iter-{it:06d}", trajs
-        )  # what ended in this iteration, trained now or later
+        # what ended in this iteration, trained now or later
+        self.store.write(f"iter-{it:06d}", trajs)
         batch = self.trainable(trajs) if self.source is None else trajs
         # how many versions behind the weights about to train on it the oldest token is (0 when synchronous)
         staleness = max(
@@ -810,9 +801,8 @@ class Trainer:
                     )
             self._engine_busy()  # the baseline: what the engines did before (an evaluation) is no iteration's
             self._last_row_t = time.perf_counter()
-            if (
-                self.cfg.schedule.mode == "async"
-            ):  # the first iterations all start from the current weights
+            # the first iterations all start from the current weights
+            if self.cfg.schedule.mode == "async":
                 for j in range(
                     self.start_iteration, self.start_iteration + self.cfg.schedule.max_staleness + 1
                 ):

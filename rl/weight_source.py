@@ -49,9 +49,8 @@ class WeightSource:
         from the model's config, and sending it twice cost the real policy's sync 7% more bytes."""
         if self.world > 1:
             return self.lm.checkpoint_names(_cast(self.full_weights(), dtype))
-        if (
-            self.lora is not None
-        ):  # the adapters folded into their weights, under the original names
+        # the adapters folded into their weights, under the original names
+        if self.lora is not None:
             from rl.lora import merged_state
 
             state = merged_state(self.model)

@@ -83,12 +83,10 @@ class _Episode:
         self.context_start = (
             0  # where the context the engine sees (the current context segment) begins in `ids`
         )
-        self.sample_starts: list[
-            int
-        ] = []  # every context segment's start, once there is more than one
-        self.own_ids: dict[
-            int, list[int]
-        ] = {}  # acting turn -> its generated ids and its observation
+        # every context segment's start, once there is more than one
+        self.sample_starts: list[int] = []
+        # acting turn -> its generated ids and its observation
+        self.own_ids: dict[int, list[int]] = {}
         self.summarising = False  # the next turn is a compaction turn
         self.managed = FULL  # the context management it runs under (rollout/context.py)
 
@@ -293,9 +291,8 @@ class _Budget:
         return bool(self.tokens) and self.generated + self.in_flight >= self.tokens
 
     def _goes_on(self, ep: _Episode, spent: bool) -> bool:
-        return not ep.stop_reason and (
-            not spent or ep.segments >= self.max_segments
-        )  # its last call: to the end
+        # its last call: to the end
+        return not ep.stop_reason and (not spent or ep.segments >= self.max_segments)
 
     def live(self, episodes: list[_Episode]) -> list[_Episode]:
         with self._lock:
@@ -370,9 +367,8 @@ def _each_on_its_own(
                 first = False
                 t0 = time.perf_counter()
                 gen = _generate(engine, chat, [ep], max_new_tokens, temperature, top_p, run_seed)[0]
-                budget.end_turn(
-                    at_most, len(gen.token_ids)
-                )  # (an error ends the call: nothing to give back)
+                # (an error ends the call: nothing to give back)
+                budget.end_turn(at_most, len(gen.token_ids))
                 text = _sampled(ep, gen, chat, time.perf_counter() - t0)
                 _stepped(
                     ep,
@@ -498,13 +494,11 @@ def _stepped(
         obs_ids = chat.observation_ids(info["messages"])
         m = ep.managed
         if m.mode != "full":
-            ep.own_ids[turn] = (
-                ep.ids[gen_start:gen_end] + obs_ids
-            )  # what a rebuilt context copies of it
+            # what a rebuilt context copies of it
+            ep.own_ids[turn] = ep.ids[gen_start:gen_end] + obs_ids
         past = len(ep.context) + len(obs_ids) > m.threshold(ep.context_limit)
-        if (
-            m.mode == "compact"
-        ):  # ask for the summary with this observation, while there is room for it
+        # ask for the summary with this observation, while there is room for it
+        if m.mode == "compact":
             asking = chat.observation_ids(
                 info["messages"] + [{"role": "user", "content": COMPACT_INSTRUCTION}]
             )

@@ -29,13 +29,11 @@ class _Task:
     def __init__(self, chat, env, obs: str, tools):
         messages = [{"role": "user", "content": obs}]
         self.prompt = chat.prompt_ids(messages, tools)
-        self.head = chat.encode(
-            chat.text(messages, tools, gen=False)
-        )  # a rebuilt context starts with it too
+        # a rebuilt context starts with it too
+        self.head = chat.encode(chat.text(messages, tools, gen=False))
         self.turns = env.expert_turns()
-        self.summaries = [
-            env.expert_summary(done) for done in range(len(self.turns))
-        ]  # after the last: no turn left
+        # after the last: no turn left
+        self.summaries = [env.expert_summary(done) for done in range(len(self.turns))]
 
 
 class ExpertEngine:
@@ -59,9 +57,8 @@ class ExpertEngine:
                 task.turns = list(turns)
             self.tasks.append(task)
             env.close()
-        self._served: dict[
-            tuple, int
-        ] = {}  # a served context followed by its reply -> that reply's turn
+        # a served context followed by its reply -> that reply's turn
+        self._served: dict[tuple, int] = {}
         # what a context asking for a summary ends with: the instruction and the assistant's header
         asks = chat.observation_ids([{"role": "user", "content": COMPACT_INSTRUCTION}])
         self._asks = chat.tok.decode(asks, skip_special_tokens=False).lstrip("\n")
@@ -93,12 +90,10 @@ class ExpertEngine:
                     )
                 reply = task.turns[turn]
             ids = self.chat.encode(reply) + [self.chat.eot_id]
-            ids, finish = (
-                (ids, "stop") if len(ids) <= limit else (ids[:limit], "length")
-            )  # cut, as an engine would
-            if not text.endswith(
-                self._asks
-            ):  # after a summary the context is rebuilt: nothing extends it
+            # cut, as an engine would
+            ids, finish = (ids, "stop") if len(ids) <= limit else (ids[:limit], "length")
+            # after a summary the context is rebuilt: nothing extends it
+            if not text.endswith(self._asks):
                 self._served[tuple(p) + tuple(ids)] = turn
             out.append(Generation(ids, [-0.5] * len(ids), finish))
         return out

@@ -191,9 +191,8 @@ class Batcher:
             items.append(item)
         groups: dict = {}
         for item in items:
-            if item[
-                4
-            ].set_running_or_notify_cancel():  # a call cancelled while it waited never starts
+            # a call cancelled while it waited never starts
+            if item[4].set_running_or_notify_cancel():
                 groups.setdefault(item[0], []).append(item)
         for (temperature, top_p, stop_ids, stop), group in groups.items():
             self.batch_sizes.append(len(group))
@@ -311,9 +310,8 @@ class OpenAIServer:
         self.training, self.overridden = training, 0
         self.chat = ChatFormat(tokenizer)
         self.default_max_tokens, self.api_key = default_max_tokens, api_key
-        self.batcher = Batcher(
-            engine, own_thread=own_thread
-        )  # own_thread=False: the caller drives the engine
+        # own_thread=False: the caller drives the engine
+        self.batcher = Batcher(engine, own_thread=own_thread)
         self.records: dict[str, list[CallRecord]] = {}
         self.splicer = Splicer(self.chat)
         self._lock = threading.Lock()
@@ -417,9 +415,8 @@ class OpenAIServer:
             )
         from pydantic import ValidationError
 
-        if not isinstance(
-            body.get("messages"), list
-        ):  # vLLM's own validators iterate it before pydantic checks it
+        # vLLM's own validators iterate it before pydantic checks it
+        if not isinstance(body.get("messages"), list):
             raise RequestError("messages must be a list of {role, content} objects", "messages")
         try:
             req = ChatCompletionRequest(**body)
@@ -512,9 +509,8 @@ class OpenAIServer:
             temperature=s["temperature"], top_p=s["top_p"], stop_token_ids=s["stop_token_ids"]
         )
         cancel = threading.Event()
-        if (
-            getattr(self.engine, "continuous_batching", None) is not None
-        ):  # a SharedEngine: its own thread
+        # a SharedEngine: its own thread
+        if getattr(self.engine, "continuous_batching", None) is not None:
 
             def run():
                 gens = self.engine.generate(

@@ -74,9 +74,8 @@ def assemble(
     if not records and not error:
         error = "the agent program made no call to the model"
     parts = chains(records)
-    following = {
-        id(chain[-1]): nxt[0] for chain, nxt in zip(parts, parts[1:])
-    }  # the call that departs
+    # the call that departs
+    following = {id(chain[-1]): nxt[0] for chain, nxt in zip(parts, parts[1:])}
     for chain in parts:
         offset, last = len(t.token_ids), chain[-1]
         if len(parts) > 1:
@@ -166,9 +165,8 @@ def run_agent_episodes(
         return []
     with ThreadPoolExecutor(max_workers=min(64, len(tasks)), thread_name_prefix="agent") as pool:
         futures = [pool.submit(one, task) for task in tasks]
-        if (
-            server.batcher.needs_driver
-        ):  # the engine is this thread's to drive (rollout/openai_api.py Batcher)
+        # the engine is this thread's to drive (rollout/openai_api.py Batcher)
+        if server.batcher.needs_driver:
             server.batcher.drive(lambda: all(f.done() for f in futures))
         return [f.result() for f in futures]
 

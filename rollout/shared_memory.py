@@ -125,9 +125,8 @@ def view(slab_bytes: torch.Tensor, ref: SharedTensor) -> torch.Tensor:
         )
     body = slab_bytes[HEADER:]
     typed = body[: len(body) // size * size].view(dtype)
-    return typed.as_strided(
-        ref.shape, ref.stride, typed.storage_offset() + ref.offset // size
-    )  # offsets count from the storage's start
+    # offsets count from the storage's start
+    return typed.as_strided(ref.shape, ref.stride, typed.storage_offset() + ref.offset // size)
 
 
 class SlabReader:
@@ -158,14 +157,12 @@ class SlabReader:
                 m = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ)
                 import warnings
 
-                with (
-                    warnings.catch_warnings()
-                ):  # read-only on purpose: the engine copies what it keeps
+                # read-only on purpose: the engine copies what it keeps
+                with warnings.catch_warnings():
                     warnings.filterwarnings("ignore", message="The given buffer is not writable")
                     self._maps[key] = (m, torch.frombuffer(m, dtype=torch.uint8))
-                while (
-                    len(self._maps) > self.keep
-                ):  # the oldest: a learner that restarted, or slabs gone
+                # the oldest: a learner that restarted, or slabs gone
+                while len(self._maps) > self.keep:
                     self._maps.pop(next(iter(self._maps)))
             return self._maps[key][1]
         finally:

@@ -116,9 +116,8 @@ def publish(
     import ray  # here, not at the top: the merge side also runs where no Ray is installed (GPU checks)
 
     m = Manifest(version=version, buckets=[], bucket_bytes=[], names=[], adapter=adapter, bf16=bf16)
-    for g in bucketize(
-        named, max(1, int(bucket_mb * (1 << 20)))
-    ):  # each bucket into the store as it fills
+    # each bucket into the store as it fills
+    for g in bucketize(named, max(1, int(bucket_mb * (1 << 20)))):
         m.buckets.append(ray.put(g))
         m.bucket_bytes.append(int(sum(a.nbytes for _, a in g)))
         m.names.append([n for n, _ in g])
@@ -194,9 +193,8 @@ def iter_weights(manifest: Manifest) -> Iterator[tuple[str, np.ndarray]]:
         for name, arr in bucket:
             yield name, view(slab, arr) if slab is not None else from_wire(arr, manifest.bf16)
         del bucket
-    if (
-        slab is not None and slab.is_cuda
-    ):  # a GPU slab (CUDA IPC): the engine's copies from it must be done
+    # a GPU slab (CUDA IPC): the engine's copies from it must be done
+    if slab is not None and slab.is_cuda:
         torch.cuda.synchronize(slab.device)
     if slab is not None and written_version(slab) != manifest.version:
         raise RuntimeError(

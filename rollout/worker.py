@@ -66,9 +66,8 @@ class RolloutWorker:
         self.policy_path = policy_path
         from rewards.rubric import build
 
-        self.rubric = build(
-            reward_parts or []
-        )  # the default: the environment's milestones, as paid
+        # the default: the environment's milestones, as paid
+        self.rubric = build(reward_parts or [])
         self.judge, self.judge_timeout_s = (
             judge,
             judge_timeout_s,
@@ -81,9 +80,8 @@ class RolloutWorker:
         # queued by the same caller but started after it); 0: refuse at once, as a worker whose calls
         # run one at a time must (the load could only run after it)
         self.wait_for_version_s = wait_for_version_s
-        self._lock = (
-            threading.Lock()
-        )  # the state concurrent calls share: suspended episodes, the endpoint
+        # the state concurrent calls share: suspended episodes, the endpoint
+        self._lock = threading.Lock()
         self._loaded = threading.Condition()  # notified after every load
         # agent programs' calls run one at a time: they share one endpoint, whose sampling an evaluation sets
         self._programs = threading.Lock()
@@ -126,9 +124,8 @@ class RolloutWorker:
         episodes started now (a staged schedule), default `rollout.max_episode_tokens`."""
         self._await_version(min_version)
         c = self.cfg
-        if envs.is_agent_program(
-            envs.env_class(self.env_cfg.id)
-        ):  # user code, through the endpoint
+        # user code, through the endpoint
+        if envs.is_agent_program(envs.env_class(self.env_cfg.id)):
             with self._programs:
                 done = run_agent_episodes(
                     self.serve(), self.env_cfg.id, self.env_cfg.kwargs, tasks, self.chat, "policy"
@@ -150,9 +147,8 @@ class RolloutWorker:
         )
         with self._lock:
             self.suspended += suspended
-        return ask(
-            self.rubric, done, self.judge, self.env_cfg.kwargs
-        )  # judged: the trainer settles them
+        # judged: the trainer settles them
+        return ask(self.rubric, done, self.judge, self.env_cfg.kwargs)
 
     def _await_version(self, min_version: int) -> None:
         """Return once the engine holds `min_version` or newer; `StaleWorkerError` if it will not. A

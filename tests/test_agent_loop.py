@@ -71,9 +71,8 @@ def test_episode_token_budget_with_the_real_engine(engine, tokenizer):
     for t in trajs:
         assert len(t.token_ids) <= budget
         assert t.stop_reason in ("max_tokens", "terminated")
-        assert (
-            t.turns[0].gen_end - t.turns[0].gen_start <= 41
-        )  # 40 sampled + a closing token at most
+        # 40 sampled + a closing token at most
+        assert t.turns[0].gen_end - t.turns[0].gen_start <= 41
     assert any(t.stop_reason == "max_tokens" for t in trajs)
 
 
@@ -325,9 +324,8 @@ def test_expert_episodes_through_env_worker_actors(tokenizer, ray_cluster):
     assert [t.reward for t in trajs] == [1.0, 1.0] and {t.stop_reason for t in trajs} == {
         "terminated"
     }
-    assert all(
-        replay_episode(t).ok for t in trajs
-    )  # recorded remotely, replayed in-process: the same
+    # recorded remotely, replayed in-process: the same
+    assert all(replay_episode(t).ok for t in trajs)
     assert ray_cluster.get(actor.stats.remote()) == {
         "slots": 0,
         "failures": 0,
@@ -453,9 +451,8 @@ def test_each_episode_on_its_own_gives_the_lockstep_episodes(engine, shared, tok
             (x.gen_start, x.gen_end, x.obs_end, x.seed) for x in b.turns
         ]
         assert max(abs(x - y) for x, y in zip(a.rollout_logprobs, b.rollout_logprobs)) < 1e-4
-    assert (
-        shared.requests_merged > 0
-    )  # one request per episode and turn, batched together by the engine
+    # one request per episode and turn, batched together by the engine
+    assert shared.requests_merged > 0
 
 
 @pytest.mark.slow
@@ -473,11 +470,9 @@ def test_a_slow_environment_holds_back_only_its_own_episode(shared, tokenizer):
         max_new_tokens=16,
         max_episode_tokens=1024,
     )
-    assert all(
-        len(t.turns) == 3 for t in trajs
-    )  # a random policy never solves it: every episode runs 3 turns
+    # a random policy never solves it: every episode runs 3 turns
+    assert all(len(t.turns) == 3 for t in trajs)
     slow_first = min(t for seed, t in SlowCalculator.log if seed == 1)
     fast_last = max(t for seed, t in SlowCalculator.log if seed != 1)
-    assert (
-        fast_last < slow_first
-    )  # the fast episodes ran all their turns during the slow one's first step
+    # the fast episodes ran all their turns during the slow one's first step
+    assert fast_last < slow_first

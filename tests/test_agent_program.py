@@ -153,9 +153,8 @@ def _split_batch(learner, tokenizer) -> list:
         starts = [0, len(first)] if i == 0 else []
         turns = [turn(3, len(first), 0), turn(len(first) + 4, len(ids), 1)]
         mask = [int(any(u.gen_start <= p < u.gen_end for u in turns)) for p in range(len(ids))]
-        lps = [
-            x for s in samples for x in [0.0] + learner.logprobs(s)
-        ]  # each sample scored on its own
+        # each sample scored on its own
+        lps = [x for s in samples for x in [0.0] + learner.logprobs(s)]
         milestones = [
             {"name": "half", "reward": reward / 4, "turn": 0, "token": turns[0].gen_end},
             {"name": "rest", "reward": 3 * reward / 4, "turn": 1, "token": len(ids)},
@@ -280,9 +279,8 @@ def test_agent_results_and_registration():
         with pytest.raises(TypeError, match=message):
             result_of(bad)
     task = AgentTask("e", 1, "http://127.0.0.1:1/sessions/e/v1", "m")
-    assert (
-        run_program(async_agent, task, {}).total() == 0.5
-    )  # a coroutine function runs in its own loop
+    # a coroutine function runs in its own loop
+    assert run_program(async_agent, task, {}).total() == 0.5
     assert str(task.client().base_url).rstrip("/") == task.base_url
     assert envs.is_agent_program(envs.env_class("agents/echo-v0"))
     assert envs.config_problem("agents/echo-v0", {"bonus": 1.0}) is None
@@ -314,9 +312,8 @@ def test_an_external_agent_command(tmp_path):
     )
     result = command_agent(task, [sys.executable, "-c", script], env={"EXTRA": 5})
     assert result.task == f"{task.base_url} key policy 9 i0-g0-e1 5" and result.total() == 1.0
-    assert (
-        command_agent(task, f"{sys.executable} -c 'print(0.25)'").total() == 0.25
-    )  # a shell-quoted string
+    # a shell-quoted string
+    assert command_agent(task, f"{sys.executable} -c 'print(0.25)'").total() == 0.25
     with pytest.raises(RuntimeError, match="agent command exited 3: boom"):
         command_agent(
             task, [sys.executable, "-c", "import sys; sys.stderr.write('boom'); sys.exit(3)"]
@@ -332,9 +329,8 @@ def test_an_external_agent_command(tmp_path):
     assert time.monotonic() - t0 < 10
     child = int(pid_file.read_text())
     time.sleep(0.2)
-    status = Path(
-        f"/proc/{child}/status"
-    )  # the command's own child went with it (gone, or a zombie
+    # the command's own child went with it (gone, or a zombie
+    status = Path(f"/proc/{child}/status")
     assert not status.exists() or "State:\tZ" in status.read_text()  # where PID 1 does not reap)
     problem = envs.config_problem("agents/command-v0", {"command": []})
     assert problem[0] == "kwargs" and "command must be a non-empty list" in problem[1]
@@ -428,9 +424,8 @@ def test_an_openai_client_agent_runs_as_episodes_with_exact_tokens(engine, token
             and t.task.startswith(f"Task {t.seed}")
         )
         first, second = t.turns
-        assert (
-            second.gen_start == first.obs_end > first.gen_end
-        )  # the second prompt extends the first call exactly
+        # the second prompt extends the first call exactly
+        assert second.gen_start == first.obs_end > first.gen_end
         assert tokenizer.decode(t.token_ids[first.gen_end : first.obs_end]).endswith(
             "Again.<|im_end|>\n<|im_start|>assistant\n"
         )
@@ -442,9 +437,8 @@ def test_an_openai_client_agent_runs_as_episodes_with_exact_tokens(engine, token
             stop_token_ids=[tokenizer.eos_token_id],
             seeds=[t.seed * 10],
         )[0]
-        assert (
-            t.token_ids[first.gen_start : first.gen_end] == gen.token_ids
-        )  # what the engine sampled, not re-rendered
+        # what the engine sampled, not re-rendered
+        assert t.token_ids[first.gen_start : first.gen_end] == gen.token_ids
         assert (
             sum(t.loss_mask)
             == t.num_generated
@@ -489,13 +483,11 @@ def test_a_template_that_rewrites_history_gives_one_sample_per_call(engine, thin
                 stop_token_ids=[thinking.eos_token_id],
                 seeds=[t.seed * 10 + k],
             )[0]
-            assert (
-                t.token_ids[turn.gen_start : e] == gen.token_ids
-            )  # what the engine sampled for that prompt
+            # what the engine sampled for that prompt
+            assert t.token_ids[turn.gen_start : e] == gen.token_ids
         second = thinking.decode(t.token_ids[spans[1][0] : t.turns[1].gen_start])
-        assert (
-            second.count("<think>") == 1 and "Again.<|im_end|>" in second
-        )  # history re-rendered without it
+        # history re-rendered without it
+        assert second.count("<think>") == 1 and "Again.<|im_end|>" in second
         first_seq = t.token_ids[: spans[0][1]]
         assert t.token_ids[spans[1][0] : spans[1][0] + len(first_seq)] != first_seq
 
@@ -529,9 +521,8 @@ def test_a_run_trains_the_samples_of_a_rewriting_template(ray_cluster, thinking_
     calls = [len(t.turns) for t in stored]
     assert row["infra_errors"] == 0 and row["episodes_trained"] == 4, row
     assert row["split_episodes"] == sum(n > 1 for n in calls) > 0, (row, calls)
-    assert (
-        row["rollout_logprob_diff_max"] < 1e-3
-    )  # each sample scored on its own, as the engine sampled it
+    # each sample scored on its own, as the engine sampled it
+    assert row["rollout_logprob_diff_max"] < 1e-3
     for t in stored:
         assert len(t.sample_spans()) == len(t.turns) and t.sample_spans()[-1][1] == len(t.token_ids)
     # replay: the recorded completions give the agent the same calls, split where they were split
@@ -619,9 +610,8 @@ def test_a_run_trains_an_openai_client_agent_through_the_endpoint(
         rows = [trainer.iteration(0), trainer.iteration(1)]
     for row in rows:
         assert row["episodes"] == 4 and row["infra_errors"] == 0, row
-        assert (
-            row["rollout_logprob_diff_max"] < 1e-3
-        )  # the learner scores the stored ids as the engine sampled them
+        # the learner scores the stored ids as the engine sampled them
+        assert row["rollout_logprob_diff_max"] < 1e-3
     stored = list(TrajectoryStore(run_dir).trajectories())
     assert len(stored) == 8 and all(t.env_id == "agents/calculator-openai-v0" for t in stored)
     for t in stored:

@@ -55,9 +55,8 @@ def test_the_allocator_in_use_is_read_from_the_process_itself():
         return out.stdout.strip()
 
     assert fresh(None) == "glibc"
-    if (
-        tcmalloc_installed()
-    ):  # the Makefile's system-deps install it; a machine without is checked above
+    # the Makefile's system-deps install it; a machine without is checked above
+    if tcmalloc_installed():
         assert fresh(TCMALLOC) == "tcmalloc"
 
 

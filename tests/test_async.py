@@ -94,9 +94,8 @@ def test_the_learner_measures_the_lag_of_stale_tokens(async_run):
 def test_every_sync_arrived_in_order(async_run):
     trainer, rows, _ = async_run
     synced = [r["sync_version"] for r in rows if "sync_version" in r]
-    assert (
-        synced == sorted(synced) and synced[-1] == ITERATIONS
-    )  # the final version reached the worker
+    # the final version reached the worker
+    assert synced == sorted(synced) and synced[-1] == ITERATIONS
     assert all(r["sync_buckets"] > 2 for r in rows if "sync_buckets" in r)
     assert ray.get([w.version.remote() for w in trainer.workers]) == [ITERATIONS]
 
@@ -148,9 +147,8 @@ def test_a_worker_runs_rollouts_at_once_and_one_waits_there_for_its_version(
         running = worker.rollout.remote(tasks[2:], 0)
         done = ray.get(running, timeout=120)
         assert {turn.policy_version for t in done for turn in t.turns} == {0}
-        assert ray.wait([waiting], timeout=0)[1] == [
-            waiting
-        ]  # still waiting: nothing loaded version 1
+        # still waiting: nothing loaded version 1
+        assert ray.wait([waiting], timeout=0)[1] == [waiting]
         ckpt = CheckpointTensors(tiny_policy)
         manifest = publish(
             to_wire(((n, ckpt[n]) for n in ckpt.files), torch.float32), 1, bucket_mb=1.0

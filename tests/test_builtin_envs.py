@@ -102,9 +102,8 @@ def test_no_reward_without_milestones():
 
 
 def test_shell_env_contains_hostile_commands_and_keeps_serving():
-    env = envs.make(
-        "tools/shell-v0", timeout_s=10
-    )  # room for the fork bomb to exhaust itself on a loaded machine
+    # room for the fork bomb to exhaust itself on a loaded machine
+    env = envs.make("tools/shell-v0", timeout_s=10)
     env.reset(seed=2)
     workspace = env.sandbox.path
     for cmd, limit in [
@@ -179,14 +178,12 @@ def test_check_env_names_every_problem():
     assert 'parameters must be a JSON schema with "type": "object"' in text
     assert "tools without a function in tool_functions(): ['a']" in text
     assert "must be deterministic given a seed" in text
-    assert (
-        "no scripted expert: define expert_turns()" in text
-    )  # "ok" would be a lie for a warm start
+    # "ok" would be a lie for a warm start
+    assert "no scripted expert: define expert_turns()" in text
     assert "declares no milestones: set the class attribute `milestones`" in text
     with pytest.raises(EnvCheckError) as err:
-        check_env(
-            Broken(), expert=False
-        )  # `envs check --no-expert`: everything else is still checked
+        # `envs check --no-expert`: everything else is still checked
+        check_env(Broken(), expert=False)
     assert "no scripted expert" not in str(err.value) and "deterministic" in str(err.value)
 
 

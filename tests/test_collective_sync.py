@@ -164,9 +164,8 @@ def test_the_loop_syncs_by_broadcast_and_survives_a_killed_worker(
 
         ray.kill(trainer.workers[1], no_restart=False)
         batch = list(trainer.store.trajectories(trainer.store.shards()[-1]))
-        trainer.version = trainer.learner.call("train_step", batch)[
-            "policy_version"
-        ]  # 3, on the learner only
+        # 3, on the learner only
+        trainer.version = trainer.learner.call("train_step", batch)["policy_version"]
         out = trainer.sync_now()
         assert out["sync_workers_lost"] == 1 and trainer.worker_restarts == 1
         assert ray.get([w.version.remote() for w in trainer.workers]) == [3, 3]

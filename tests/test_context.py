@@ -74,9 +74,8 @@ def test_full_ends_at_the_window_and_the_managed_modes_finish(tokenizer):
     for mode in ("window", "compact"):
         for t in expert_run(chat, mode):
             assert t.failure == "success" and t.context == mode and len(t.sample_starts) >= 2
-            assert (
-                len(t.token_ids) > MODEL_LEN
-            )  # the episode outgrew the window, each context did not
+            # the episode outgrew the window, each context did not
+            assert len(t.token_ids) > MODEL_LEN
             assert all(e - s <= MODEL_LEN for s, e in t.sample_spans())
             summaries = [u for u in t.turns if u.kind == "summary"]
             assert (
@@ -237,9 +236,8 @@ def test_milestone_credit_across_segments_against_a_naive_reference(tiny_policy,
         t.episode_id, t.group_id = f"e{k}", 0
         batch.append(t)
     assert len({t.reward for t in batch}) == 3 and all(len(t.sample_starts) >= 2 for t in batch)
-    for row in training_rows(
-        batch
-    ):  # a milestone belongs to the segment of the turn that reached it
+    # a milestone belongs to the segment of the turn that reached it
+    for row in training_rows(batch):
         for m in row.seq.milestones:
             assert 0 < m["token"] <= len(row.seq.token_ids)
     assert sum(len(r.seq.milestones) for r in training_rows(batch)) == sum(

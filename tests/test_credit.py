@@ -81,9 +81,8 @@ def test_group_mean_baseline_shrinks_the_gradient_by_one_minus_one_over_n(exact)
     est = estimates("milestone", "mean")
     mean = est.mean(0)
     ratio = (mean @ exact) / (exact @ exact)
-    assert ratio.item() == pytest.approx(
-        1 - 1 / GROUP, abs=0.03
-    )  # measured bias: 0.75 for groups of 4
+    # measured bias: 0.75 for groups of 4
+    assert ratio.item() == pytest.approx(1 - 1 / GROUP, abs=0.03)
 
 
 def test_milestone_credit_has_lower_variance_than_terminal_credit():
@@ -92,9 +91,8 @@ def test_milestone_credit_has_lower_variance_than_terminal_credit():
     var_milestone = estimates("milestone", "loo").var(0)
     var_episode = estimates("episode", "loo").var(0)
     assert var_milestone.sum() < var_episode.sum()  # measured: 0.081 vs 0.086
-    assert (
-        var_milestone[2:4] < 0.8 * var_episode[2:4]
-    ).all()  # state B's parameters: 0.0062 vs 0.0089
+    # state B's parameters: 0.0062 vs 0.0089
+    assert (var_milestone[2:4] < 0.8 * var_episode[2:4]).all()
 
 
 def _learner_default_estimates(scale: str):

@@ -74,8 +74,7 @@ def test_shortened_real_model_demo_raises_held_out_success(ray_cluster, tmp_path
     assert [r["policy_version"] for r in rows] == [first, first + 1] and all(
         r["grad_norm"] > 0 for r in rows
     )
-    assert (
-        rows[-1]["eval/policy_version"] == first + 1
-    )  # the final evaluation ran on the RL-trained weights
+    # the final evaluation ran on the RL-trained weights
+    assert rows[-1]["eval/policy_version"] == first + 1
     table = (tmp_path / "demo" / "results.md").read_text()
     assert "| `tools/calculator-v0` |" in table and "2 iterations" in table

@@ -29,9 +29,8 @@ def test_versions_advance_on_every_worker(e2e_run):
     assert [r["policy_version"] for r in rows] == [1, 2]
     n_bytes = trainer.learner.call("weights")
     assert all(r["sync_bytes"] == sum(a.nbytes for _, a in n_bytes) > 0 for r in rows)
-    assert all(
-        r["sync_buckets"] > 2 for r in rows
-    )  # the fixture's small buckets: a sync in several parts
+    # the fixture's small buckets: a sync in several parts
+    assert all(r["sync_buckets"] > 2 for r in rows)
     # every tensor loaded straight where the engine reads it, none through vLLM's layerwise reload
     assert all(r["sync_tensors"] == r["sync_direct_tensors"] == len(n_bytes) for r in rows)
     assert [r["sync_version"] for r in rows] == [1, 2]
@@ -86,9 +85,8 @@ def test_learner_records_every_trained_episode(e2e_run, stored):
         # before its update the learner holds the engine's weights: the same log-probs (fp32)
         assert max(abs(rec["learner_logprobs"][p] - t.rollout_logprobs[p]) for p in gen) < TOL
         assert all(rec["advantages"][p] == 0.0 for p, m in enumerate(t.loss_mask) if not m)
-        assert (
-            len({rec["advantages"][p] for p in gen}) == 1
-        )  # episode credit: one advantage per episode
+        # episode credit: one advantage per episode
+        assert len({rec["advantages"][p] for p in gen}) == 1
 
 
 def test_learner_weights_moved(e2e_run, hf_model, stored):
@@ -127,9 +125,8 @@ def test_loss_mask_marks_exactly_the_generated_tokens(stored, tokenizer):
         assert len(t.loss_mask) == len(t.rollout_logprobs) == n
         expect = [0] * n
         for turn in t.turns:
-            end = turn.gen_end - (
-                1 if turn.finish_reason == "length" else 0
-            )  # the closing token we appended
+            # the closing token we appended
+            end = turn.gen_end - (1 if turn.finish_reason == "length" else 0)
             for i in range(turn.gen_start, end):
                 expect[i] = 1
             if turn.finish_reason == "length":
@@ -337,9 +334,8 @@ def test_a_run_without_learning_signal_stops_through_the_cli(tmp_path):
         "the run cannot learn: 1 iterations in a row in which no group's episodes earned different rewards"
         in out.stderr
     )
-    assert (
-        len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1
-    )  # iteration 0 ran and was written
+    # iteration 0 ran and was written
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 1
     assert len(list((run_dir / "trajectories").glob("iter-*.parquet"))) == 1
 
 
@@ -380,22 +376,19 @@ def test_html_viewer_renders_in_headless_chromium(e2e_run, stored):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     text = page.read_text()
-    assert (
-        "http://" not in text.replace("http://www.w3.org", "") and "https://" not in text
-    )  # self-contained
+    # self-contained
+    assert "http://" not in text.replace("http://www.w3.org", "") and "https://" not in text
     flags = chromium_flags()
     dom = chromium_dom(page)
     import re
 
     rows = re.findall(r'<tr class="episode-row(?: sel)?" data-id="(i\d+-g\d+-e\d+)"', dom)
-    assert sorted(rows) == sorted(
-        t.episode_id for t in stored
-    )  # the episode list, rendered by the page's script
+    # the episode list, rendered by the page's script
+    assert sorted(rows) == sorted(t.episode_id for t in stored)
     assert f'<h1 id="episode-title">{stored[0].episode_id}</h1>' in dom  # and the first episode
     assert 'id="timeline"' in dom and 'id="tokens"' in dom and 'id="group-title"' in dom
-    assert (
-        'id="colour-by"' in dom and "· advantage " in dom
-    )  # token tips carry the learner's record
+    # token tips carry the learner's record
+    assert 'id="colour-by"' in dom and "· advantage " in dom
     # each iteration's wall time, split: four stacked parts per iteration, with the learner's seconds
     parts = re.findall(
         r'<rect class="time-part"[^>]*><title>iteration (\d+): ([a-z ]+) ([\d.]+) s</title>', dom

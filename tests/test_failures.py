@@ -92,9 +92,8 @@ def test_rules_for_episodes_that_ran_out():
     def turns(*failures):
         return [Turn(0, 1, 1, "", "", 0, 0, 0, 0, "stop", failures=list(f)) for f in failures]
 
-    assert (
-        failure_kind("max_turns", turns([], ["tool_error"], []), False) == "out_of_turns"
-    )  # 1 of 3 failed
+    # 1 of 3 failed
+    assert failure_kind("max_turns", turns([], ["tool_error"], []), False) == "out_of_turns"
     assert failure_kind("max_tokens", turns([], []), False) == "out_of_tokens"
     assert (
         failure_kind("truncated", turns(["no_tool_call"], ["tool_error", "tool_error"]), False)
@@ -105,9 +104,8 @@ def test_rules_for_episodes_that_ran_out():
         == "no_tool_call"
     )
     assert failure_kind("infra_error", [], False, "sandbox died") == "infra_error"
-    assert (
-        failure_kind("max_turns", turns(["no_tool_call"]), True) == "success"
-    )  # the env's test decides
+    # the env's test decides
+    assert failure_kind("max_turns", turns(["no_tool_call"]), True) == "success"
 
 
 def test_every_kind_is_a_share_of_the_iteration_in_metrics(tokenizer):

@@ -116,9 +116,8 @@ def fault_run(tiny_policy, tmp_path_factory):
         )
 
         def mid_rollout(iteration: int) -> None:
-            run.wait_rows(
-                run_dir, iteration
-            )  # iteration-1 is written: `iteration` is rolling out now
+            # iteration-1 is written: `iteration` is rolling out now
+            run.wait_rows(run_dir, iteration)
             time.sleep(1.5)
 
         mid_rollout(ENV_KILL)
@@ -170,9 +169,8 @@ def _row(out: dict, iteration: int) -> dict:
 def test_env_worker_death_ends_its_episodes_as_infra_errors_and_the_run_goes_on(fault_run):
     row = _row(fault_run, ENV_KILL)
     assert row["episodes"] == EPISODES
-    assert 0 < row["infra_errors"] <= EPISODES, (
-        row
-    )  # its in-flight episodes, kept out of the group statistics
+    # its in-flight episodes, kept out of the group statistics
+    assert 0 < row["infra_errors"] <= EPISODES, row
     assert row["stop_reasons"].get("infra_error", 0) == row["infra_errors"]
     # kept out of the group statistics: the learner trained on (and annotated) the others only
     from rl.store import TrajectoryStore

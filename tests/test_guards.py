@@ -119,9 +119,8 @@ def test_iterations_without_a_learning_signal_stop_the_run(tmp_path):
     from rl.learner import usable_episodes
 
     guard = _guard(tmp_path, "stop_after_flat=2")
-    flat = _rewarded(
-        [0.0, 0.0, 1.0, 1.0]
-    )  # two groups, each one reward: no signal, though rewards differ
+    # two groups, each one reward: no signal, though rewards differ
+    flat = _rewarded([0.0, 0.0, 1.0, 1.0])
     live = _rewarded([0.0, 0.0, 0.0, 1.0])
     assert (
         usable_episodes(flat)[1]["groups_with_signal"] == 0

@@ -115,18 +115,16 @@ def test_the_cast_is_shared_within_an_optimizer_step_and_never_across():
         assert a.data_ptr() == b.data_ptr()  # shared by micro-batches and recomputed forwards
         (a.float().sum() + b.float().sum()).backward()
     assert not hf_experts._CASTS  # dropped with the scope
-    torch.testing.assert_close(
-        w.grad, torch.full_like(w, 2.0)
-    )  # the gradient reaches the fp32 weight
+    # the gradient reaches the fp32 weight
+    torch.testing.assert_close(w.grad, torch.full_like(w, 2.0))
     version = w._version
     opt.step()
     assert w._version == version  # why a cache keyed by version alone would serve stale weights
     with casts_cached():
         c = cast(w, torch.bfloat16)
     torch.testing.assert_close(c.float(), w.detach().to(torch.bfloat16).float(), rtol=0, atol=0)
-    assert (
-        cast(w, torch.bfloat16).data_ptr() != cast(w, torch.bfloat16).data_ptr()
-    )  # outside: no cache
+    # outside: no cache
+    assert cast(w, torch.bfloat16).data_ptr() != cast(w, torch.bfloat16).data_ptr()
 
 
 def test_a_bf16_learner_forwards_its_updated_experts(tiny_policy, monkeypatch):

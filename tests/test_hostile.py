@@ -101,9 +101,8 @@ def test_the_viewer_runs_no_script_a_run_wrote_and_still_draws(tmp_path):
     ).stdout
     assert '<h1 id="episode-title">i0-g0-e0</h1>' in dom  # the page drew the episode
     assert "corrupt shards skipped" in dom and "turn 0" in dom
-    assert (
-        "iter-000001.parquet" in dom.split("corrupt shards skipped")[1][:2000]
-    )  # the crafted one is refused
+    # the crafted one is refused
+    assert "iter-000001.parquet" in dom.split("corrupt shards skipped")[1][:2000]
     for name in (
         "comment",
         "text",
@@ -215,9 +214,8 @@ def test_resume_from_a_damaged_checkpoint_names_the_file_and_the_intact_one(
     assert "version-000002/" in lines[0] and "Traceback" not in out.stderr
     assert f"--resume {run} --checkpoint version-000001" in lines[0]
     assert not (tmp_path / "PWNED").exists() and not (REPO / "PWNED").exists()
-    assert (
-        sorted(p.relative_to(run) for p in run.rglob("*")) == before
-    )  # nothing moved, nothing deleted
+    # nothing moved, nothing deleted
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before
     assert not (run / "metrics.jsonl").exists() and not any(run.glob("*.log"))
 
 
@@ -374,9 +372,8 @@ def test_a_worker_killed_during_the_initial_evaluation_is_restored_and_the_evalu
 
         def kill_mid_evaluation():
             time.sleep(2.0)
-            ray.kill(
-                worker, no_restart=False
-            )  # Ray restarts it (ray.max_restarts); its engine starts again
+            # Ray restarts it (ray.max_restarts); its engine starts again
+            ray.kill(worker, no_restart=False)
             killed.set()
 
         threading.Thread(target=kill_mid_evaluation, daemon=True).start()

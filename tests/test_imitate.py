@@ -28,9 +28,8 @@ def test_imitate_is_the_demonstrations_nll_and_its_gradient(tiny_policy, tokeniz
         ]
         total = total - (logp * torch.tensor(t.loss_mask[1:], dtype=torch.float32)).sum() / n
     total.backward()
-    stats = learner.imitate(
-        demos, lr=0.0
-    )  # lr 0: the gradient is left for comparison, the weights stay
+    # lr 0: the gradient is left for comparison, the weights stay
+    stats = learner.imitate(demos, lr=0.0)
     assert stats["sft_loss"] == pytest.approx(total.item(), rel=1e-5) and stats["tokens"] == n
     got = dict(learner.model.named_parameters())
     compared = 0

@@ -136,9 +136,8 @@ def test_failure_and_tool_error_filters(group_run):
         and "'lazy' is not a failure kind" in r.stderr
         and "no_tool_call" in r.stderr
     )
-    piped = cli(
-        "inspect", str(run_dir), "--episodes"
-    ).stdout  # not a terminal: no cell is cut short
+    # not a terminal: no cell is cut short
+    piped = cli("inspect", str(run_dir), "--episodes").stdout
     assert "tools/calculator-v0" in piped and "wrong_answer" in piped and "…" not in piped
 
 

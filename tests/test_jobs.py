@@ -187,9 +187,8 @@ def test_bad_config_and_unknown_endpoint_fail_before_anything_ships(ray_head, tm
     before = set(Path(tempfile.gettempdir()).glob("lh-job-*"))
     r = cli("submit", "configs/quickstart.yaml", "--address", f"http://127.0.0.1:{port}")
     assert r.returncode == 2 and "no Ray jobs endpoint" in r.stderr
-    assert (
-        set(Path(tempfile.gettempdir()).glob("lh-job-*")) == before
-    )  # no staging directory left behind
+    # no staging directory left behind
+    assert set(Path(tempfile.gettempdir()).glob("lh-job-*")) == before
 
 
 def test_the_head_listens_on_loopback_only(ray_head):

@@ -165,9 +165,8 @@ def test_judge_config_is_checked_when_it_loads():
         ("reward.judge.timeout_s=0", "reward.judge.timeout_s must be > 0"),
         ("reward.parts=[{fn: judge, kwargs: {mode: rank, criteria: x}}]", None),
     ]:
-        if (
-            message is None
-        ):  # a rank judge with partial rollouts: groups would be split across iterations
+        # a rank judge with partial rollouts: groups would be split across iterations
+        if message is None:
             with pytest.raises(ConfigError, match="rank judge compares a group"):
                 load_config(
                     REPO / "configs" / "quickstart_judge.yaml",
@@ -322,9 +321,8 @@ def test_a_dead_judge_makes_infrastructure_errors_and_a_restarted_one_scores(
     )
     first = ray.get(actor.pid.remote())
     trajs = _good_and_bad()
-    ask(
-        rubric, trajs, actor
-    )  # the first call starts the engine: it is still running when the actor dies
+    # the first call starts the engine: it is still running when the actor dies
+    ask(rubric, trajs, actor)
     ray.kill(actor, no_restart=False)
     settle(rubric, trajs, 120)
     assert all(
@@ -383,14 +381,12 @@ def test_a_run_trains_on_judge_scores_and_replay_reproduces_them(
             and first["infra_errors"] == 0
             and "reward/judge" in first
         )
-        ray.kill(
-            trainer.judge, no_restart=True
-        )  # for good: every judged episode of the next iteration fails
+        # for good: every judged episode of the next iteration fails
+        ray.kill(trainer.judge, no_restart=True)
         dead = trainer.iteration(1)
         assert dead["infra_errors"] == dead["episodes"] == dead["judge/failed_episodes"] == 4
-        assert (
-            dead["episodes_trained"] == 4 and "loss" not in dead
-        )  # kept out of the update, not scored 0
+        # kept out of the update, not scored 0
+        assert dead["episodes_trained"] == 4 and "loss" not in dead
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1]
     from rl.store import TrajectoryStore
@@ -419,9 +415,8 @@ def test_a_run_trains_on_judge_scores_and_replay_reproduces_them(
     )
     assert r.returncode == 0, r.stderr
     rescored = {row["episode_id"]: row for row in json.loads(r.stdout)}
-    assert (
-        "judge: 8 of 8 scores from the run's cache" not in r.stderr
-    )  # the failed ones were never judged
+    # the failed ones were never judged
+    assert "judge: 8 of 8 scores from the run's cache" not in r.stderr
     assert "judge: 4 of 8 scores from the run's cache" in r.stderr
     for t in judged:
         assert rescored[t.episode_id]["parts"] == t.reward_parts

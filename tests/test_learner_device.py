@@ -97,9 +97,8 @@ def test_the_config_checks_device_and_backend(tmp_path):
         "nccl",
         "bf16",
     )
-    problem = (
-        cfg.local_problem()
-    )  # a local run on this machine: its GPUs are counted before anything starts
+    # a local run on this machine: its GPUs are counted before anything starts
+    problem = cfg.local_problem()
     assert (problem is None) == (torch.cuda.device_count() >= 1)
     if problem:
         assert "learner.device cuda needs 1 GPU(s)" in problem
@@ -146,6 +145,5 @@ def test_the_fused_adamw_step_equals_the_per_tensor_one(tiny_policy):
         ref_opt.step()
     for p, r in zip(params, ref):
         torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-6, atol=1e-7)
-    assert all(
-        float((p.detach() - p0).abs().max()) > 1e-4 for p, p0 in zip(params, start)
-    )  # every tensor moved
+    # every tensor moved
+    assert all(float((p.detach() - p0).abs().max()) > 1e-4 for p, p0 in zip(params, start))

@@ -119,9 +119,8 @@ def test_micro_batches_and_chunks_give_the_same_update(policy_ckpt, aggregation)
     )
     assert len(small.plan(batch)[0]) > 2 and len(plain.plan(batch)[0]) == 1
     for learner in (plain, small):  # plain SGD, lr 1: the step *is* the gradient (Adam's first step
-        learner.opt = torch.optim.SGD(
-            learner.model.parameters(), lr=1.0
-        )  # is sign-like, amplifying fp32 noise)
+        # is sign-like, amplifying fp32 noise)
+        learner.opt = torch.optim.SGD(learner.model.parameters(), lr=1.0)
     a, b = plain.train_step(batch), small.train_step(batch)
     assert b["microbatches"] > 2
     assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7)
@@ -244,9 +243,8 @@ def test_fused_pre_update_logprobs_give_the_separate_passs_update(policy_ckpt, t
             ),
         )
         assert learner.fuses_old_logprobs(len(learner.plan(batch))) == fuse
-        learner.opt = torch.optim.SGD(
-            learner.model.parameters(), lr=1.0
-        )  # the step is the gradient
+        # the step is the gradient
+        learner.opt = torch.optim.SGD(learner.model.parameters(), lr=1.0)
         learners[fuse] = (learner, learner.train_step(batch))
     (fused, a), (plain, b) = learners[True], learners[False]
     assert a["microbatches"] > 1

@@ -97,9 +97,8 @@ def test_merged_state_computes_what_the_adapted_model_computes(tiny_policy, hf_m
     ids = torch.randint(2, 400, (2, 20))
     with torch.no_grad():
         want = learner.model(ids).logits
-        assert not torch.allclose(
-            want, hf_model(ids).logits, atol=1e-3
-        )  # the nudge changed the model
+        # the nudge changed the model
+        assert not torch.allclose(want, hf_model(ids).logits, atol=1e-3)
         assert torch.allclose(merged(ids).logits, want, atol=1e-4)
 
 

@@ -13,9 +13,8 @@ B, P, T = 4, 5, 7
 def tensors():
     g = torch.Generator().manual_seed(0)
     logp = -torch.rand(B, T, generator=g, dtype=torch.float64) * 3
-    old = logp + 0.3 * torch.randn(
-        B, T, generator=g, dtype=torch.float64
-    )  # ratios on both sides of the clip range
+    # ratios on both sides of the clip range
+    old = logp + 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64)
     ref = logp + 0.2 * torch.randn(B, T, generator=g, dtype=torch.float64)
     mask = torch.ones(B, T, dtype=torch.long)
     mask[0, 5:] = 0

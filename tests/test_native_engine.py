@@ -175,9 +175,8 @@ def test_the_image_placeholder_is_never_generated(policy_dir, prompts, tmp_path)
     model = load_policy(policy_dir)
     image = model.never_generated()
     assert image == [model.args.vision.image_token_id]
-    with (
-        torch.no_grad()
-    ):  # point the image token's output row along the prompts' last hidden states
+    # point the image token's output row along the prompts' last hidden states
+    with torch.no_grad():
         last = torch.stack([model.hidden_states(torch.tensor([p]))[0][0, -1] for p in prompts])
         model.lm_head.weight[image] = last.sum(0) / last.sum(0).norm() * 100
         for p in prompts:

@@ -11,9 +11,8 @@ from envs.tool_calls import format_tool_call as call
 def test_the_chain_is_followed_and_the_report_must_name_every_failing_service():
     env = envs.make("long/oncall-v0", horizon=12)
     task, _ = env.reset(seed=4)
-    assert env.services[0] in task and all(
-        s not in task for s in env.services[1:]
-    )  # only the first is named
+    # only the first is named
+    assert env.services[0] in task and all(s not in task for s in env.services[1:])
     seen = []
     for i, name in enumerate(env.services):
         obs, reward, done, _, info = env.step(call("check", service=name))
@@ -30,9 +29,8 @@ def test_the_chain_is_followed_and_the_report_must_name_every_failing_service():
     env.reset(seed=4)
     healthy = next(s for s in env.services if s not in env.failing)
     _, reward, _, _, info = env.step(call("report", failing=", ".join(env.failing + [healthy])))
-    assert (
-        reward == 0 and info["milestones"] == []
-    )  # naming a healthy service earns none of the named ones
+    # naming a healthy service earns none of the named ones
+    assert reward == 0 and info["milestones"] == []
     env.reset(seed=4)
     _, reward, _, _, info = env.step(call("report", failing="; ".join(reversed(env.failing))))
     assert reward == pytest.approx(0.75) and "solved" in {m["name"] for m in info["milestones"]}

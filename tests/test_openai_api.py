@@ -130,9 +130,8 @@ def test_a_tool_call_sent_back_is_spliced_not_re_rendered(tokenizer):
             == ("" if ended else "<|im_end|>")
             + "\n<|im_start|>user\n<tool_response>\n4\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
         )
-        assert (
-            chat.prompt_ids(sent, TOOLS)[: len(sampled)] != sampled
-        )  # what re-rendering would have trained on
+        # what re-rendering would have trained on
+        assert chat.prompt_ids(sent, TOOLS)[: len(sampled)] != sampled
     # an edited assistant message is a rewritten history: rendered whole
     edited = (
         sent[:1]
@@ -140,9 +139,8 @@ def test_a_tool_call_sent_back_is_spliced_not_re_rendered(tokenizer):
         + sent[2:]
     )
     assert splicer.prompt("s", edited, TOOLS)[0] == chat.prompt_ids(edited, TOOLS)
-    assert splicer.prompt("other", sent, TOOLS)[0] == chat.prompt_ids(
-        sent, TOOLS
-    )  # sessions do not share
+    # sessions do not share
+    assert splicer.prompt("other", sent, TOOLS)[0] == chat.prompt_ids(sent, TOOLS)
 
 
 def test_malformed_requests_get_openai_error_bodies(bare_server):
@@ -246,9 +244,8 @@ def test_a_streamed_answer_is_the_same_answer_in_chunks(tokenizer):
             1
         ].completion_ids == chat.encode(reply) + [chat.eot_id]
         raw = httpx.post(f"{url}/v1/chat/completions", json={**kwargs, "stream": True}).text
-        assert (
-            raw.rstrip().endswith("data: [DONE]") and raw.count("data: ") == 5
-        )  # role, content, call, finish, done
+        # role, content, call, finish, done
+        assert raw.rstrip().endswith("data: [DONE]") and raw.count("data: ") == 5
     finally:
         server.stop()
 
@@ -423,9 +420,8 @@ def test_concurrent_sessions_do_not_mix_and_share_engine_calls(served):
         assert [
             f"task number {i} turn {k}" in tok.decode(r.prompt_ids) for k, r in enumerate(records)
         ] == [True, True]
-    assert (
-        max(served.batcher.batch_sizes) > 1
-    )  # sessions that asked together were generated together
+    # sessions that asked together were generated together
+    assert max(served.batcher.batch_sizes) > 1
 
 
 @pytest.mark.slow
@@ -611,9 +607,8 @@ def test_a_client_that_leaves_or_overstays_has_its_generation_cancelled(shared, 
         "temperature": 1.0,
     }
     try:
-        with pytest.raises(
-            httpx.ReadTimeout
-        ):  # the client gives up after 1 s and closes the connection
+        # the client gives up after 1 s and closes the connection
+        with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{url}/v1/chat/completions", json=long_body, timeout=1.0)
         time.sleep(1.0)
         assert shared.aborted >= 1  # the prompts still running were taken out of the batch
@@ -654,9 +649,8 @@ def test_a_client_that_leaves_or_overstays_has_its_generation_cancelled(shared, 
         took = time.monotonic() - t0
         slow.join()
         assert small.status_code == 200 and done["long"].status_code == 200
-        assert (
-            took < 0.5 * done["long"].elapsed.total_seconds()
-        )  # it joined the batch, it did not wait
+        # it joined the batch, it did not wait
+        assert took < 0.5 * done["long"].elapsed.total_seconds()
     finally:
         server.stop()
 

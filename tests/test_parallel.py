@@ -248,9 +248,8 @@ def test_a_sharded_expert_parallel_step_equals_the_single_process_step(
     # noise into a visible step; the tolerance is a small share of one step
     assert_state_close(state, ref["state"], atol=0.01 * LR, grads=ref["grads"])
     before = load_policy(ckpt).state_dict()
-    assert any(
-        not torch.equal(before[n], ref["state"][n]) for n in before if "w_gate_EFL" in n
-    )  # experts trained
+    # experts trained
+    assert any(not torch.equal(before[n], ref["state"][n]) for n in before if "w_gate_EFL" in n)
 
 
 def test_a_sharded_checkpoint_resumes_on_another_number_of_ranks_and_publishes_full_weights(

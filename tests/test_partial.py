@@ -191,9 +191,8 @@ def test_partial_rollouts_through_the_loop_train_whole_groups_and_store_each_epi
     assert [r["staleness_max"] for r in rows] == [0, 1, 1, 1]
     trajs = list(TrajectoryStore(run_dir).trajectories())
     ids = [t.episode_id for t in trajs]
-    assert (
-        len(ids) == len(set(ids)) == 12
-    )  # iterations 0-2; iteration 3's episodes are still suspended
+    # iterations 0-2; iteration 3's episodes are still suspended
+    assert len(ids) == len(set(ids)) == 12
     assert {t.iteration for t in trajs} == {0, 1, 2}
     for t in trajs:
         versions = [turn.policy_version for turn in t.turns]

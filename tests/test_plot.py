@@ -91,9 +91,8 @@ def test_failure_shares_are_drawn_stacked(tmp_path):
     ]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     paths = {p.name: p for p in plot_run(tmp_path)}
-    assert (
-        paths["failures.png"].stat().st_size > paths["milestones.png"].stat().st_size
-    )  # drawn vs empty
+    # drawn vs empty
+    assert paths["failures.png"].stat().st_size > paths["milestones.png"].stat().st_size
 
 
 def test_plot_cli_names_a_run_without_metrics(tmp_path):

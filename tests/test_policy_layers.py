@@ -18,9 +18,8 @@ def _kda_inputs(dtype, B=2, T=37, H=3, K=8, V=6, seed=0):
     q = torch.randn(B, T, H, K, generator=g, dtype=dtype)
     k = F.normalize(torch.randn(B, T, H, K, generator=g, dtype=dtype), dim=-1)
     v = torch.randn(B, T, H, V, generator=g, dtype=dtype)
-    logdecay = -5 * torch.rand(
-        B, T, H, K, generator=g, dtype=dtype
-    )  # as strong as the safe gate allows
+    # as strong as the safe gate allows
+    logdecay = -5 * torch.rand(B, T, H, K, generator=g, dtype=dtype)
     beta = torch.rand(B, T, H, generator=g, dtype=dtype)
     S0 = torch.randn(B, H, K, V, generator=g, dtype=dtype)
     return q, k, v, logdecay, beta, S0
@@ -134,9 +133,8 @@ def test_bf16_operands_are_kept_in_bf16_and_computed_as_fp32_math_on_their_value
     ):
         o, S = kda_chunked(*low, *rest[:2], rest[2], chunk_size=chunk, step_bound=5.0)
     assert o.dtype == S.dtype == torch.float32
-    assert sorted(n for dt, n in saved if dt == torch.bfloat16) == sorted(
-        t.numel() for t in low
-    )  # kept as given
+    # kept as given
+    assert sorted(n for dt, n in saved if dt == torch.bfloat16) == sorted(t.numel() for t in low)
     (o.pow(2).sum() + S.sum()).backward()
     ref = [t.detach().double().requires_grad_() for t in (*low, *rest)]
     o_ref, S_ref = kda_recurrent(*ref)
@@ -145,9 +143,8 @@ def test_bf16_operands_are_kept_in_bf16_and_computed_as_fp32_math_on_their_value
     for t, r in zip((*low, *rest), ref):
         assert t.grad.dtype == t.dtype
         scale = r.grad.abs().max()
-        tol = (
-            1e-2 * scale if t.dtype == torch.bfloat16 else 1e-4 * scale
-        )  # bf16: its rounding of the gradient
+        # bf16: its rounding of the gradient
+        tol = 1e-2 * scale if t.dtype == torch.bfloat16 else 1e-4 * scale
         assert (t.grad.double() - r.grad).abs().max() <= tol
 
 
@@ -171,9 +168,8 @@ def test_a_bf16_kda_layer_keeps_only_the_decay_and_beta_in_fp32_for_backward():
         (1, T, H),
         (1, T, H, K),
     ]
-    assert (
-        sum(dt == torch.bfloat16 for dt, _ in per_token) >= 5
-    )  # x (twice: both recomputes), q, k, v, o
+    # x (twice: both recomputes), q, k, v, o
+    assert sum(dt == torch.bfloat16 for dt, _ in per_token) >= 5
     y.float().pow(2).sum().backward()
     assert torch.isfinite(x.grad).all() and all(
         torch.isfinite(p.grad).all() for p in layer.parameters()
@@ -204,9 +200,8 @@ def test_the_chunk_form_saves_only_its_inputs_and_a_state_per_segment(monkeypatc
 
 def test_kda_chunked_is_stable_under_strong_decay():
     q, k, v, g, beta, S0 = _kda_inputs(torch.float32, T=128)
-    o, S = kda_chunked(
-        q, k, v, torch.full_like(g, -5.0), beta, S0, chunk_size=64
-    )  # e^{-G} would be e^{320}
+    # e^{-G} would be e^{320}
+    o, S = kda_chunked(q, k, v, torch.full_like(g, -5.0), beta, S0, chunk_size=64)
     assert torch.isfinite(o).all() and torch.isfinite(S).all()
 
 
@@ -360,9 +355,8 @@ def test_both_dispatch_paths_equal_the_dense_reference_with_gradients(batched):
     lat = torch.randn(40, 12, dtype=torch.float64, requires_grad=True)
     idx = torch.randint(0, 8, (40, 2))
     idx[:, 1] = (idx[:, 0] + 1 + torch.randint(0, 7, (40,))) % 8  # two different experts per token
-    idx[:3] = torch.tensor(
-        [5, 6]
-    )  # expert 7 may get nothing; the paths must cope with empty experts
+    # expert 7 may get nothing; the paths must cope with empty experts
+    idx[:3] = torch.tensor([5, 6])
     w = torch.rand(40, 2, dtype=torch.float64)
     dense_NE = torch.zeros(40, 8, dtype=torch.float64).scatter_add(1, idx, w)
     ref = torch.einsum("ne,enl->nl", dense_NE, torch.stack([moe.expert(e, lat) for e in range(8)]))

@@ -54,9 +54,8 @@ def test_attn_res_starts_as_uniform_average_and_its_queries_learn(args):
         + [blk.res_q_mlp for blk in model.layers]
         + [model.res_q_out]
     )
-    assert not hasattr(
-        model.layers[0], "res_q_attn"
-    )  # layer 0's attention reads only the embedding
+    # layer 0's attention reads only the embedding
+    assert not hasattr(model.layers[0], "res_q_attn")
     assert all(q.grad is not None and q.grad.abs().sum() > 0 for q in queries)
     assert all(q.abs().sum() == 0 for q in queries)  # zero init: a uniform average to start
 
@@ -82,9 +81,8 @@ def test_images_enter_at_placeholders(args):
     with_img, _, _ = model(ids, images=img)
     other, _, _ = model(ids, images=torch.rand(2, 3, 16, 24, dtype=torch.float64))
     assert not torch.allclose(with_img[0, 3:], other[0, 3:])  # positions after the image see it
-    assert torch.allclose(
-        with_img[0, :3], other[0, :3], atol=1e-12
-    )  # causal: tokens before it do not
+    # causal: tokens before it do not
+    assert torch.allclose(with_img[0, :3], other[0, :3], atol=1e-12)
     with pytest.raises(ValueError, match="image placeholder tokens for 1 image"):
         model(ids, images=img[:1])
     with pytest.raises(ValueError, match="no images were given"):

@@ -168,9 +168,8 @@ def test_replay_rescores_a_run_with_a_rubric_file(e2e_run, tmp_path):
         r["rescored"] == pytest.approx(r["parts"]["milestones"] + 0.5 * r["parts"]["format"])
         for r in rows
     )
-    run = json.loads(
-        cli("--rescore", "run", "--json").stdout
-    )  # the run's own reward: what was stored
+    # the run's own reward: what was stored
+    run = json.loads(cli("--rescore", "run", "--json").stdout)
     assert [r["rescored"] for r in run] == pytest.approx([r["recorded"] for r in run])
     rubric.write_text("parts: [{fn: milestones")
     bad = cli("--rescore", str(rubric))

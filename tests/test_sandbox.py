@@ -73,9 +73,8 @@ def test_ordinary_commands_work(sandbox):
         "sort data.txt | head -n 2 && echo made > out.txt && python -c 'import pytest; print(pytest.__name__)'"
     )
     assert r.exit_code == 0 and r.stdout == "a\nb\npytest\n" and r.resource is None, r
-    assert (
-        sandbox.workspace.read_text("out.txt") == "made\n"
-    )  # the workspace is shared with the host
+    # the workspace is shared with the host
+    assert sandbox.workspace.read_text("out.txt") == "made\n"
     assert sandbox.run(["cat"], stdin="piped in").stdout == "piped in"
     assert sandbox.run("exit 3").exit_code == 3
 
@@ -145,9 +144,8 @@ def test_memory_bomb_is_contained(sandbox):
 
 def test_infinite_loop_hits_cpu_limit_and_sleeper_hits_wall_time(sandbox):
     r = sandbox.run(py("while True: pass"))
-    if (
-        getattr(sandbox, "runtime", None) == "runsc"
-    ):  # gVisor (this release) does not enforce RLIMIT_CPU
+    # gVisor (this release) does not enforce RLIMIT_CPU
+    if getattr(sandbox, "runtime", None) == "runsc":
         assert r.resource == "wall_time" and r.killed, r
     else:
         assert r.resource == "cpu_time" and r.killed, r
@@ -176,9 +174,8 @@ def test_kill_all_and_background_processes_stay_inside(sandbox):
     try:
         r = sandbox.run("sleep 300 & kill -9 -1; echo after")
         assert sentinel.poll() is None  # the host's process survived
-        assert not r.timed_out and r.stdout == "after\n", (
-            r
-        )  # the call did not wait for the killed sleeper
+        # the call did not wait for the killed sleeper
+        assert not r.timed_out and r.stdout == "after\n", r
     finally:
         sentinel.kill()
         sentinel.wait()
@@ -194,9 +191,8 @@ def test_nothing_of_a_call_outlives_it(sandbox):
     )
     assert r.stdout == "started\n" and r.duration_s < 1, r
     time.sleep(1.5)
-    session = getattr(
-        sandbox, "_session", None
-    )  # the per-episode bwrap's helper, when there is one
+    # the per-episode bwrap's helper, when there is one
+    session = getattr(sandbox, "_session", None)
     r = sandbox.run("ls /tmp/kept 2>/dev/null; ls; echo done")
     assert r.stdout == "done\n", r  # /tmp's file gone, nothing written late
     assert not (sandbox.path / "late.txt").exists() and not (sandbox.path / "d.txt").exists()

@@ -54,9 +54,8 @@ def test_concurrent_requests_share_one_call_and_get_what_one_plain_call_gives(
     assert shared.continuous_batching == (mode == "continuous")
     prompts = [[5 + i, 17, 33, 2 + i] for i in range(6)]
     seeds = [100 + i for i in range(6)]
-    reference = engine.generate(
-        prompts, max_tokens=12, temperature=1.0, seeds=seeds
-    )  # driven directly
+    # driven directly
+    reference = engine.generate(prompts, max_tokens=12, temperature=1.0, seeds=seeds)
 
     results: dict[int, list] = {}
 
@@ -74,9 +73,8 @@ def test_concurrent_requests_share_one_call_and_get_what_one_plain_call_gives(
         t.start()
     for t in [hold, *askers]:
         t.join()
-    assert (
-        shared.batch_sizes == [6] and shared.requests_merged == 3
-    )  # three requests, one engine call
+    # three requests, one engine call
+    assert shared.batch_sizes == [6] and shared.requests_merged == 3
     got = results[0] + results[1] + results[2]
     assert [g.token_ids for g in got] == [r.token_ids for r in reference]
     assert (
@@ -157,9 +155,8 @@ def test_a_request_joins_a_running_batch_and_leaves_it_when_it_ends(engine, shar
         time.sleep(0.005)
     ask("short", [40, 41, 42], 3, 4)
     long.join()
-    assert (
-        shared.batch_sizes == [1, 1] and shared.requests_merged == 1
-    )  # it joined the running batch
+    # it joined the running batch
+    assert shared.batch_sizes == [1, 1] and shared.requests_merged == 1
     assert ended["short"] < ended["long"] and len(out["long"][0].token_ids) == 400
     assert out["short"][0].token_ids == short_ref.token_ids
 

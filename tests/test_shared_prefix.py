@@ -75,17 +75,15 @@ def test_only_a_long_enough_prefix_every_row_shares_is_run_once(tiny_policy):
     lm.shared_prefix_tokens = 8
     ids, attn = _rows(prefix=40)
     assert lm.shared_prefix(ids[:1], attn[:1]) == 0  # one row: nothing to share
-    assert (
-        lm.shared_prefix(ids, attn, routing=torch.zeros(1)) == 0
-    )  # routing replay: the plain path
+    # routing replay: the plain path
+    assert lm.shared_prefix(ids, attn, routing=torch.zeros(1)) == 0
     other = ids.clone()
     other[2, 5] += 1  # one row leaves the prefix at token 5
     assert lm.shared_prefix(other, attn) == 0
     lm.shared_prefix_tokens = 4
     assert lm.shared_prefix(other, attn) == 5
-    short_ids, short_attn = _rows(
-        prefix=40, suffixes=(30, 0)
-    )  # a row that is all prefix keeps one token
+    # a row that is all prefix keeps one token
+    short_ids, short_attn = _rows(prefix=40, suffixes=(30, 0))
     assert lm.shared_prefix(short_ids, short_attn) == 40 - 0 and short_ids.shape[1] - 1 >= 40
 
 

@@ -80,9 +80,8 @@ def test_shared_views_equal_the_renamed_checkpoint_tensors(make, dtype):
     model = make()
     lm, named = CausalLM(model, "hf"), _named(model)
     lay = layout(lm, named, dtype)
-    assert lay.views and len(lay.regions) == len(named) < len(
-        lay.entries
-    )  # per-expert names are slices
+    # per-expert names are slices
+    assert lay.views and len(lay.regions) == len(named) < len(lay.entries)
     pub, plan, buckets = _publish(lm, named, dtype, lay=lay)
     slab = pub.slabs[0]
     assert (
@@ -154,9 +153,8 @@ def _read(manifest, rewrite_to=None, publisher=None):
     out = []
     for i, (name, t) in enumerate(iter_weights(manifest)):
         out.append((name, t.clone()))
-        if (
-            i == 0 and publisher is not None
-        ):  # the learner starts the next version in this slab meanwhile
+        # the learner starts the next version in this slab meanwhile
+        if i == 0 and publisher is not None:
             ray.get(publisher.rewrite.remote(rewrite_to))
     return out
 
@@ -283,9 +281,8 @@ def test_a_real_learner_syncs_a_vllm_worker_through_shared_memory(ray_cluster, t
         tiny_policy, rollout, EnvConfig(), seed=0
     )
     try:
-        ray.get(
-            learner.__ray_call__.remote(_move_weights)
-        )  # a version unlike the checkpoint the worker started from
+        # a version unlike the checkpoint the worker started from
+        ray.get(learner.__ray_call__.remote(_move_weights))
         assert shared_memory_kind(*placements(learner, [worker])) == "host"
         ids = list(range(5, 45))
         got = {}
@@ -295,9 +292,8 @@ def test_a_real_learner_syncs_a_vllm_worker_through_shared_memory(ray_cluster, t
                 out["sync_shared"] == shared and out["sync_direct_tensors"] == out["sync_tensors"]
             )
             assert out["sync_shared_gpu"] is False  # CPU: the slab is host memory
-            assert out["sync_unstaged_expert_layers"] == (
-                2 if shared else 0
-            )  # the tiny policy's MoE layers
+            # the tiny policy's MoE layers
+            assert out["sync_unstaged_expert_layers"] == (2 if shared else 0)
             got[shared, stream] = np.array(ray.get(worker.score.remote(ids)))
             if shared:  # handed back: the next shared sync reuses the one slab
                 assert ray.get(
@@ -307,9 +303,8 @@ def test_a_real_learner_syncs_a_vllm_worker_through_shared_memory(ray_cluster, t
             got[True, False], got[False, False]
         )
         start = np.array(ray.get(learner.logprobs.remote(ids)))
-        assert (
-            np.abs(got[True, True] - start).max() < 0.1
-        )  # the engine serves the learner's weights (bf16)
+        # the engine serves the learner's weights (bf16)
+        assert np.abs(got[True, True] - start).max() < 0.1
     finally:
         ray.kill(worker)
         ray.kill(learner)

@@ -90,9 +90,8 @@ def test_corrupt_shard_is_named_and_the_others_stay_readable(tmp_path):
         not (tmp_path / "trajectories.jsonl").exists()
         and not (tmp_path / "r" / "metrics.jsonl").exists()
     )
-    out = cli(
-        "export", str(tmp_path), "--skip-corrupt"
-    )  # explicitly: the rest, saying what was left out
+    # explicitly: the rest, saying what was left out
+    out = cli("export", str(tmp_path), "--skip-corrupt")
     assert (
         out.returncode == 0
         and "skipped 1 corrupt trajectory shard(s): iter-000001.parquet" in out.stderr
@@ -121,9 +120,8 @@ def test_a_shard_corrupt_inside_a_column_stops_export_in_both_formats(tmp_path):
         if group.column(i).path_in_schema.startswith("token_ids")
     )
     data = bytearray(bad.read_bytes())
-    data[tokens.data_page_offset + 20 : tokens.data_page_offset + 28] = (
-        b"\xff" * 8
-    )  # inside the page header
+    # inside the page header
+    data[tokens.data_page_offset + 20 : tokens.data_page_offset + 28] = b"\xff" * 8
     bad.write_bytes(bytes(data))
     assert not store.unreadable()  # the quick look passes: the failure comes mid-pass
     earlier = tmp_path / "earlier.jsonl"
@@ -309,9 +307,8 @@ def test_export_as_a_datasets_directory(tmp_path):
         and ds.features["rollout_logprobs"].feature.dtype == "float32"
     )
     assert ds.data.schema.field("routed_experts").type == SCHEMA.field("routed_experts").type
-    TrajectoryStore(tmp_path).write(
-        "iter-000001", [_traj(7)]
-    )  # the run goes on: a new export sees it
+    # the run goes on: a new export sees it
+    TrajectoryStore(tmp_path).write("iter-000001", [_traj(7)])
     r = subprocess.run(
         [
             sys.executable,
@@ -338,15 +335,13 @@ def test_viewer_pages_a_long_episode(tmp_path):
 
     store = TrajectoryStore(tmp_path)
     store.write("iter-000000", [_traj(0), _traj(1, n=30_000)])
-    page = write_html(
-        tmp_path, tmp_path / "v.html", max_episodes=1
-    )  # the newest episode only: the long one
+    # the newest episode only: the long one
+    page = write_html(tmp_path, tmp_path / "v.html", max_episodes=1)
     dom = chromium_dom(page)
     assert '<h1 id="episode-title">e1</h1>' in dom and 'data-id="e0"' not in dom
     assert "tokens 0–1999 of 30000" in dom and "page 1/15" in dom
-    assert (
-        dom.split("<script")[0].count('<span class="tok') == 2000
-    )  # one page drawn, not all 30,000
+    # one page drawn, not all 30,000
+    assert dom.split("<script")[0].count('<span class="tok') == 2000
 
 
 def test_routed_experts_round_trip_and_version_1_shards_still_read(tmp_path):
@@ -358,9 +353,8 @@ def test_routed_experts_round_trip_and_version_1_shards_still_read(tmp_path):
     store.write("iter-000000", [t, _traj(1)])
     back = {x.episode_id: x for x in store.trajectories()}
     assert back["e0"].routed_experts == t.routed_experts and back["e1"].routed_experts is None
-    old = pq.read_table(store.shards()[0]).drop(
-        ["routed_experts"]
-    )  # a shard written before the column
+    # a shard written before the column
+    old = pq.read_table(store.shards()[0]).drop(["routed_experts"])
     pq.write_table(old, store.dir / "iter-000001.parquet")
     assert [x.routed_experts for x in store.trajectories(store.shards()[1])] == [None, None]
     assert [x.episode_id for x in store.trajectories(store.shards()[1])] == ["e0", "e1"]
@@ -378,9 +372,8 @@ def test_summary_reports_staleness_and_infra_errors(tmp_path):
     c.stop_reason, c.infra_error = "infra_error", "sandbox died"
     store.write("iter-000000", [a, b, c])
     notes = {e: {"learner_logprobs": [0.0] * 50, "advantages": [0.0] * 50} for e in ("e0", "e1")}
-    store.write_learner(
-        "iter-000000", notes, policy_version=2
-    )  # trained with weights two versions on
+    # trained with weights two versions on
+    store.write_learner("iter-000000", notes, policy_version=2)
     s = summary(tmp_path)
     assert s["staleness_max"] == [2] and s["infra_errors"] == [1] and s["iteration_ids"] == [0]
 

@@ -208,9 +208,8 @@ def test_a_single_learner_streams_its_buckets_to_the_workers(ray_cluster):
     for out in ray.get(list(pending.futures)):
         assert [n for n, _ in out["got"]] == [n for n, _ in _named(sizes)]
         assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(out["got"], _named(sizes)))
-        assert (
-            out["at"][0] < cuts[-1] - 1.0
-        )  # bucket 0 loaded while buckets 2 and 3 were still to cut
+        # bucket 0 loaded while buckets 2 and 3 were still to cut
+        assert out["at"][0] < cuts[-1] - 1.0
 
 
 def test_a_bucket_cut_otherwise_than_planned_fails_the_sync_naming_the_learner(ray_cluster):
@@ -359,19 +358,16 @@ def test_the_loop_trains_fp32_and_rolls_out_with_bf16_engines(ray_cluster, tiny_
         weights = trainer.learner.call("weights")
         fp32_bytes = sum(a.nbytes for _, a in weights)
         assert [r["sync_version"] for r in rows] == [1, 2]
-        assert all(
-            r["sync_bytes"] == fp32_bytes // 2 for r in rows
-        )  # every tensor of the tiny policy is a float
+        # every tensor of the tiny policy is a float
+        assert all(r["sync_bytes"] == fp32_bytes // 2 for r in rows)
         # the bf16 engines' tensors (experts packed by x86 AMX's kernel where the CPU has it) are
         # loaded straight where the engine reads them, as fp32 engines' are, not through vLLM's reload
         assert all(r["sync_direct_tensors"] == r["sync_tensors"] == len(weights) for r in rows)
-        assert all(
-            r["rollout_logprob_diff_max"] > 1e-4 for r in rows
-        )  # bf16 engines, not fp32 ones
+        # bf16 engines, not fp32 ones
+        assert all(r["rollout_logprob_diff_max"] > 1e-4 for r in rows)
         ours = np.array(trainer.learner.call("logprobs", ids))
-        moved = np.abs(
-            ours - before
-        ).mean()  # what two updates changed: an engine still at version 0 is this far
+        # what two updates changed: an engine still at version 0 is this far
+        moved = np.abs(ours - before).mean()
         for w in trainer.workers:
             got = np.array(ray.get(w.score.remote(ids)))
             assert 1e-4 < np.abs(got - ours).mean() < 0.1 * moved  # measured: 8e-4 against 0.055

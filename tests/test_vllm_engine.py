@@ -68,9 +68,8 @@ def test_a_large_seeded_batch_is_prefilled_whole(engine):
     import random
 
     rng = random.Random(0)
-    prompts = [
-        [rng.randrange(8, 1000) for _ in range(338)] for _ in range(64)
-    ]  # 21,632 prompt tokens
+    # 21,632 prompt tokens
+    prompts = [[rng.randrange(8, 1000) for _ in range(338)] for _ in range(64)]
     gens = engine.generate(prompts, max_tokens=4, seeds=list(range(64)))
     assert len(gens) == 64 and all(len(g.token_ids) >= 1 for g in gens)
     again = engine.generate(prompts[:2], max_tokens=4, seeds=[0, 1])
@@ -158,9 +157,8 @@ def test_direct_loading_serves_what_vllms_own_reload_serves(engine, hf_model, ti
         assert out == {"tensors": len(moved), "direct": 0, "unstaged": 0}
         engine.llm.reset_prefix_cache()
         ref_served, ref = engine.llm.collective_rpc(_served)[0], engine.score(prompt)
-        engine.load_weights(
-            _checkpoint_tensors(tiny_policy), version=1
-        )  # back, through the direct path
+        # back, through the direct path
+        engine.load_weights(_checkpoint_tensors(tiny_policy), version=1)
         assert gen_error(engine, hf_model, prompt) < TOL
         out = engine.llm.collective_rpc("lh_reload_weights", args=(iter(moved),))[0]
         assert out == {
@@ -289,9 +287,8 @@ def test_a_module_loads_by_one_path_only():
     w, b = torch.arange(4.0), torch.ones(4)
     assert loader.take("norm.weight", w) and loader.take("norm.bias", b)
     assert torch.equal(model.norm.weight.data, w) and torch.equal(model.norm.bias.data, b)
-    assert not loader.take("odd.weight", w) and not loader.take(
-        "odd.bias", b
-    )  # both to vLLM's reload
+    # both to vLLM's reload
+    assert not loader.take("odd.weight", w) and not loader.take("odd.bias", b)
     assert not loader.take("missing.weight", w)
     with pytest.raises(ValueError, match=r"norm\.weight: got shape \(3,\), the engine's is \(4,\)"):
         loader.take("norm.weight", torch.zeros(3))

@@ -160,9 +160,8 @@ def test_the_plugin_refuses_a_tensor_that_is_not_a_weight_of_the_model_by_name(
         engine.load_weights([("layers.0.attn.nope", torch.zeros(2).numpy())], version=3)
     with pytest.raises(Exception, match="embed.weight has shape"):
         engine.load_weights([("embed.weight", torch.zeros(2, 2).numpy())], version=3)
-    g = engine.generate(prompts[:1], max_tokens=8, temperature=0.0)[
-        0
-    ]  # the worker still serves, unchanged
+    # the worker still serves, unchanged
+    g = engine.generate(prompts[:1], max_tokens=8, temperature=0.0)[0]
     assert (
         full_logits(model, prompts[0] + g.token_ids)[len(prompts[0]) - 1 : -1].argmax(-1).tolist()
         == g.token_ids

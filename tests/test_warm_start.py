@@ -68,9 +68,8 @@ def test_training_starts_from_the_warm_started_policy(
     try:
         info = json.loads((tmp_path / "run" / "warm-start" / "warm_start.json").read_text())
         losses = info["per_round"][0]["losses"]
-        assert (
-            info["demos"] == 24 and info["rounds"] == 1 and info["validation"] is None
-        )  # no patience: no validation
+        # no patience: no validation
+        assert info["demos"] == 24 and info["rounds"] == 1 and info["validation"] is None
         assert losses[-1] < losses[0] - 0.5
         # the rollout worker serves the warm-started weights: held-out expert turns are likelier than
         # under the initial policy
@@ -136,9 +135,8 @@ def test_shortened_demo_improves_test_success_over_the_best_warm_start(ray_clust
     warm, rl, more = rows
     assert rl["ci95"][0] > warm["ci95"][1], rows  # clearly above: the 95% intervals do not overlap
     info = json.loads((tmp_path / "demo" / "digits" / "warm-start" / "warm_start.json").read_text())
-    assert (
-        info["rounds"] >= 2 and 0 <= info["best_round"] < info["rounds"]
-    )  # it ran until validation stopped improving
+    # it ran until validation stopped improving
+    assert info["rounds"] >= 2 and 0 <= info["best_round"] < info["rounds"]
     successes = [r["validation"]["success"] for r in info["per_round"]]
     assert successes[info["best_round"]] == max(successes)
     assert info["rounds"] == len(successes) and (
@@ -153,9 +151,8 @@ def test_shortened_demo_improves_test_success_over_the_best_warm_start(ray_clust
     assert more_info["seconds"] >= rl_s and more_info["target_s"] == pytest.approx(rl_s)
     png = tmp_path / "demo" / "curve.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    table = (
-        tmp_path / "demo" / "results.md"
-    ).read_text()  # what the README's demo table is copied from
+    # what the README's demo table is copied from
+    table = (tmp_path / "demo" / "results.md").read_text()
     assert (
         f"| `text/digits-v0` | – | full | {warm['success']:.3f} [" in table
         and "| 12 iterations, " in table

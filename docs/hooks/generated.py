@@ -83,9 +83,8 @@ def config_reference() -> str:
             "",
             *table(section),
         ]
-        for g in dataclasses.fields(
-            section
-        ):  # a section's own sub-sections (policy.upcycle, rollout.context, ...)
+        # a section's own sub-sections (policy.upcycle, rollout.context, ...)
+        for g in dataclasses.fields(section):
             sub = typing.get_type_hints(section)[g.name]
             if dataclasses.is_dataclass(sub):
                 out += ["", f"#### `{f.name}.{g.name}`", "", *table(sub)]

@@ -22,9 +22,8 @@ import threading
 import time
 
 UID = -1  # the sandbox user, from the command line (main)
-TMP_AT_START: set = (
-    set()
-)  # what /tmp held when the sandbox started (bwrap's mount points: never swept)
+# what /tmp held when the sandbox started (bwrap's mount points: never swept)
+TMP_AT_START: set = set()
 FLOOD = (
     16  # output past this many times the kept bytes: the call is killed rather than left printing
 )
@@ -46,9 +45,8 @@ def sweep() -> None:
         try:
             as_user()
             deadline = time.monotonic() + 2.0
-            while (
-                time.monotonic() < deadline
-            ):  # a fork in flight when the first signal lands: send again
+            # a fork in flight when the first signal lands: send again
+            while time.monotonic() < deadline:
                 try:
                     os.kill(-1, signal.SIGKILL)
                 except ProcessLookupError:
@@ -148,9 +146,8 @@ def child(argv, lim, fds) -> None:
         os.closerange(3, 4096)
         as_user()
         cpu, mem, fsize = int(lim["cpu_s"]), lim["memory_mb"] << 20, lim["file_mb"] << 20
-        resource.setrlimit(
-            resource.RLIMIT_CPU, (cpu, cpu + 1)
-        )  # SIGXCPU, then SIGKILL a second later
+        # SIGXCPU, then SIGKILL a second later
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
         resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
         resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))

@@ -127,13 +127,11 @@ def classify(result: SandboxResult, *, oom: bool = False) -> None:
     found = None
     if code != 0 and any(w in err for w in _MEMORY_WORDS):
         found = "memory"
-    elif any(
-        w in err for w in _FILE_SIZE_WORDS
-    ):  # a child killed by SIGXFSZ, its shell line exiting 0
+    # a child killed by SIGXFSZ, its shell line exiting 0
+    elif any(w in err for w in _FILE_SIZE_WORDS):
         found = "file_size"
-    elif any(
-        w in err for w in _PROCESS_WORDS
-    ):  # a fork bomb's children fail even when its parent exits 0
+    # a fork bomb's children fail even when its parent exits 0
+    elif any(w in err for w in _PROCESS_WORDS):
         found = "processes"
     if found and result.resource is None:
         result.resource = found

@@ -102,9 +102,8 @@ class SandboxCgroup:
             if self.version == 2
             else ("memory.memsw.limit_in_bytes", "memory.limit_in_bytes")
         )
-        if (
-            limit_mb > self.limit_mb and self.version == 1
-        ):  # v1: memsw must stay >= the memory limit
+        # v1: memsw must stay >= the memory limit
+        if limit_mb > self.limit_mb and self.version == 1:
             keys = tuple(reversed(keys))
         for key in keys:
             try:

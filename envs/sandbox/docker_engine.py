@@ -280,9 +280,8 @@ def private_dockerd(root: str | Path | None = None, timeout_s: float = 60.0) -> 
     reason = private_dockerd_unavailable()
     if reason:
         raise RuntimeError(reason)
-    d = Path(
-        root or f"/tmp/lh-dockerd-{os.getpid()}"
-    )  # short: unix socket paths are limited to 108 bytes
+    # short: unix socket paths are limited to 108 bytes
+    d = Path(root or f"/tmp/lh-dockerd-{os.getpid()}")
     d.mkdir(parents=True, exist_ok=True)
     sock = f"unix://{d}/docker.sock"
     runsc = shutil.which("runsc") or (

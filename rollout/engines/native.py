@@ -268,9 +268,8 @@ class NativeEngine:
         )
 
         while pending or active:
-            while (
-                pending and len(active) < self.max_batch
-            ):  # admit: prefill alone, then join the batch
+            # admit: prefill alone, then join the batch
+            while pending and len(active) < self.max_batch:
                 r = pending.popleft()
                 logits_V, row = self._prefill(r)
                 self._sample([r], logits_V[None], **sample)

@@ -56,9 +56,8 @@ class _Generate:
     max_tokens: list[int]
     seeds: list | None
     done: Future = field(default_factory=Future)
-    results: list = field(
-        default_factory=list
-    )  # continuous batching: per prompt, None until it ends
+    # continuous batching: per prompt, None until it ends
+    results: list = field(default_factory=list)
     cancel: threading.Event | None = None
 
     def cancelled(self) -> bool:
@@ -89,9 +88,8 @@ class SharedEngine:
         self._queue: deque = deque()
         self._ready = threading.Condition()
         self._closed = False
-        self.batch_sizes: list[
-            int
-        ] = []  # prompts per engine generate call, or that joined the batch together
+        # prompts per engine generate call, or that joined the batch together
+        self.batch_sizes: list[int] = []
         self.requests_merged = 0  # generate requests that shared the engine's batch with another
         self.aborted = 0  # prompts taken out of the running batch by a cancelled request
         self._busy_s = 0.0  # seconds spent in finished engine calls
@@ -107,9 +105,8 @@ class SharedEngine:
         self._thread.start()
         self._engine = started.result()  # the engine's own construction error is raised here
 
-        @functools.wraps(
-            self._engine.generate
-        )  # its signature: callers check which options it takes
+        # its signature: callers check which options it takes
+        @functools.wraps(self._engine.generate)
         def generate(prompts, **kwargs):
             return self._generate_request(prompts, **kwargs)
 
@@ -232,9 +229,8 @@ class SharedEngine:
                 self._timed(self._generate, engine, batch)
 
     def _serve_continuous(self, engine) -> None:
-        running: dict[
-            str, tuple[_Generate, int]
-        ] = {}  # engine request id -> (request, prompt index)
+        # engine request id -> (request, prompt index)
+        running: dict[str, tuple[_Generate, int]] = {}
         ids = itertools.count()
         while True:
             call = None

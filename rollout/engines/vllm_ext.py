@@ -96,9 +96,8 @@ class _ExpertLayer:
         self.stage: tuple[torch.Tensor, torch.Tensor] | None = None
         self.done: set[tuple[int, str]] = set()
         self.held: dict[tuple[int, str], torch.Tensor] | None = {}  # None: staging
-        self.blocks: dict[
-            str, tuple
-        ] = {}  # "w13"/"w2" -> (storage pointer, element offset of expert 0)
+        # "w13"/"w2" -> (storage pointer, element offset of expert 0)
+        self.blocks: dict[str, tuple] = {}
         self.loaded = False
         self.unstaged = False  # this load packed the experts straight from the tensors sent
 
@@ -154,9 +153,8 @@ class _ExpertLayer:
             self._to_stage(key, t, pool)
         self.done.add(key)
         if len(self.done) == 3 * self.w13.shape[0]:
-            if (
-                self.held is not None
-            ):  # both blocks complete, in the kernel's layout: packed from them
+            # both blocks complete, in the kernel's layout: packed from them
+            if self.held is not None:
                 src13, src2 = (
                     self._block(b, target) for b, target in (("w13", self.w13), ("w2", self.w2))
                 )
@@ -239,9 +237,8 @@ class _DenseLayer:
         if stage is not None:
             setattr(self.module, self.param, torch.nn.Parameter(stage, requires_grad=False))
         if self.process is not None:
-            self.process(
-                self.module
-            )  # CPU: packs a oneDNN copy, and drops the weight of a linear layer
+            # CPU: packs a oneDNN copy, and drops the weight of a linear layer
+            self.process(self.module)
         if stage is not None and self.module._parameters[self.param].data_ptr() != stage.data_ptr():
             pool[(tuple(stage.shape), stage.dtype)].append(stage)  # not kept by the layer: reusable
         self.target, self.loaded = None, True
@@ -305,9 +302,8 @@ class _DirectLoader:
                 return None
             path = f"{parent}.{fused}" if parent else fused
             module = self.modules.get(path)
-        if (
-            module is None or id(module) in self.layers
-        ):  # unknown, or a fused-MoE layer's other tensors
+        # unknown, or a fused-MoE layer's other tensors
+        if module is None or id(module) in self.layers:
             return None
         layer = self.layers.get((id(module), param))
         if layer is None:
@@ -315,9 +311,8 @@ class _DirectLoader:
             if shape is None:
                 return None
             sizes = getattr(module, "output_sizes", None)
-            if (
-                shard is None
-            ):  # a padded vocabulary's rows past the checkpoint's are zero, as vLLM loads them
+            # a padded vocabulary's rows past the checkpoint's are zero, as vLLM loads them
+            if shard is None:
                 rows = [(0, getattr(module, "org_vocab_size", shape[0]))]
                 if getattr(module, "num_added_embeddings", 0) or rows[0][1] > shape[0]:
                     return None
@@ -341,9 +336,8 @@ class _DirectLoader:
         if p is None or getattr(module, "tp_size", 1) != 1:
             return None
         method = getattr(module, "quant_method", None)
-        if (
-            method is None
-        ):  # a norm: loaded as it is, unless a loader of the module's transforms (vLLM's path)
+        # a norm: loaded as it is, unless a loader of the module's transforms (vLLM's path)
+        if method is None:
             plain = all(
                 getattr(q, "weight_loader", default_weight_loader) is default_weight_loader
                 for q in module._parameters.values()
@@ -452,9 +446,8 @@ class WeightSyncExtension:
             for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
                 getattr(self.model_runner, reset, lambda: None)()
         processed = {id(layer.module) for layer in done}
-        for group in _tied_groups(
-            model
-        ):  # a tied head's packed copy of the embedding, packed again
+        # a tied head's packed copy of the embedding, packed again
+        for group in _tied_groups(model):
             if rest or any(id(m) in processed for m in group):
                 for module in group:
                     if id(module) not in processed:

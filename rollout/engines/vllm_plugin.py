@@ -131,9 +131,8 @@ class VLLMKDA(nn.Module, MambaBase):
     def mamba_type(self):
         from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-        return (
-            MambaAttentionBackendEnum.GDN_ATTN
-        )  # its metadata: state slots, starts, history flags
+        # its metadata: state slots, starts, history flags
+        return MambaAttentionBackendEnum.GDN_ATTN
 
     def get_state_shape(self):
         return _kda_state_shapes(self.args)
