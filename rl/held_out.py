@@ -1,0 +1,141 @@
+"""Held-out evaluation during a run: episodes on seeds no training episode uses, played by the
+rollout workers with the weights they hold.
+
+Two splits (rl/evaluate.py): validation, for anything tuned or watched (the warm start's rounds,
+`eval.every` during RL), and test, for what is reported (the demo's stages). `HeldOut.play` splits
+the episodes evenly over the workers; a worker that dies is restored and its share played again, a
+second loss stops the run (`WorkerLost`): an evaluation is never skipped. In the async schedule it
+runs beside the rollouts in flight, with the weights loaded by then.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import ray
+
+from rl.actors import WorkerLost
+from rl.config import RunConfig
+from rl.store import TrajectoryStore
+from rl.sync import WORKER_LOST
+from rl.weight_sync import WeightSync
+from rollout.trajectory import Trajectory
+
+
+class HeldOut:
+    def __init__(
+        self,
+        cfg: RunConfig,
+        workers: list,
+        weights: WeightSync,
+        run_dir: Path,
+        log: Callable[[str], None],
+    ):
+        self.cfg, self.workers, self.weights, self.run_dir, self.log = (
+            cfg,
+            workers,
+            weights,
+            run_dir,
+            log,
+        )
+
+    def play(
+        self,
+        split: str = "validation",
+        episodes: int | None = None,
+        env_kwargs: dict | None = None,
+        loop: dict | None = None,
+        keep: str | None = None,
+    ) -> tuple[dict, list[Trajectory]]:
+        """Held-out episodes of `split` on the rollout workers: (summary, trajectories). `env_kwargs`
+        and `loop` (the agent loop's keywords, e.g. a `context` mode or `max_turns`) replace the
+        run's for this evaluation. `keep` ("DIR/NAME"): the episodes are also stored, as shard NAME
+        of a store at RUN_DIR/DIR (`longhorizon inspect RUN_DIR/DIR`)."""
+        from rl.evaluate import eval_tasks, summarise
+
+        e = self.cfg.eval
+        env_id, kwargs = (
+            (e.env_id, dict(e.env_kwargs))
+            if e.env_id
+            else (self.cfg.env.id, dict(self.cfg.env.kwargs))
+        )
+        kwargs = kwargs if env_kwargs is None else {**kwargs, **env_kwargs}
+        tasks = eval_tasks(episodes or e.episodes, e.k, split)
+        temperature = e.temperature or self.cfg.rollout.temperature
+        shares = {i: tasks[i :: len(self.workers)] for i in range(len(self.workers))}
+        trajs: list[Trajectory] = []
+        for attempt in range(2):
+            refs = {
+                i: self.workers[i].evaluate.remote(env_id, kwargs, share, temperature, loop)
+                for i, share in shares.items()
+                if share
+            }
+            lost = []
+            for i, ref in refs.items():
+                try:
+                    trajs += ray.get(ref)
+                except WORKER_LOST as exc:
+                    lost.append((i, exc))
+            if not lost:
+                if keep:
+                    where, name = keep.rsplit("/", 1)
+                    TrajectoryStore(self.run_dir / where).write(name, trajs)
+                return summarise(env_id, trajs, e.k), trajs
+            names = ", ".join(f"{i} ({type(exc).__name__})" for i, exc in lost)
+            if attempt:
+                raise WorkerLost(
+                    f"the held-out evaluation lost rollout worker(s) {names} twice; the run stops "
+                    "rather than report an evaluation it did not finish"
+                )
+            self.log(
+                f"[yellow]held-out evaluation: rollout worker(s) {names} died; restoring and playing "
+                "their share again[/]"
+            )
+            for i, _ in lost:
+                self.weights.restore(i, self.weights.version)
+            shares = {i: shares[i] for i, _ in lost}
+        raise AssertionError("unreachable")
+
+    def evaluate(self) -> dict:
+        """Held-out evaluation on validation seeds, as `eval/*` metrics."""
+        t0, k = time.perf_counter(), self.cfg.eval.k
+        s, trajs = self.play("validation")
+        out = {
+            "eval/success": s["success"],
+            "eval/ci95_low": s["ci95"][0],
+            "eval/ci95_high": s["ci95"][1],
+            "eval/milestones_mean": s["milestones_mean"],
+            "eval/reward_mean": s["reward_mean"],
+            "eval/episodes": s["episodes"],
+            "eval/s": time.perf_counter() - t0,
+            # the oldest version it sampled with (async: the weights loaded by then)
+            "eval/policy_version": min(
+                (turn.policy_version for t in trajs for turn in t.turns), default=-1
+            ),
+        }
+        if k > 1:
+            out[f"eval/pass@{k}"] = s[f"pass@{k}"]
+        return out
+
+    def validate(self, keep: str | None = None) -> dict:
+        """Held-out success on validation seeds (the warm start's rounds), as `summarise` reports it;
+        `keep`: where its episodes are stored (`play`)."""
+        return self.play("validation", keep=keep)[0]
+
+    @staticmethod
+    def from_warm_start(validation: dict, version: int) -> dict:
+        """The warm start's best round's validation result as `eval/*` metrics (the same seeds and
+        weights RL starts from, so not evaluated twice)."""
+        v = validation
+        return {
+            "eval/success": v["success"],
+            "eval/ci95_low": v["ci95"][0],
+            "eval/ci95_high": v["ci95"][1],
+            "eval/milestones_mean": v["milestones_mean"],
+            "eval/reward_mean": v["reward_mean"],
+            "eval/episodes": v["episodes"],
+            "eval/policy_version": version,
+            "eval/from_warm_start": 1,
+        }

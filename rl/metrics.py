@@ -1,0 +1,77 @@
+"""An iteration's metrics row, where it goes (metrics.jsonl, TensorBoard, W&B when
+`log.wandb_project` is set), and the clocks behind its rates: the wall time since the last row
+and the rollout engines' busy seconds over it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import ray
+
+from rl.config import RunConfig
+from rl.loggers import TensorBoardLog
+from rl.sync import WORKER_LOST
+
+
+class MetricsLog:
+    def __init__(self, cfg: RunConfig, run_dir: Path, workers: list):
+        self.cfg, self.run_dir, self.workers = cfg, run_dir, workers
+        self.tensorboard = None
+        self.wandb = None
+        self._busy_last: list[float] = []  # the engines' busy seconds at the last row
+        self._last_row_t = 0.0
+
+    def start_clock(self) -> None:
+        """From now on: what the engines did before (an evaluation) is no iteration's."""
+        self.engine_busy()
+        self._last_row_t = time.perf_counter()
+
+    def clocks(self, t0: float) -> tuple[float | None, float]:
+        """(the engines' busy seconds, the wall seconds) since the last row (or `t0`), both restarted."""
+        busy = self.engine_busy()  # read first: the clock below then spans what it spans
+        now = time.perf_counter()
+        iteration_s = now - (self._last_row_t or t0)
+        self._last_row_t = now
+        return busy, iteration_s
+
+    def engine_busy(self) -> float | None:
+        """Mean seconds the rollout workers' engines spent in engine calls since the last call; None
+        when a worker cannot answer (dead, restarting) or when there are no workers."""
+        if not self.workers:
+            return None
+        try:
+            now = ray.get([w.engine_busy_s.remote() for w in self.workers], timeout=30)
+        except (*WORKER_LOST, ray.exceptions.GetTimeoutError):
+            return None
+        last = self._busy_last if len(self._busy_last) == len(now) else [0.0] * len(now)
+        self._busy_last = now
+        # a restarted worker counts from zero again
+        return sum(n - b if n >= b else n for n, b in zip(now, last)) / len(now)
+
+    def write(self, row: dict) -> None:
+        with open(self.run_dir / "metrics.jsonl", "a") as fh:
+            fh.write(json.dumps(row) + "\n")
+        if self.tensorboard is None:
+            self.tensorboard = TensorBoardLog(self.run_dir)
+        self.tensorboard.log(row)
+        if self.cfg.log.wandb_project:
+            if self.wandb is None:
+                from rl.loggers import WandbLog
+
+                self.wandb = WandbLog(self.cfg, self.run_dir)
+            self.wandb.log(row)
+
+    def finish(self) -> None:
+        """W&B writes its run file out when the run finishes."""
+        if self.wandb is not None:
+            self.wandb.close()
+            self.wandb = None
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
+        self.finish()
