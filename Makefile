@@ -14,7 +14,7 @@ DEMO_LONG ?= runs/demo-long
 install: $(STAMP) malloc-dep
 	$(VENV)/bin/longhorizon policy pretrained smollm2-135m-instruct >/dev/null
 
-# tcmalloc for the learner processes (rl/allocator.py says why). Optional: without it the learner
+# tcmalloc for the learner processes (rl/learner/allocator.py says why). Optional: without it the learner
 # runs with the system's malloc.
 malloc-dep:
 	@if ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal.so.4; then :; \

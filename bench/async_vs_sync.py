@@ -7,7 +7,7 @@ The config is the quickstart's (tiny Qwen3-MoE, vLLM rollout workers, GRPO learn
 `tools/calculator-v0` whose every step sleeps `--step-latency` seconds, standing in for a remote
 tool backend. Only the schedule and the learner's threads differ between the runs: sync, async
 with `schedule.max_staleness=1` and with 2, each with `algo.threads` 2 and 1. In async mode a
-worker runs the rollouts in flight at once on its one engine (rl/trainer.py), so one iteration's
+worker runs the rollouts in flight at once on its one engine (rl/loop/trainer.py), so one iteration's
 episodes generate while another's wait for their tools, and the learner trains while the engine is
 busy: on these 2 cores two learner threads beside it oversubscribe them. The ratios are against
 the faster of the two sync runs. An async run's first iteration waits for a whole rollout, as a
@@ -49,9 +49,9 @@ def main() -> None:
     from rich.console import Console
 
     from rl.config import load_config
+    from rl.loop.trainer import Trainer
     from rl.ray_utils import init_ray
-    from rl.tiny import make_tiny_qwen3_moe
-    from rl.trainer import Trainer
+    from rl.start.tiny import make_tiny_qwen3_moe
 
     tmp = Path(tempfile.mkdtemp(prefix="lh-bench-async-"))
     policy = make_tiny_qwen3_moe(tmp / "policy", seed=0)

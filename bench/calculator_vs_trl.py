@@ -22,10 +22,10 @@ Ours: the full loop in one process's local Ray (a vLLM rollout worker, the learn
 weight sync every step), its GRPO with milestone credit. TRL: `GRPOTrainer(environment_factory=...)`
 with Hugging Face `generate` (TRL runs vLLM only on CUDA), its tool loop batching the episodes that
 called a tool, one process. Both learners run under the same malloc (tcmalloc where installed: our
-learner actor's default, rl/allocator.py, and TRL's process is started with it too).
+learner actor's default, rl/learner/allocator.py, and TRL's process is started with it too).
 
 Held-out success: every `--eval-every` steps, `--episodes` held-out seeds (the ones `longhorizon
-eval` uses) played by one evaluator for both sides (rl/evaluate.py on a vLLM engine, fp32, bf16
+eval` uses) played by one evaluator for both sides (rl/loop/evaluate.py on a vLLM engine, fp32, bf16
 with `--precision bf16`; ours on its rollout worker, TRL's checkpoint in a child process), with the
 Wilson 95% interval. Evaluation,
 TRL's checkpoint save and start-up are outside the clock. Time to target: training wall seconds
@@ -73,7 +73,7 @@ def make_warm_start(out: Path) -> str:
     reused by both sides): the demo config's warm start, RL not started."""
     from rich.console import Console
 
-    from rl.trainer import Trainer
+    from rl.loop.trainer import Trainer
 
     trainer = Trainer(base_config(["iterations=1"]), out, console=Console(stderr=True))
     try:
@@ -91,7 +91,7 @@ def engines(precision: str) -> list[str]:
 
 def held_out(policy: str, episodes: int, precision: str) -> dict:
     """`episodes` held-out episodes of `policy` on a fresh vLLM engine, as the run's rollout worker plays them."""
-    from rl.evaluate import evaluate_policy
+    from rl.loop.evaluate import evaluate_policy
 
     cfg = base_config(engines(precision))
     summary, _ = evaluate_policy(
@@ -133,7 +133,7 @@ def held_out_in_child(policy: str, episodes: int, precision: str) -> dict:
 def run_ours(init: str, a, run_dir: str) -> dict:
     from rich.console import Console
 
-    from rl.trainer import Trainer
+    from rl.loop.trainer import Trainer
 
     t0 = time.perf_counter()
     cfg = base_config(
@@ -200,7 +200,7 @@ def run_trl(init: str, a, run_dir: str) -> dict:
 
     import envs
     from envs.trl_adapter import trl_environment, trl_prompts
-    from rl.episodes import iteration_tasks
+    from rl.loop.episodes import iteration_tasks
     from rollout.chat import ChatFormat
 
     t0 = time.perf_counter()
@@ -313,7 +313,7 @@ def run_trl(init: str, a, run_dir: str) -> dict:
     )
     startup = time.perf_counter() - t0
     trainer.train()
-    from rl.allocator import in_use
+    from rl.learner.allocator import in_use
 
     return {
         "startup_s": startup,
@@ -345,7 +345,7 @@ def machine_gflops(policy: str, precision: str) -> float:
 
 
 def measure(side: str, init: str, a, seed: int) -> dict:
-    from rl.allocator import actor_env
+    from rl.learner.allocator import actor_env
 
     with tempfile.TemporaryDirectory() as d:
         cmd = [
@@ -370,7 +370,7 @@ def measure(side: str, init: str, a, seed: int) -> dict:
             "--seed",
             str(seed),
         ]
-        # TRL's process gets the malloc our learner actor gets (rl/allocator.py: tcmalloc where installed):
+        # TRL's process gets the malloc our learner actor gets (rl/learner/allocator.py: tcmalloc where installed):
         # an allocator is the machine's setting, not the framework's
         env = {**os.environ, **actor_env("auto")} if side == "trl" else None
         before = machine_gflops(init, a.precision)

@@ -2,7 +2,7 @@
 on its own, needing only torch with CUDA and transformers (no vLLM, no Ray).
 
 A learner process writes a Mixtral-style MoE's weights, cast to bf16, into a slab in its GPU's
-memory (rl/shared_weights.py `SharedPublisher`, the layout the engines read); a second process, as a
+memory (rl/learner/shared_weights.py `SharedPublisher`, the layout the engines read); a second process, as a
 rollout worker's engine would, maps the slab through CUDA IPC (rollout/shared_memory.py
 `SlabReader`), copies every checkpoint-named tensor into its own parameters, and checks each one's
 bits against what the learner meant to send. Then the learner starts the next version in the same
@@ -104,9 +104,9 @@ def main() -> int:
         return 2
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from rl.logprobs import CausalLM
-    from rl.shared_weights import SharedPublisher, layout
-    from rl.weight_source import _untied
+    from rl.learner.logprobs import CausalLM
+    from rl.learner.shared_weights import SharedPublisher, layout
+    from rl.learner.weight_source import _untied
 
     device = torch.device("cpu") if a.cpu else torch.device("cuda", 0)
     cfg = MixtralConfig(

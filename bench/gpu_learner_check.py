@@ -1,6 +1,6 @@
 """GPU check for issue 26 (run when a GPU machine is lent; CI never runs it): the learner on CUDA.
 
-The learner (rl/learner.py, the plain class, no Ray) on the model the demo trains: SmolLM2-135M
+The learner (rl/learner/learner.py, the plain class, no Ray) on the model the demo trains: SmolLM2-135M
 upcycled to a Mixtral of 4 experts, top-1 (its dimensions; random weights, since the packaged
 checkpoint does not travel to the GPU machine: the step's cost does not depend on the values).
 
@@ -104,7 +104,7 @@ def algo(**kw):
 
 
 def learner(path, device, precision="fp32", **kw):
-    from rl.learner import Learner
+    from rl.learner.learner import Learner
 
     torch.manual_seed(0)
     return Learner(path, algo(**kw), device=device, precision=precision)

@@ -1,9 +1,9 @@
 """GPU check for issue 26 (run when a GPU machine is lent; CI never runs it): LoRA RL on CUDA against
 full fine-tuning.
 
-The learner (rl/learner.py, no Ray) on the demo's model shape — SmolLM2-135M upcycled to a Mixtral
+The learner (rl/learner/learner.py, no Ray) on the demo's model shape — SmolLM2-135M upcycled to a Mixtral
 of 4 experts, top-1, random weights (the packaged checkpoint does not travel to the GPU machine) —
-in bf16 mixed precision, once with rank-8 adapters on attention and on every expert (rl/lora.py),
+in bf16 mixed precision, once with rank-8 adapters on attention and on every expert (rl/learner/lora.py),
 once fully fine-tuned, on the same batch (24 episodes of calculator length, one optimiser step):
 
 1. cost: step seconds, peak GPU memory, trainable parameters, and what a weight sync would move
@@ -34,7 +34,7 @@ from gpu_learner_check import SMOLLM2_MOE, algo, batch, command_line, make_model
 
 def measure(path: str, device: str, lora: bool, episodes: int, length: int, steps: int) -> dict:
     from rl.config import LoraConfig
-    from rl.learner import Learner
+    from rl.learner.learner import Learner
 
     torch.manual_seed(0)
     lrn = Learner(
@@ -67,7 +67,7 @@ def measure(path: str, device: str, lora: bool, episodes: int, length: int, step
 def exactness(path: str, lrn, payload, episodes, device: str) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from rl.lora import merged_state
+    from rl.learner.lora import merged_state
     from rollout.weights import CheckpointTensors, merge_adapters
 
     t0 = time.perf_counter()

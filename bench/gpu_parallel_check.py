@@ -119,7 +119,7 @@ def main() -> int:
     from policy.args import load_model_args
     from policy.model import Policy
     from policy.parallelize import parallelize, parallelize_hf
-    from rl.tiny import make_tiny_qwen3_moe
+    from rl.start.tiny import make_tiny_qwen3_moe
 
     args = load_model_args(str(Path(__file__).resolve().parents[1] / "configs/policy/debug.yaml"))
     args = dataclasses.replace(args, vision=dataclasses.replace(args.vision, enabled=False))

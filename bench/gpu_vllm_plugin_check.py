@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def main() -> int:
     from policy.args import load_model_args
-    from rl.logprobs import chunked_logprobs, load_causal_lm
-    from rl.tiny import make_tiny_policy
+    from rl.learner.logprobs import chunked_logprobs, load_causal_lm
+    from rl.start.tiny import make_tiny_policy
     from rollout.engines.vllm_engine import VLLMEngine
 
     path = str(

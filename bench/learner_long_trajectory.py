@@ -27,7 +27,7 @@ def one(length: int, bounded: bool) -> dict:
     from policy.checkpoint import save_policy
     from policy.model import Policy
     from rl.config import AlgoConfig
-    from rl.learner import Learner
+    from rl.learner.learner import Learner
     from rollout.trajectory import Trajectory
 
     args = load_model_args(REPO / "configs/policy/debug.yaml")

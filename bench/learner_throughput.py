@@ -3,12 +3,12 @@ this machine's own matmul throughput measured in the same run (model FLOPs utili
 
     .venv/bin/python bench/learner_throughput.py [--episodes 24] [--max-turns 4] [--microbatch-tokens 2048]
 
-The policy is the demo's: SmolLM2-135M-Instruct upcycled into a 4-expert top-1 MoE (rl/pretrained.py).
+The policy is the demo's: SmolLM2-135M-Instruct upcycled into a 4-expert top-1 MoE (rl/start/pretrained.py).
 The batch is one calculator-sized GRPO iteration: `--episodes` episodes of `tools/calculator-v0`
-played by its scripted expert through the agent loop (`rl.sft.demonstrations`: token for token what
+played by its scripted expert through the agent loop (`rl.start.sft.demonstrations`: token for token what
 rollouts look like, the same template and loss mask), in groups of 8. One `Learner.train_step` (one optimiser step over
 the whole batch, as configs/demo/calculator.yaml runs it) is timed in a fresh process per precision,
-under the malloc the loop's learner actor gets (rl/allocator.py: tcmalloc where installed), after
+under the malloc the loop's learner actor gets (rl/learner/allocator.py: tcmalloc where installed), after
 one untimed step (the first step's one-time costs: AdamW's state, first-touch pages).
 
 The "engine" log-probs of the batch are the fp32 learner's own, so the bf16 step's rollout_kl and
@@ -67,8 +67,8 @@ def one(precision: str, spec: dict, engine_logprobs: list | None) -> dict:
     from transformers import AutoTokenizer
 
     from rl.config import AlgoConfig
-    from rl.learner import Learner
-    from rl.sft import demonstrations
+    from rl.learner.learner import Learner
+    from rl.start.sft import demonstrations
     from rollout.chat import ChatFormat
 
     chat = ChatFormat(AutoTokenizer.from_pretrained(spec["path"]))
@@ -140,8 +140,8 @@ def main() -> None:
     import torch
     from rich.console import Console
 
-    from rl.allocator import actor_env
-    from rl.pretrained import policy
+    from rl.learner.allocator import actor_env
+    from rl.start.pretrained import policy
 
     console = Console(stderr=True)
     spec = {

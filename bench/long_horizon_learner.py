@@ -36,8 +36,8 @@ WINDOW, AT, KEEP = 1024, 768, 2
 def episodes(horizon: int, n: int, mode: str):
     from transformers import AutoTokenizer
 
-    from rl.pretrained import policy
-    from rl.sft import demonstrations
+    from rl.start.pretrained import policy
+    from rl.start.sft import demonstrations
     from rollout.chat import ChatFormat
     from rollout.context import ContextConfig
 
@@ -86,10 +86,10 @@ def step_wise(t):
 def one(horizon: int, n: int, layout: str) -> dict:
     import torch
 
-    from rl.batch import training_rows
     from rl.config import AlgoConfig
-    from rl.learner import Learner
-    from rl.pretrained import policy
+    from rl.learner.batch import training_rows
+    from rl.learner.learner import Learner
+    from rl.start.pretrained import policy
 
     eps = episodes(horizon, n, "full" if layout == "full" else "compact")
     if layout == "step-wise":

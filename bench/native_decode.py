@@ -73,7 +73,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = Policy(args).eval()
     path = save_policy(model, tempfile.mkdtemp())
-    from rl.tiny import build_tokenizer, default_corpus
+    from rl.start.tiny import build_tokenizer, default_corpus
 
     build_tokenizer(default_corpus()).save_pretrained(path)  # vLLM loads one (the prompts are ids)
     eng = NativeEngine(

@@ -177,8 +177,8 @@ def main() -> None:
     import transformers
     import vllm
 
-    from rl.pretrained import policy
-    from rl.tiny import TinyMoEDims, make_tiny_qwen3_moe
+    from rl.start.pretrained import policy
+    from rl.start.tiny import TinyMoEDims, make_tiny_qwen3_moe
 
     rows = []
     bandwidth = read_bandwidth()

@@ -41,7 +41,7 @@ def run_ours(policy: str, target: float, max_steps: int, run_dir: str) -> dict:
     from rich.console import Console
 
     from rl.config import load_config
-    from rl.trainer import Trainer
+    from rl.loop.trainer import Trainer
 
     t0 = time.perf_counter()
     cfg = load_config(
@@ -216,7 +216,7 @@ def main() -> None:
     import trl
     import vllm
 
-    from rl.tiny import make_tiny_qwen3_moe
+    from rl.start.tiny import make_tiny_qwen3_moe
 
     policy = str(make_tiny_qwen3_moe(Path(tempfile.mkdtemp()) / "policy", seed=0))
     runs = {"ours": [], "trl": []}

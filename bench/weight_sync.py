@@ -13,8 +13,8 @@ writes the next):
 - real-bf16: the real policy (SmolLM2-135M-Instruct upcycled to 4 experts top-1, what the demo and
   row 12 train), fp32 learner, one bf16 engine (`rollout.dtype: bfloat16`: the sync sends bf16).
 
-The sync is the real path (`rl/sync.py`): the learner publishes its weights (cast to the engines'
-dtype; its actor started with the trainer's malloc, rl/allocator.py) into Ray's object store in
+The sync is the real path (`rl/weight_sync/transport.py`): the learner publishes its weights (cast to the engines'
+dtype; its actor started with the trainer's malloc, rl/learner/allocator.py) into Ray's object store in
 buckets, or into its shared-memory slab (the cast is the one copy; the experts stay in the learner's
 fused blocks, which the engine packs from without staging them), and every rollout worker's vLLM
 engine loads in place (every tensor straight where the engine reads it: the CPU MoE experts packed into the
@@ -55,10 +55,10 @@ CASES = {
 
 def model_path(case: str, args) -> str:
     if CASES[case].get("pretrained"):
-        from rl.pretrained import policy
+        from rl.start.pretrained import policy
 
         return str(policy("smollm2-135m-instruct", 4, 1))
-    from rl.tiny import TinyMoEDims, make_tiny_qwen3_moe
+    from rl.start.tiny import TinyMoEDims, make_tiny_qwen3_moe
 
     dims = TinyMoEDims(
         hidden_size=args.hidden,
@@ -78,11 +78,11 @@ def run_case(case: str, args) -> dict:
     import ray
     import torch
 
-    from rl.allocator import actor_env
     from rl.config import AlgoConfig, EnvConfig, RayConfig, RolloutConfig
-    from rl.learner_group import LearnerActor
+    from rl.learner.allocator import actor_env
+    from rl.learner.learner_group import LearnerActor
     from rl.ray_utils import init_ray
-    from rl.sync import start_sync
+    from rl.weight_sync.transport import start_sync
     from rollout.weights import from_wire, to_wire
     from rollout.worker import RolloutWorkerActor
 

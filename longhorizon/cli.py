@@ -7,12 +7,12 @@ longhorizon inspect DIR [--episode ID [--tokens]] [--episodes FILTERS] [--json] 
 longhorizon replay DIR (--episode ID | --all) [--rescore RUBRIC] [--json]
 longhorizon export DIR [--out FILE] [--format jsonl|datasets]
 longhorizon plot DIR [--out DIR]
-longhorizon eval RUN_DIR|CHECKPOINT --env ID --episodes N [--k K] [--json]   (rl/evaluate.py)
+longhorizon eval RUN_DIR|CHECKPOINT --env ID --episodes N [--k K] [--json]   (rl/loop/evaluate.py)
 longhorizon demo [--out runs/demo] [--config C ...] [key=value ...]          (longhorizon/demo.py)
 longhorizon submit CONFIG --address http://HEAD:8265 [--wait] [key=value ...]   (longhorizon/jobs.py)
 longhorizon jobs status|logs|stop ID --address http://HEAD:8265
 longhorizon policy info CONFIG [--json]
-longhorizon policy upcycle SRC --experts E [--top-k K] --out DIR [--json]   (rl/pretrained.py)
+longhorizon policy upcycle SRC --experts E [--top-k K] --out DIR [--json]   (rl/start/pretrained.py)
 longhorizon policy pretrained NAME [--experts E --top-k K]   # into the local cache; prints the path
 longhorizon serve RUN_DIR|CHECKPOINT [--host H --port P --api-key K]   # OpenAI-compatible API (longhorizon/serve.py)
 longhorizon envs list|show|check|play ...          (longhorizon/envs_cli.py)
@@ -80,9 +80,9 @@ def _train(args) -> int:
         return 2
     console = SafeConsole(stderr=True)
 
-    from rl.checkpoints import CheckpointError
-    from rl.guards import CannotLearn
-    from rl.trainer import LearnerDied, Trainer, WorkerLost
+    from rl.learner.checkpoints import CheckpointError
+    from rl.loop.guards import CannotLearn
+    from rl.loop.trainer import LearnerDied, Trainer, WorkerLost
 
     try:
         trainer = Trainer(cfg, run_dir, console, from_store=args.from_store)
@@ -442,7 +442,7 @@ def _eval(args) -> int:
     except (ConfigError, FileNotFoundError, ValueError, KeyError) as exc:
         print(f"error: {message(exc)}", file=sys.stderr)
         return 2
-    from rl.evaluate import evaluate_policy
+    from rl.loop.evaluate import evaluate_policy
 
     try:
         summary, _ = evaluate_policy(
@@ -479,8 +479,8 @@ def _eval(args) -> int:
 def _demo(args) -> int:
     from longhorizon.demo import DEMO_CONFIGS, run_demo
     from rl.config import ConfigError
-    from rl.guards import CannotLearn
-    from rl.trainer import LearnerDied, WorkerLost
+    from rl.loop.guards import CannotLearn
+    from rl.loop.trainer import LearnerDied, WorkerLost
 
     console = SafeConsole(stderr=True)
     problem = unwritable(Path(args.out))
@@ -555,7 +555,7 @@ def _policy_info(args) -> int:
 
 def _policy_upcycle(args) -> int:
     """Dense Llama-family checkpoint (or a packaged pretrained model's name) → sparse-MoE Mixtral."""
-    from rl.pretrained import PRETRAINED, PretrainedError, dense, upcycle
+    from rl.start.pretrained import PRETRAINED, PretrainedError, dense, upcycle
 
     out = Path(args.out)
     try:
@@ -586,7 +586,7 @@ def _policy_upcycle(args) -> int:
 
 def _policy_pretrained(args) -> int:
     """Convert a packaged pretrained model into the local cache (what `make install` runs)."""
-    from rl.pretrained import PretrainedError, policy
+    from rl.start.pretrained import PretrainedError, policy
 
     try:
         path = policy(args.name, args.experts, args.top_k)  # experts 0: the dense model alone

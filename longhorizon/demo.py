@@ -4,7 +4,7 @@ For each demo config (`make demo`: configs/demo/calculator.yaml and shell.yaml; 
 configs/demo/oncall.yaml), in one run (one Ray start, one set of engines):
 
 1. warm start on the run's learner until held-out success on *validation* seeds stops improving
-   (rl/warm_start.py; `warm_start.patience`, capped by `warm_start.rounds`); RL starts from the best
+   (rl/start/warm_start.py; `warm_start.patience`, capped by `warm_start.rounds`); RL starts from the best
    round, not from one stopped early so that RL has room. That policy is evaluated on *test* seeds
    (stage `warm_start`);
 2. RL from it (GRPO through the full loop), watched on validation seeds (`eval.every`); the final
@@ -108,7 +108,7 @@ def run_demo(
     from rich.console import Console
 
     from rl.config import load_config
-    from rl.trainer import Trainer
+    from rl.loop.trainer import Trainer
 
     console = console or Console(stderr=True)
     out = Path(out_dir)

@@ -145,7 +145,7 @@ def _check_program(args) -> int:
 
         tokenizer = AutoTokenizer.from_pretrained(args.policy)
     else:
-        from rl.tiny import build_tokenizer, default_corpus
+        from rl.start.tiny import build_tokenizer, default_corpus
 
         tokenizer = build_tokenizer(default_corpus())
     try:

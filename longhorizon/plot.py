@@ -2,7 +2,7 @@
 
 It reads the rows of `metrics.jsonl` (one per iteration), so it works on a finished run, a
 running one and a killed one alike. Numeric fields are plotted; nested ones (`stop_reasons`) are
-not. The live loggers the trainer writes as it goes (TensorBoard, W&B) are rl/loggers.py.
+not. The live loggers the trainer writes as it goes (TensorBoard, W&B) are rl/loop/loggers.py.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from longhorizon.inspect import load_metrics
-from rl.loggers import numeric_series
+from rl.loop.loggers import numeric_series
 
 # what a person looks at first, in this order. A string instead of a key list: every key with that
 # prefix, the page drawn even when there is none (an empty plot says "none reached" better than a missing file). What no panel takes

@@ -26,7 +26,7 @@ def initial_policy(cfg, run_dir: Path) -> Path:
     if (run_dir / "warm-start" / "config.json").exists():
         return run_dir / "warm-start"
     if cfg.policy.pretrained:
-        from rl.pretrained import for_config
+        from rl.start.pretrained import for_config
 
         return for_config(cfg.policy)
     return Path(cfg.policy.path or run_dir / "policy-init")

@@ -213,7 +213,7 @@ class Policy(nn.Module):
         self, input_ids_BT, images=None, cache: PolicyCache | None = None, routing=None
     ):
         """Everything but the output projection: (final-normed hidden states, router_info). The
-        learner projects these a chunk at a time (see rl/logprobs.py)."""
+        learner projects these a chunk at a time (see rl/learner/logprobs.py)."""
         args = self.args
         h = self.embed_inputs(input_ids_BT, images)
         infos = []

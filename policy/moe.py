@@ -102,7 +102,7 @@ def replay_selection(
 ) -> tuple[torch.Tensor, tuple[int, int]]:
     """Rollout routing replay's selection: the recorded expert ids where a row has them (rows of -1
     keep the router's own), and (replayed rows, of which the router's own choice differs as a set).
-    Shared by this router and the hooks on Hugging Face routers (rl/routing.py)."""
+    Shared by this router and the hooks on Hugging Face routers (rl/learner/routing.py)."""
     replay = replay_Nk.to(own_Nk.device).long()
     have_N = (replay >= 0).all(-1)
     differ_N = (own_Nk.sort(-1).values != replay.sort(-1).values).any(-1) & have_N

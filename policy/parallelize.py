@@ -21,7 +21,7 @@ the model files know nothing of it.
 
 Hugging Face models get the same two steps: the experts module's 3D-stacked `gate_up_proj` /
 `down_proj` split by expert with the same dispatch (`dispatch_combine`), every decoder layer and
-the root FSDP units; the routers' forward hooks (routing replay, rl/routing.py) keep working.
+the root FSDP units; the routers' forward hooks (routing replay, rl/learner/routing.py) keep working.
 
 `clip_grad_norm_` and `gather_full_state` here know both kinds of parameter: FSDP's DTensor shards
 and the plain per-rank expert blocks. Data-parallel ranks equal expert-parallel ranks (one group);

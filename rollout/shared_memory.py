@@ -10,7 +10,7 @@ engine's own load.
 A slab is a memfd (anonymous shared memory, freed when the last process holding it closes it or
 dies: a crashed learner leaks nothing). Workers open it through the learner's `/proc/<pid>/fd/<n>`,
 so it serves only processes of the learner's node and user; a version for workers elsewhere goes
-through the object store (rl/sync.py decides). Its first bytes hold the version written last, set to
+through the object store (rl/weight_sync/transport.py decides). Its first bytes hold the version written last, set to
 -1 while a version is being written: a reader checks after its load that the version it read is
 still there, so a slab rewritten under a reader fails that load instead of serving torn weights.
 The learner reuses a slab only once the driver has released it (every load done); it keeps a few

@@ -2,10 +2,10 @@
 
 The learner cuts its state dict into buckets of at most `bucket_mb` MiB (`publish`); a rollout
 worker fetches them one at a time while its engine loads them (`iter_weights`). How the driver
-orchestrates a sync (deadlines, lost workers, the GPU/NCCL path) is rl/sync.py; this module is the
+orchestrates a sync (deadlines, lost workers, the GPU/NCCL path) is rl/weight_sync/transport.py; this module is the
 record both sides share, so it lives below both.
 
-LoRA (rl/lora.py): an adapter manifest (`Manifest.adapter`) carries, for each served tensor with an
+LoRA (rl/learner/lora.py): an adapter manifest (`Manifest.adapter`) carries, for each served tensor with an
 adapter, `NAME.lora_B` (B·scale, out × r) followed by `NAME.lora_A` (r × in) — megabytes instead of the
 model. `merge_adapters` turns them back into full tensors on the worker: the base tensor read from
 the policy's checkpoint files (memory-mapped, so the workers on a node share one copy in the page
@@ -126,7 +126,7 @@ def publish(
 
 class Outgoing:
     """One version published bucket by bucket on request, so the workers load the first buckets while
-    the learner still casts and puts the later ones (rl/sync.py `start_sync`). The plan (every
+    the learner still casts and puts the later ones (rl/weight_sync/transport.py `start_sync`). The plan (every
     bucket's names and bytes) comes first, from sizes alone; `take(i)` then cuts bucket i from the
     lazy source, which is read once, in order. A bucket cut otherwise than planned fails by name."""
 

@@ -188,7 +188,7 @@ class RolloutWorker:
         temperature: float,
         loop: dict | None = None,
     ) -> list[Trajectory]:
-        """Held-out episodes (rl/evaluate.py) with the current weights, in this process's environments;
+        """Held-out episodes (rl/loop/evaluate.py) with the current weights, in this process's environments;
         nothing suspended, nothing kept. `loop`: agent-loop keywords that replace the run's for these
         episodes (`context` as a mapping of rollout.context fields that replace the run's)."""
         from rollout.agent_loop import play
@@ -367,7 +367,7 @@ class RolloutWorker:
         return self.engine.score(token_ids)
 
     def placement(self) -> dict:
-        """The Ray node this worker runs on and the UUIDs of the GPUs its engine uses (rl/sync.py: whether
+        """The Ray node this worker runs on and the UUIDs of the GPUs its engine uses (rl/weight_sync/transport.py: whether
         it can read the learner's shared memory, and whether in the learner's GPU)."""
         from rollout.shared_memory import visible_gpus
 

@@ -18,7 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def tiny_policy(tmp_path_factory) -> str:
-    from rl.tiny import make_tiny_qwen3_moe
+    from rl.start.tiny import make_tiny_qwen3_moe
 
     return str(make_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny-policy"), seed=0))
 
@@ -62,7 +62,7 @@ def policy_dir(tmp_path_factory) -> str:
 
     from policy.args import load_model_args
     from policy.checkpoint import load_policy, save_policy
-    from rl.tiny import make_tiny_policy
+    from rl.start.tiny import make_tiny_policy
 
     args = load_model_args("configs/policy/debug.yaml")
     args = dataclasses.replace(args, mla=dataclasses.replace(args.mla, rope=True))
@@ -121,7 +121,7 @@ def started_trainer(config: str, overrides: list[str], run_dir):
     killed on the way out. Runs beside the session's e2e run, whose actors stay up: the overrides
     should keep `rollout.cpus_per_worker` small."""
     from rl.config import load_config
-    from rl.trainer import Trainer
+    from rl.loop.trainer import Trainer
 
     trainer = Trainer(load_config(REPO / "configs" / config, overrides), run_dir)
     try:
@@ -142,7 +142,7 @@ def e2e_run(ray_cluster, tiny_policy, tmp_path_factory):
     arrive in several parts, so the after-sync checks cover bucketed loading.
     """
     from rl.config import load_config
-    from rl.trainer import Trainer
+    from rl.loop.trainer import Trainer
 
     cfg = load_config(
         REPO / "configs" / "quickstart.yaml",

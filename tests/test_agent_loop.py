@@ -135,7 +135,7 @@ def test_environment_failures_end_only_their_episode(tokenizer):
 
 
 def test_learner_keeps_infra_failures_out_of_group_statistics():
-    from rl.batch import usable_episodes
+    from rl.learner.batch import usable_episodes
     from rollout.trajectory import Trajectory
 
     def ep(i, group, reward, infra=""):

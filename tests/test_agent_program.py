@@ -188,9 +188,9 @@ def test_the_learner_trains_each_sample_of_a_split_episode_with_the_episode_s_ad
     the samples match them), and every sample's tokens get the episode's advantages (GRPO over the
     group's episodes, the split one counted once; with milestone credit, each turn's own)."""
     from rl.config import AlgoConfig
-    from rl.credit import token_advantages
-    from rl.grpo import group_advantages
-    from rl.learner import Learner
+    from rl.learner.credit import token_advantages
+    from rl.learner.grpo import group_advantages
+    from rl.learner.learner import Learner
 
     learner = Learner(
         tiny_policy, AlgoConfig(threads=1, credit=credit, scale_rewards="none"), seed=0
@@ -230,7 +230,7 @@ def test_ppo_values_of_a_split_episode_s_samples_fit_their_returns(tiny_policy, 
     """PPO's returns reach each sample at its own positions: turn-level values before the first
     call (return 2.0: the episode's reward) and before the second (-1.0 to go) fit them."""
     from rl.config import AlgoConfig
-    from rl.learner import Learner
+    from rl.learner.learner import Learner
 
     learner = Learner(
         tiny_policy,

@@ -1,4 +1,4 @@
-"""The learner's malloc (rl/allocator.py): its actors start with tcmalloc preloaded where the
+"""The learner's malloc (rl/learner/allocator.py): its actors start with tcmalloc preloaded where the
 machine has it, and the choice is checked at load time."""
 
 from __future__ import annotations
@@ -7,13 +7,13 @@ import pytest
 import ray
 
 from conftest import REPO
-from rl.allocator import TCMALLOC, actor_env, tcmalloc_installed
 from rl.config import ConfigError, load_config
+from rl.learner.allocator import TCMALLOC, actor_env, tcmalloc_installed
 
 
 @ray.remote(num_cpus=0)
 def _malloc_of_a_fresh_worker() -> str:
-    from rl.allocator import in_use
+    from rl.learner.allocator import in_use
 
     return in_use()
 
@@ -44,7 +44,7 @@ def test_the_allocator_in_use_is_read_from_the_process_itself():
             {"LD_PRELOAD": preload} if preload else {}
         )
         out = subprocess.run(
-            [sys.executable, "-c", "from rl.allocator import in_use; print(in_use())"],
+            [sys.executable, "-c", "from rl.learner.allocator import in_use; print(in_use())"],
             env=env,
             cwd=REPO,
             capture_output=True,

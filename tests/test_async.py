@@ -21,7 +21,7 @@ ITERATIONS = 4
 @pytest.fixture(scope="module")
 def async_run(ray_cluster, tiny_policy, tmp_path_factory):
     from rl.config import load_config
-    from rl.trainer import Trainer
+    from rl.loop.trainer import Trainer
 
     cfg = load_config(
         REPO / "configs" / "quickstart.yaml",

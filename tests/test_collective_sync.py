@@ -1,4 +1,4 @@
-"""The collective weight-sync transport (rollout/collective.py, rl/sync.py) with gloo standing in for
+"""The collective weight-sync transport (rollout/collective.py, rl/weight_sync/transport.py) with gloo standing in for
 NCCL: the same group, bucketing, headers, versioning and timeouts the GPU path uses, between real
 processes (Ray actors), then through the whole loop with real vLLM engines, a worker killed
 between syncs included."""

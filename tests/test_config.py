@@ -75,7 +75,7 @@ def test_literal_and_range_checks(tmp_path):
     with pytest.raises(ConfigError, match="rollout.engine native serves the policy/ model"):
         load_config(QUICKSTART, ["rollout.engine=native"])
     both = tmp_path / "policy.yaml"
-    # the warm start runs on the learner (rl/warm_start.py): a policy/ model is warm-started like any other
+    # the warm start runs on the learner (rl/start/warm_start.py): a policy/ model is warm-started like any other
     both.write_text(
         "policy: {flavour: configs/policy/debug.yaml}\nrollout: {engine: native}\nwarm_start: {demos: 4}\n"
     )

@@ -210,9 +210,9 @@ def test_milestone_credit_across_segments_against_a_naive_reference(tiny_policy,
     segment, is the turn's reward-to-go against the other episodes' at that turn, computed here from
     the milestones' turns alone; every milestone lies in the segment of the turn that reached it."""
     from envs.tool_calls import format_tool_call as call
-    from rl.batch import training_rows
     from rl.config import AlgoConfig
-    from rl.learner import Learner
+    from rl.learner.batch import training_rows
+    from rl.learner.learner import Learner
 
     chat = ChatFormat(tokenizer)
     env = envs.make(ENV, horizon=H)

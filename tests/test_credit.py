@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from rl.credit import rewards_to_go, turn_advantages
+from rl.learner.credit import rewards_to_go, turn_advantages
 
 THETA = torch.tensor([[0.3, -0.2], [0.1, 0.4], [-0.5, 0.2]], dtype=torch.float64)
 MILESTONE, P_MILESTONE, SOLVE = 0.5, 0.6, 1.0
@@ -97,8 +97,8 @@ def test_milestone_credit_has_lower_variance_than_terminal_credit():
 
 def _learner_default_estimates(scale: str):
     """Per-group gradient estimates with the learner's own episode-credit advantages
-    (`rl.grpo.group_advantages`, what `algo.credit: episode` trains with)."""
-    from rl.grpo import group_advantages
+    (`rl.learner.grpo.group_advantages`, what `algo.credit: episode` trains with)."""
+    from rl.learner.grpo import group_advantages
 
     r0, r1, sc0, sc1 = sample(0)
     rewards = torch.tensor(r0, dtype=torch.float64) + torch.tensor(r1, dtype=torch.float64)
@@ -137,8 +137,8 @@ def test_rewards_to_go_and_turn_baselines_by_hand():
 
 def test_token_advantages_follow_turn_spans_and_the_learner_uses_them(tiny_policy, tokenizer):
     from rl.config import AlgoConfig
-    from rl.credit import token_advantages
-    from rl.learner import Learner
+    from rl.learner.credit import token_advantages
+    from rl.learner.learner import Learner
     from rollout.trajectory import Trajectory, Turn
 
     def ep(i, milestones):

@@ -22,7 +22,7 @@ EPISODES = 64
 def test_shortened_real_model_demo_raises_held_out_success(ray_cluster, tmp_path):
     from longhorizon.demo import run_demo
     from rl.config import load_config
-    from rl.pretrained import policy
+    from rl.start.pretrained import policy
 
     config = REPO / "configs" / "demo" / "calculator.yaml"
     overrides = [

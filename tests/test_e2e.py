@@ -46,7 +46,7 @@ def test_versions_advance_on_every_worker(e2e_run):
 
 
 def test_the_learner_actor_runs_with_tcmalloc_where_installed(e2e_run):
-    from rl.allocator import tcmalloc_installed
+    from rl.learner.allocator import tcmalloc_installed
 
     trainer, _, _ = e2e_run
     assert trainer.learner.call("allocator") == ("tcmalloc" if tcmalloc_installed() else "glibc")
@@ -95,7 +95,7 @@ def test_learner_weights_moved(e2e_run, hf_model, stored):
     now = torch.tensor(trainer.learner.call("logprobs", ids))
     with torch.no_grad():
         t = torch.tensor([ids])
-        from rl.grpo import token_logprobs
+        from rl.learner.grpo import token_logprobs
 
         before = token_logprobs(hf_model(input_ids=t).logits, t)[0]
     assert (now - before).abs().max().item() > 1e-2  # else the sync check below proves nothing
@@ -413,7 +413,7 @@ def test_train_from_store_replays_the_learning_without_rollouts(e2e_run, tiny_po
     """`--from-store`: the learner alone, fed the stored shards in order; with the same starting
     weights and seed it takes the same steps as the run that collected them."""
     from rl.config import load_config
-    from rl.trainer import Trainer
+    from rl.loop.trainer import Trainer
 
     _, rows, source = e2e_run
     cfg = load_config(

@@ -11,8 +11,8 @@ from test_agent_loop import ExpertPolicy
 import envs
 from conftest import REPO
 from rl.config import load_config
-from rl.episodes import iteration_tasks
-from rl.evaluate import HELD_OUT, eval_tasks, evaluate, summarise, wilson
+from rl.loop.episodes import iteration_tasks
+from rl.loop.evaluate import HELD_OUT, eval_tasks, evaluate, summarise, wilson
 from rollout.chat import ChatFormat
 
 
@@ -202,7 +202,7 @@ def test_eval_of_a_run_without_checkpoints_serves_the_policy_rl_started_from(tmp
     model the config names (its cached upcycled copy), else the path or the tiny model made."""
     from longhorizon.serve import initial_policy as _initial_policy
     from rl.config import RunConfig
-    from rl.pretrained import dense
+    from rl.start.pretrained import dense
 
     cfg = RunConfig()
     assert _initial_policy(cfg, tmp_path) == tmp_path / "policy-init"

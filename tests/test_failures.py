@@ -10,7 +10,7 @@ import pytest
 
 import envs
 from envs.tool_calls import format_tool_call as call
-from rl.episodes import batch_metrics
+from rl.loop.episodes import batch_metrics
 from rl.store import TrajectoryStore
 from rollout.agent_loop import run_episodes
 from rollout.chat import ChatFormat

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rl.grpo import group_advantages, policy_loss, token_logprobs
+from rl.learner.grpo import group_advantages, policy_loss, token_logprobs
 
 
 def test_group_advantages_by_hand():
@@ -96,7 +96,7 @@ def test_dual_clip_bounds_negative_advantage_loss_by_hand():
 def test_rollout_importance_weights_by_hand():
     """Every `algo.rollout_is` mode on two sequences whose learner/engine ratios are known: tokens
     (1.25, 4, 1) and (1, 0.25, and a token outside the mask)."""
-    from rl.grpo import rollout_is_weights
+    from rl.learner.grpo import rollout_is_weights
 
     old = torch.tensor([[0.5, 0.2, 0.3], [0.4, 0.1, 0.9]]).log()
     rollout = torch.tensor([[0.4, 0.05, 0.3], [0.4, 0.4, 0.1]]).log()
@@ -135,7 +135,7 @@ def test_the_learner_reports_and_corrects_the_engine_mismatch(tiny_policy, token
     """A batch whose engine log-probs equal the learner's except on one episode, off by δ per token:
     the KL, χ² and perplexity ratio are those of that gap, and sequence_mask drops that episode."""
     from rl.config import AlgoConfig
-    from rl.learner import Learner
+    from rl.learner.learner import Learner
     from rollout.trajectory import Trajectory
 
     delta = 0.3
@@ -179,7 +179,7 @@ def test_the_learner_reports_and_corrects_the_engine_mismatch(tiny_policy, token
 
 
 def test_truncated_importance_weights_and_k1_kl_by_hand():
-    from rl.grpo import rollout_is_weights
+    from rl.learner.grpo import rollout_is_weights
 
     old = torch.tensor([[math.log(0.5), math.log(0.2)]])
     rollout = torch.tensor([[math.log(0.4), math.log(0.05)]])
@@ -197,7 +197,7 @@ def test_truncated_importance_weights_and_k1_kl_by_hand():
 
 def test_learner_with_reference_kl_and_tis(tiny_policy, tokenizer):
     from rl.config import AlgoConfig
-    from rl.learner import Learner
+    from rl.learner.learner import Learner
     from rollout.trajectory import Trajectory
 
     learner = Learner(
@@ -240,7 +240,7 @@ def test_learner_with_reference_kl_and_tis(tiny_policy, tokenizer):
 
 def test_learner_skips_an_update_with_nothing_usable(tiny_policy, tokenizer):
     from rl.config import AlgoConfig
-    from rl.learner import Learner
+    from rl.learner.learner import Learner
     from rollout.trajectory import Trajectory
 
     learner = Learner(tiny_policy, AlgoConfig(threads=1), seed=0)
@@ -277,8 +277,8 @@ def test_kl_in_the_reward(tiny_policy, tokenizer, estimator):
     episode's reward at that turn: checked against a hand computation from the learner's and the
     reference's log-probs, after one update has moved the policy away from the reference."""
     from rl.config import AlgoConfig
-    from rl.grpo import group_advantages
-    from rl.learner import Learner
+    from rl.learner.grpo import group_advantages
+    from rl.learner.learner import Learner
     from rollout.trajectory import Trajectory, Turn
 
     beta = 0.5

@@ -1,4 +1,4 @@
-"""A run that cannot learn stops with an error instead of finishing green (rl/guards.py
+"""A run that cannot learn stops with an error instead of finishing green (rl/loop/guards.py
 `LearningGuard`, which the trainer asks after every iteration): the driver's bookkeeping, on real
 trajectory records, without starting Ray."""
 
@@ -31,7 +31,7 @@ def _trajs(n: int, errors: int) -> list:
 
 def _trainer(tmp_path, *overrides):
     from rl.config import load_config
-    from rl.trainer import Trainer
+    from rl.loop.trainer import Trainer
 
     return Trainer(load_config(REPO / "configs/quickstart.yaml", list(overrides)), tmp_path / "run")
 
@@ -41,7 +41,7 @@ def _guard(tmp_path, *overrides):
 
 
 def test_failed_iterations_in_a_row_stop_the_run_quoting_the_first_failure(tmp_path):
-    from rl.guards import CannotLearn
+    from rl.loop.guards import CannotLearn
 
     guard = _guard(tmp_path)  # defaults: more than half infra errors, twice in a row
     guard.check(0, _trajs(8, 5), {})  # one failed iteration (a crashed worker) is survived
@@ -58,7 +58,7 @@ def test_failed_iterations_in_a_row_stop_the_run_quoting_the_first_failure(tmp_p
 def test_a_run_that_ends_on_a_failed_iteration_does_not_end_green(tmp_path):
     """However few iterations it had: one iteration whose 8 episodes were all infra errors is below
     stop_after_failed (2), and still the run's end raises, quoting the failure."""
-    from rl.guards import CannotLearn
+    from rl.loop.guards import CannotLearn
 
     guard = _guard(tmp_path)
     guard.check(0, _trajs(8, 8), {})
@@ -73,7 +73,7 @@ def test_a_run_that_ends_on_a_failed_iteration_does_not_end_green(tmp_path):
 
 
 def test_an_iteration_the_learner_skipped_counts_as_failed(tmp_path):
-    from rl.guards import CannotLearn
+    from rl.loop.guards import CannotLearn
 
     guard = _guard(tmp_path, "stop_after_failed=3")
     for it in range(2):
@@ -115,8 +115,8 @@ def test_iterations_without_a_learning_signal_stop_the_run(tmp_path):
     """GRPO learns nothing when every group's episodes earned one reward (all advantages zero):
     the learner's own usable-episode count says so, and after `stop_after_flat` such iterations in a
     row the run stops. A single group with two rewards is a signal and starts the count again."""
-    from rl.guards import CannotLearn
-    from rl.learner import usable_episodes
+    from rl.learner.learner import usable_episodes
+    from rl.loop.guards import CannotLearn
 
     guard = _guard(tmp_path, "stop_after_flat=2")
     # two groups, each one reward: no signal, though rewards differ
@@ -140,8 +140,8 @@ def test_iterations_without_a_learning_signal_stop_the_run(tmp_path):
 def test_for_ppo_only_one_reward_across_the_batch_is_flat(tmp_path):
     """PPO's baseline is a learned value, not the group mean: rewards that differ between groups
     are a signal; one reward for every episode is not."""
-    from rl.guards import CannotLearn
-    from rl.learner import usable_episodes
+    from rl.learner.learner import usable_episodes
+    from rl.loop.guards import CannotLearn
 
     guard = _guard(tmp_path, "stop_after_flat=1", "algo.name=ppo")
     between = _rewarded([0.0, 0.0, 1.0, 1.0])

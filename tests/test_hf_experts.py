@@ -1,4 +1,4 @@
-"""Hugging Face MoE experts under bf16 autocast (rl/hf_experts.py): the sorted, padded per-expert
+"""Hugging Face MoE experts under bf16 autocast (rl/learner/hf_experts.py): the sorted, padded per-expert
 path against transformers' own per-expert loop, the bf16 operands it promises, and the cast cache."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rl import hf_experts
-from rl.hf_experts import KEY, ROWS, cast, casts_cached, sorted_experts_forward
+from rl.learner import hf_experts
+from rl.learner.hf_experts import KEY, ROWS, cast, casts_cached, sorted_experts_forward
 
 
 def _experts(dtype=torch.float64, experts: int = 4, seed: int = 0):
@@ -76,7 +76,7 @@ class _MatmulDtypes(TorchDispatchMode):
 def test_under_bf16_autocast_the_experts_multiply_in_bf16_on_padded_blocks(tiny_policy):
     """The model's experts run bf16 matmuls on blocks of a multiple of ROWS rows (where transformers
     cast the activations up to the fp32 weights), close to the fp32 forward, with fp32 gradients."""
-    from rl.logprobs import load_causal_lm
+    from rl.learner.logprobs import load_causal_lm
 
     lm = load_causal_lm(tiny_policy, torch.float32)
     model = lm.module
@@ -133,7 +133,7 @@ def test_a_bf16_learner_forwards_its_updated_experts(tiny_policy, monkeypatch):
     from test_learner_device import _batch
 
     from rl.config import AlgoConfig
-    from rl.learner import Learner
+    from rl.learner.learner import Learner
 
     learner = Learner(
         tiny_policy, AlgoConfig(threads=1, minibatch_episodes=4, lr=0.05), precision="bf16"
@@ -161,7 +161,7 @@ def test_a_bf16_learner_forwards_its_updated_experts(tiny_policy, monkeypatch):
 
 
 def test_the_choice_is_not_saved_with_the_checkpoint(tiny_policy, tmp_path):
-    from rl.logprobs import load_causal_lm
+    from rl.learner.logprobs import load_causal_lm
 
     lm = load_causal_lm(tiny_policy, torch.float32)
     lm.module.save_pretrained(tmp_path)
@@ -172,7 +172,7 @@ def test_outside_autocast_the_forward_is_transformers_own(tiny_policy):
     """fp32 training, evaluation and scoring are unchanged: the same logits bit for bit."""
     from transformers import AutoModelForCausalLM
 
-    from rl.logprobs import load_causal_lm
+    from rl.learner.logprobs import load_causal_lm
 
     ours = load_causal_lm(tiny_policy, torch.float32).module
     theirs = AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.float32)

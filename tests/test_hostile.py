@@ -153,7 +153,7 @@ def test_the_terminal_shows_escape_sequences_a_run_wrote_and_never_obeys_them(tm
 def saved_run(tiny_policy, tmp_path_factory):
     """A run directory with two real learner checkpoints (versions 1 and 2) and its config."""
     from rl.config import AlgoConfig, dump_config, load_config
-    from rl.learner import Learner
+    from rl.learner.learner import Learner
 
     run = tmp_path_factory.mktemp("saved-run")
     learner = Learner(tiny_policy, AlgoConfig(threads=1), seed=0)
@@ -220,7 +220,7 @@ def test_resume_from_a_damaged_checkpoint_names_the_file_and_the_intact_one(
 
 
 def test_the_intact_checkpoint_named_by_the_error_is_the_one_resumed(saved_run, tmp_path):
-    from rl.checkpoints import CheckpointError, checkpoint_problem, resume_point
+    from rl.learner.checkpoints import CheckpointError, checkpoint_problem, resume_point
 
     run = damaged(saved_run, tmp_path, lambda c: (c / "config.json").unlink())
     with pytest.raises(CheckpointError, match="config.json: missing"):

@@ -5,7 +5,7 @@ Hugging Face forward over the whole vocabulary."""
 import pytest
 import torch
 
-from rl.sft import demonstrations
+from rl.start.sft import demonstrations
 from rollout.chat import ChatFormat
 
 
@@ -13,7 +13,7 @@ def test_imitate_is_the_demonstrations_nll_and_its_gradient(tiny_policy, tokeniz
     from transformers import AutoModelForCausalLM
 
     from rl.config import AlgoConfig
-    from rl.learner import Learner
+    from rl.learner.learner import Learner
 
     demos = demonstrations(ChatFormat(tokenizer), "tools/calculator-v0", 3, max_turns=4)
     learner = Learner(

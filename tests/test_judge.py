@@ -225,7 +225,7 @@ def test_the_incident_environment():
 
 @pytest.fixture(scope="module")
 def judge_path():
-    from rl.pretrained import dense
+    from rl.start.pretrained import dense
 
     return str(dense("smollm2-135m-instruct"))
 

@@ -5,7 +5,10 @@ no module imports itself back through others.
     rewards, policy                milestone rewards; the model (neither imports the other)
     envs                           environments, sandboxes (may use rewards)
     rollout                        agent loop, engines, rollout workers, the trajectory record
-    rl                             learner, trainer, store, evaluation, starting policies
+    rl                             one folder per idea, themselves in layers (RL_FOLDERS):
+      rl.learner, rl.start           the learner; starting policies and the warm start
+      rl.weight_sync                 when and how the learner's weights reach the engines
+      rl.loop                        the RL loop and its parts
     longhorizon                    the command-line tools
 
 Every import counts, including those inside functions (a lazy import that runs back up is still a
@@ -28,6 +31,10 @@ LAYERS = {
     "rl": 4,
     "longhorizon": 5,
 }
+
+
+# rl's folders; the modules at rl/'s top (config, store, faults, ray_utils) any folder may use
+RL_FOLDERS = {"rl.learner": 1, "rl.start": 1, "rl.weight_sync": 2, "rl.loop": 3}
 
 
 def _module(path: Path) -> str:
@@ -76,6 +83,23 @@ def test_imports_never_run_up_the_layers():
             if other != pkg and LAYERS[other] >= LAYERS[pkg]:
                 upward.append(f"{mod} -> {dep}")
     assert not upward, "imports into the same or a higher layer:\n" + "\n".join(sorted(upward))
+
+
+def test_rl_s_folders_import_only_down():
+    """The learner knows nothing of the loop or the sync's schedule; the sync nothing of the loop."""
+
+    def folder(mod: str) -> str | None:
+        return next((f for f in RL_FOLDERS if mod == f or mod.startswith(f + ".")), None)
+
+    upward = []
+    for mod, deps in import_graph().items():
+        here = folder(mod)
+        for dep in deps:
+            there = folder(dep)
+            if here and there and there != here and RL_FOLDERS[there] >= RL_FOLDERS[here]:
+                upward.append(f"{mod} -> {dep}")
+    assert not upward, "rl/ folders importing sideways or up:\n" + "\n".join(sorted(upward))
+    assert set(RL_FOLDERS) == {_module(p.parent) for p in (REPO / "rl").glob("*/__init__.py")}
 
 
 def test_no_import_cycles():

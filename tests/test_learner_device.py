@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from conftest import REPO
-from rl import device as devices
 from rl.config import AlgoConfig, ConfigError, load_config
-from rl.learner import Learner
+from rl.learner import device as devices
+from rl.learner.learner import Learner
 from rollout.trajectory import Trajectory
 
 
@@ -108,12 +108,12 @@ def test_the_config_checks_device_and_backend(tmp_path):
 
 def test_the_learner_module_imports_no_ray():
     """The plain class runs where Ray is not installed (the GPU check's machine); its Ray shell
-    lives in rl/learner_group.py."""
+    lives in rl/learner/learner_group.py."""
     import subprocess
     import sys
 
     code = (
-        "import sys; import rl.learner; "
+        "import sys; import rl.learner.learner; "
         "assert 'ray' not in sys.modules, [m for m in sys.modules if m.startswith('ray')][:5]"
     )
     r = subprocess.run(

@@ -1,4 +1,4 @@
-"""The learner group (rl/learner_group.py): N Learner actors sharding one model (FSDP2 + expert
+"""The learner group (rl/learner/learner_group.py): N Learner actors sharding one model (FSDP2 + expert
 parallelism over gloo) must train exactly like the single learner, for the tiny Hugging Face
 Qwen3-MoE and for the `policy/` model, save sharded checkpoints that resume, and run the
 quickstart end to end."""
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rl.config import AlgoConfig
-from rl.shares import deal_by_tokens, padded_slots
+from rl.learner.shares import deal_by_tokens, padded_slots
 from rollout.trajectory import Trajectory, Turn
 
 
@@ -76,7 +76,7 @@ ALGO = dict(lr=1e-2, minibatch_episodes=5, microbatch_tokens=48, threads=1, max_
 
 
 def single_run(path: str, algo: AlgoConfig, batches) -> tuple[list[dict], list[dict]]:
-    from rl.learner import Learner
+    from rl.learner.learner import Learner
 
     learner = Learner(path, algo, seed=0, max_generated_tokens=64)
     stats, states = [], []
@@ -117,9 +117,9 @@ def test_a_two_rank_group_trains_the_hf_moe_like_one_learner_and_resumes_from_it
     unevenly (ranks run dummy micro-batches): loss, clipped norm, KL, advantages, annotations and
     every weight equal the single learner's. A sharded checkpoint then resumes on a fresh group,
     whose next step equals the single learner's second (parameters and AdamW moments restored)."""
-    from rl.learner import Learner
-    from rl.learner_group import LearnerGroup
-    from rl.logprobs import load_causal_lm
+    from rl.learner.learner import Learner
+    from rl.learner.learner_group import LearnerGroup
+    from rl.learner.logprobs import load_causal_lm
 
     algo = AlgoConfig(**ALGO)
     batches = [batch_of(tokenizer, 10, seed) for seed in (0, 1)]
@@ -167,8 +167,8 @@ def test_a_two_rank_group_trains_the_policy_model_with_ppo_and_balancing_like_on
     from transformers import AutoTokenizer
 
     from policy.args import load_model_args
-    from rl.learner_group import LearnerGroup
-    from rl.tiny import make_tiny_policy
+    from rl.learner.learner_group import LearnerGroup
+    from rl.start.tiny import make_tiny_policy
 
     args = load_model_args("configs/policy/debug.yaml")
     args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, balance=balance))
@@ -202,7 +202,7 @@ def test_the_quickstart_runs_with_a_two_rank_learner_and_resumes(
 
     from conftest import REPO
     from rl.config import load_config
-    from rl.trainer import Trainer
+    from rl.loop.trainer import Trainer
 
     overrides = [
         "iterations=2",

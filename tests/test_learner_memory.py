@@ -11,9 +11,9 @@ from policy.args import load_model_args
 from policy.checkpoint import save_policy
 from policy.model import Policy
 from rl.config import AlgoConfig
-from rl.grpo import token_logprobs
-from rl.learner import Learner
-from rl.logprobs import chunked_logprobs
+from rl.learner.grpo import token_logprobs
+from rl.learner.learner import Learner
+from rl.learner.logprobs import chunked_logprobs
 from rollout.trajectory import Trajectory
 
 
@@ -184,8 +184,8 @@ def test_router_statistics_keep_scores_only_where_exact_quantiles_need_them(tmp_
     """A step's router statistics, added a micro-batch at a time, give the bias update computed from
     all of the step's scores at once; only the exact `quantile` mode keeps the scores to do it."""
     from policy.balance import QuantileHistogram, quantile_bias, sign_update
-    from rl.logprobs import CausalLM
-    from rl.routing import RouterStats, balance_policy_routers
+    from rl.learner.logprobs import CausalLM
+    from rl.learner.routing import RouterStats, balance_policy_routers
 
     args = load_model_args(REPO / "configs" / "policy" / "debug.yaml")
     args = dataclasses.replace(args, moe=dataclasses.replace(args.moe, balance=balance))
@@ -274,7 +274,7 @@ def test_the_fused_head_equals_the_autograd_head(temperature, bias, banned):
     """The head's log-probs without an entropy bonus go through `_HeadLogprobs` (its own backward):
     outputs and the gradients of h, the head's weight and bias equal the autograd reference in fp64,
     a frozen head gets no weight gradient, and under bf16 autocast it stays within bf16 rounding."""
-    from rl.logprobs import _chunk_logprobs, _HeadLogprobs
+    from rl.learner.logprobs import _chunk_logprobs, _HeadLogprobs
 
     torch.manual_seed(0)
     head = torch.nn.Linear(8, 11, bias=bias).double()

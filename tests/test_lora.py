@@ -1,4 +1,4 @@
-"""LoRA RL (rl/lora.py, rollout/weights.py): adapters on attention and on every routed expert, trained
+"""LoRA RL (rl/learner/lora.py, rollout/weights.py): adapters on attention and on every routed expert, trained
 alone, synced as factors and merged into the base weights on the rollout side.
 
 Each optimised path is checked against the naive one: the cut factors against converting the full
@@ -15,8 +15,8 @@ import torch
 from test_learner_device import _batch
 
 from rl.config import AlgoConfig, LoraConfig
-from rl.learner import Learner
-from rl.lora import EngineFactors, adapter_state, merged_state
+from rl.learner.learner import Learner
+from rl.learner.lora import EngineFactors, adapter_state, merged_state
 from rollout.weights import CheckpointTensors, merge_adapters
 
 LORA = LoraConfig(enabled=True, rank=4, alpha=8.0)
@@ -28,7 +28,7 @@ def tiny_mixtral(tiny_policy, tokenizer, tmp_path_factory) -> str:
     stored per tensor as w1/w2/w3 on disk, fused gate_up in memory), at toy size."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rl.pretrained import upcycle
+    from rl.start.pretrained import upcycle
 
     root = tmp_path_factory.mktemp("tiny-mixtral")
     torch.manual_seed(0)

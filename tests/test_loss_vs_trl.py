@@ -4,7 +4,7 @@ its formula is not re-typed here)."""
 import pytest
 import torch
 
-from rl.grpo import policy_loss
+from rl.learner.grpo import policy_loss
 
 B, P, T = 4, 5, 7
 

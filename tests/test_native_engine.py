@@ -62,8 +62,8 @@ def test_logprobs_equal_the_learners_with_temperature_and_routing_replay(policy_
     """The learner's log-probs for the engine's sampled tokens, at the same temperature, both with
     its own routing and replaying the engine's recorded routing: fp32 within 1e-3."""
     from rl.config import AlgoConfig
-    from rl.learner import Learner
-    from rl.logprobs import chunked_logprobs
+    from rl.learner.learner import Learner
+    from rl.learner.logprobs import chunked_logprobs
 
     eng = NativeEngine(policy_dir, max_batch=3)
     gens = eng.generate(prompts, max_tokens=16, temperature=0.7, seeds=list(range(len(prompts))))

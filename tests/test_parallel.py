@@ -78,10 +78,10 @@ class Rank:
 
     def head_apart_step(self, ckpt: str, batch: list[list[int]]) -> dict:
         """The learner's way: a fresh model whose root unit is its trunk (`HiddenStates`), the
-        log-probs projected by `rl.logprobs.chunked_logprobs` with the head read after the forward
+        log-probs projected by `rl.learner.logprobs.chunked_logprobs` with the head read after the forward
         (small chunks, recomputed in backward); returns the full gradients (rank 0)."""
         from policy.parallelize import HiddenStates, gather_full_state, parallelize
-        from rl.logprobs import chunked_logprobs
+        from rl.learner.logprobs import chunked_logprobs
 
         policy = load_policy(ckpt)
         trunk = HiddenStates(policy)

@@ -145,7 +145,7 @@ def test_staged_episode_length_schedule_and_its_validation():
 
 @pytest.fixture(scope="module")
 def partial_run(ray_cluster, tiny_policy, tmp_path_factory):
-    from rl.trainer import Trainer
+    from rl.loop.trainer import Trainer
 
     cfg = load_config(
         REPO / "configs" / "quickstart.yaml",

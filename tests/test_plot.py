@@ -6,7 +6,7 @@ import sys
 
 from conftest import REPO
 from longhorizon.plot import plot_run
-from rl.loggers import TensorBoardLog
+from rl.loop.loggers import TensorBoardLog
 
 ROWS = [
     {

@@ -490,7 +490,7 @@ def test_the_safe_gate_starts_with_memory_and_its_rates_stay_fp32_without_weight
     from policy.kda import KDA
     from policy.model import Policy
     from rl.config import AlgoConfig
-    from rl.learner import Learner
+    from rl.learner.learner import Learner
 
     args = load_model_args("configs/policy/debug.yaml")
     torch.manual_seed(0)

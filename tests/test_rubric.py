@@ -12,7 +12,7 @@ import pytest
 
 from conftest import REPO
 from rewards.rubric import DEFAULT, FORMAT_FAILURES, build, length, well_formed
-from rl.credit import episode_turn_rewards
+from rl.learner.credit import episode_turn_rewards
 from rollout.judge_actor import apply_rubric
 from rollout.trajectory import TURN_FAILURES, Trajectory, Turn
 

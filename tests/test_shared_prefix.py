@@ -1,4 +1,4 @@
-"""The learner's shared-prefix forward (rl/logprobs.py `_hf_shared_prefix`) against the plain one: a
+"""The learner's shared-prefix forward (rl/learner/logprobs.py `_hf_shared_prefix`) against the plain one: a
 micro-batch whose rows start with the same tokens (a group's prompt) runs that prefix once, and
 must give the same hidden states, router captures, gradients and optimiser step as running every
 row whole."""
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from rl.config import AlgoConfig
-from rl.learner import Learner
-from rl.logprobs import load_causal_lm
-from rl.routing import balance_terms
+from rl.learner.learner import Learner
+from rl.learner.logprobs import load_causal_lm
+from rl.learner.routing import balance_terms
 from rollout.trajectory import Trajectory
 
 
@@ -179,7 +179,7 @@ def test_right_padding_runs_without_a_mask_and_gives_the_masked_forward(tiny_pol
     """A right-padded micro-batch (the learner's) runs without its attention mask (SDPA's causal
     kernel instead of a materialised mask): the same hidden states at every real token as the masked
     forward; a mask that pads on the left is still applied."""
-    from rl.logprobs import right_padded
+    from rl.learner.logprobs import right_padded
 
     lm = load_causal_lm(tiny_policy, torch.float32)
     lm.module.eval()

@@ -1,4 +1,4 @@
-"""The shared-memory weight sync (rollout/shared_memory.py, rl/shared_weights.py): the slab layout
+"""The shared-memory weight sync (rollout/shared_memory.py, rl/learner/shared_weights.py): the slab layout
 read back from each model's own renaming, checked against the renaming itself; a version written by
 the learner and read by another process in place; a slab rewritten under a reader; and the real
 path end to end, a learner actor syncing a vLLM rollout worker, against the object store's."""
@@ -9,10 +9,10 @@ import pytest
 import ray
 import torch
 
-from rl.logprobs import CausalLM
-from rl.shared_weights import SharedPublisher, layout, renamed_layout
-from rl.sync import shared_memory_kind
-from rl.weight_source import _untied
+from rl.learner.logprobs import CausalLM
+from rl.learner.shared_weights import SharedPublisher, layout, renamed_layout
+from rl.learner.weight_source import _untied
+from rl.weight_sync.transport import shared_memory_kind
 from rollout.shared_memory import CudaIpc, SlabReader, view, written_version
 from rollout.weights import Manifest, iter_weights
 
@@ -267,8 +267,8 @@ def test_a_real_learner_syncs_a_vllm_worker_through_shared_memory(ray_cluster, t
     import numpy as np
 
     from rl.config import AlgoConfig, EnvConfig, RolloutConfig
-    from rl.learner_group import LearnerActor
-    from rl.sync import placements, start_sync
+    from rl.learner.learner_group import LearnerActor
+    from rl.weight_sync.transport import placements, start_sync
     from rollout.worker import RolloutWorkerActor
 
     learner = LearnerActor.options(num_cpus=0).remote(

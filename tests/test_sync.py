@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from rl.config import ConfigError, load_config
-from rl.sync import start_sync
+from rl.weight_sync.transport import start_sync
 from rollout.weights import Manifest, bucketize, iter_weights, publish, to_wire
 
 # the helpers below run in Ray workers, which cannot import this test module: ship them by value
@@ -190,7 +190,7 @@ class _Reader:
 
 
 def test_a_single_learner_streams_its_buckets_to_the_workers(ray_cluster):
-    """The streamed publish (rl/sync.py `start_sync`, rollout/weights.py `Outgoing`): the workers get
+    """The streamed publish (rl/weight_sync/transport.py `start_sync`, rollout/weights.py `Outgoing`): the workers get
     every tensor exactly, in order, and start on the first bucket while the learner still cuts the
     later ones; the metrics count the learner's own seconds."""
     sizes = [1000, 2000, 50, 3000, 500]  # float32: 4000, 8000, 200, 12000, 2000 bytes

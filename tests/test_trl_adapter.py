@@ -11,7 +11,7 @@ import pytest
 import envs
 from envs.tool_calls import parse_tool_calls
 from envs.trl_adapter import trl_environment, trl_prompts
-from rl.pretrained import CHAT_TEMPLATE
+from rl.start.pretrained import CHAT_TEMPLATE
 from rollout.chat import ChatFormat
 
 CALC = "tools/calculator-v0"

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from envs.calculator import CalculatorEnv
-from rl.grpo import token_logprobs
+from rl.learner.grpo import token_logprobs
 from rollout.chat import ChatFormat
 
 pytestmark = pytest.mark.slow

@@ -77,7 +77,7 @@ def test_greedy_equals_the_argmax_of_the_full_forward_and_the_native_engine(
 def test_sampled_logprobs_equal_the_learners(engine, policy_dir, prompts):
     """Temperature 0.7, seeded: the learner's code path (load_causal_lm + chunked log-probs at the
     same temperature, the image token banned) gives the engine's log-probs within 1e-3."""
-    from rl.logprobs import chunked_logprobs, load_causal_lm
+    from rl.learner.logprobs import chunked_logprobs, load_causal_lm
 
     lm = load_causal_lm(policy_dir, torch.float32)
     gens = engine.generate(

@@ -1,5 +1,5 @@
 """Supervised warm start: expert demonstrations recorded through the agent loop, imitated by the
-run's learner round after round (rl/warm_start.py), served by the rollout workers before RL starts;
+run's learner round after round (rl/start/warm_start.py), served by the rollout workers before RL starts;
 `longhorizon demo`'s protocol around it (validation-chosen warm start, test seeds, more warm start
 for RL's wall time)."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from rl.sft import DEMO_SEED, demonstrations
+from rl.start.sft import DEMO_SEED, demonstrations
 from rollout.chat import ChatFormat
 
 
@@ -46,7 +46,7 @@ def test_training_starts_from_the_warm_started_policy(
     from transformers import AutoModelForCausalLM
 
     from rl.config import load_config
-    from rl.trainer import Trainer
+    from rl.loop.trainer import Trainer
 
     cfg = load_config(
         REPO / "configs" / "quickstart.yaml",
@@ -103,7 +103,7 @@ def test_shortened_demo_improves_test_success_over_the_best_warm_start(ray_clust
     eval.json holds the issue's rows; test success after RL lies above the best warm start's,
     intervals apart."""
     from longhorizon.demo import run_demo
-    from rl.evaluate import SPLITS
+    from rl.loop.evaluate import SPLITS
 
     rows = run_demo(
         tmp_path / "demo",

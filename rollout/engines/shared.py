@@ -1,6 +1,6 @@
 """SharedEngine: one engine, driven by one thread of its own, serving callers on any thread.
 
-A rollout worker runs several rollout calls at once in async mode (rl/trainer.py): while the
+A rollout worker runs several rollout calls at once in async mode (rl/loop/trainer.py): while the
 episodes of one iteration wait for their tools, those of the next can generate. The calls run on
 threads of the worker's Ray actor, but vLLM's CPU backend keeps per-thread state (its OpenMP team
 and the thread count its attention metadata is built for: rollout/openai_api.py `Batcher` tells

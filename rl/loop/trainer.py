@@ -12,16 +12,16 @@ generated it, and the learner's importance weights correct for whatever lag ther
   j - max_staleness is queued, and waits on the worker until that version is loaded: no token is
   more than `max_staleness` versions older than the weights it is trained at.
 
-The state lives in small objects, each in its own module: the actors (rl/actors.py), the episodes
-in flight and held (rl/rollouts.py), the weights on their way to the engines (rl/weight_sync.py),
-held-out evaluation (rl/held_out.py), the metrics row's clocks and sinks (rl/metrics.py), whether
-the run can learn (rl/guards.py). The weights live in the learner, the engines in the workers, the
+The state lives in small objects, each in its own module: the actors (rl/loop/actors.py), the episodes
+in flight and held (rl/loop/rollouts.py), the weights on their way to the engines (rl/weight_sync/driver.py),
+held-out evaluation (rl/loop/held_out.py), the metrics row's clocks and sinks (rl/loop/metrics.py), whether
+the run can learn (rl/loop/guards.py). The weights live in the learner, the engines in the workers, the
 episodes in the store (rl/store.py).
 
 Faults: rollout and env workers are restarted by Ray (`ray.max_restarts`); a rollout worker's
 lost share of an iteration is run again once it is back on the current weights. The learner is
 not restarted: its death stops the run with `LearnerDied`, and `longhorizon train --resume
-RUN_DIR` continues from the last checkpoint (rl/checkpoints.py).
+RUN_DIR` continues from the last checkpoint (rl/learner/checkpoints.py).
 
 What it writes to the run directory:
 
@@ -46,24 +46,18 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rewards.rubric import build as build_rubric
-from rl.actors import (
-    LearnerDied,
-    WorkerLost,
-    latest_checkpoint,
-    learner_get,
-    policy_path,
-    start_actors,
-)
-from rl.checkpoints import resume_point
 from rl.config import RunConfig, dump_config
-from rl.episodes import batch_metrics
-from rl.guards import LearningGuard
-from rl.held_out import HeldOut
-from rl.metrics import MetricsLog
+from rl.faults import LearnerDied, WorkerLost, latest_checkpoint, learner_get
+from rl.learner.checkpoints import resume_point
+from rl.loop.actors import policy_path, start_actors
+from rl.loop.episodes import batch_metrics
+from rl.loop.guards import LearningGuard
+from rl.loop.held_out import HeldOut
+from rl.loop.metrics import MetricsLog
+from rl.loop.rollouts import Rollouts
 from rl.ray_utils import init_ray
-from rl.rollouts import Rollouts
 from rl.store import TrajectoryStore
-from rl.weight_sync import WeightSync
+from rl.weight_sync.driver import WeightSync
 from rollout.trajectory import Trajectory
 
 __all__ = ["LearnerDied", "Trainer", "WorkerLost"]
@@ -97,7 +91,7 @@ class Trainer:
         self.weights = self.rollouts = self.held_out = None
         self.metrics = MetricsLog(cfg, self.run_dir, [])
         self.guard = LearningGuard(cfg, self.run_dir)  # stops a run that cannot learn
-        self.warm = None  # the warm start phase, once run (rl/warm_start.py)
+        self.warm = None  # the warm start phase, once run (rl/start/warm_start.py)
         self.warm_start_summary: dict = {}
 
     # --- the loop ---
@@ -257,7 +251,7 @@ class Trainer:
     # --- set-up ---
     def start(self, resume: bool = False, checkpoint: str | None = None) -> None:
         """Start the actors (and, `resume`, continue from the newest checkpoint, or the one named
-        `checkpoint`; a damaged one stops the run here, before anything starts: rl/checkpoints.py)."""
+        `checkpoint`; a damaged one stops the run here, before anything starts: rl/learner/checkpoints.py)."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         ckpt = resume_point(self.run_dir, checkpoint) if resume else None
         if not resume and self.store.shards():
@@ -302,11 +296,11 @@ class Trainer:
         )
 
     def warm_start_phase(self, path: str):
-        """The warm start on the running learner (rl/warm_start.py), its rounds validated on the
+        """The warm start on the running learner (rl/start/warm_start.py), its rounds validated on the
         rollout workers when `warm_start.patience` asks; the phase object (for `more`)."""
         from transformers import AutoTokenizer
 
-        from rl.warm_start import Source, WarmStart
+        from rl.start.warm_start import Source, WarmStart
         from rollout.chat import ChatFormat
 
         c, r = self.cfg, self.cfg.rollout

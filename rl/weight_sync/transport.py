@@ -17,7 +17,7 @@ freed.
 
 Shared-memory path (`sync.shared_memory`, the default where the learner and every worker share a
 node): the same buckets, but the learner writes the tensors into a shared-memory slab it keeps
-(rl/shared_weights.py, rollout/shared_memory.py) and a bucket only names where they lie; the
+(rl/learner/shared_weights.py, rollout/shared_memory.py) and a bucket only names where they lie; the
 workers' engines read them in place. `ray.put` alone cost ~3× a memcpy of its bytes, which is what
 this skips. The driver hands the slab back (`release_shared`) once every load is done. A learner
 on a GPU whose every engine runs on that same GPU (configs/gpu/one_gpu.yaml) keeps the slab in GPU
@@ -294,7 +294,7 @@ def placements(learner, workers: list) -> tuple[dict | None, list[dict]]:
     and each worker run: {"node": Ray node id, "gpus": UUIDs of the GPUs its process uses}. Asked at
     every sync: a worker Ray restarted may be elsewhere. (In async mode a worker runs this call
     beside its rollouts; in sync mode it has none queued.)"""
-    # rl/learner_group.py LearnerGroup, or the actor itself
+    # rl/learner/learner_group.py LearnerGroup, or the actor itself
     ranks = getattr(learner, "actors", [learner])
     if len(ranks) > 1:
         return None, []

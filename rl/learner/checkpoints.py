@@ -6,7 +6,7 @@
   optimizer state of a single learner;
 - a learner group's `sharded/` (torch.distributed.checkpoint): every rank's parameter and
   optimizer shards, readable by another number of ranks; rank 0 writes the full weights beside it;
-- under LoRA (rl/lora.py): the weights are the adapted model merged, and `adapters/adapters.safetensors`
+- under LoRA (rl/learner/lora.py): the weights are the adapted model merged, and `adapters/adapters.safetensors`
   holds the adapters alone, which a resumed run puts back on its base policy (the optimizer state
   is the adapters'). In a directory of their own: vLLM loads every `*.safetensors` beside config.json
   as the model's weights, and the adapters' names are not the model's.
@@ -33,7 +33,7 @@ LEGACY_ADAPTERS = "adapters.safetensors"  # checkpoints written before (no engin
 
 
 def save_learner(learner, path: str, extra: dict | None = None, optimizer: bool = True) -> str:
-    """Save `learner` (a `rl.learner.Learner`) to `path`; collective in a group (every rank calls).
+    """Save `learner` (a `rl.learner.learner.Learner`) to `path`; collective in a group (every rank calls).
     `optimizer` False: a single learner's optimiser state is left out (loading it then starts a fresh one)."""
     out = Path(path)
     tmp = out.with_name(f".{out.name}.tmp")
@@ -57,7 +57,7 @@ def save_learner(learner, path: str, extra: dict | None = None, optimizer: bool 
     elif tmp.exists():
         shutil.rmtree(tmp)
     if learner.lora is not None:  # the adapters folded in: a whole model that loads alone
-        from rl.lora import merged_state
+        from rl.learner.lora import merged_state
 
         state = {n: t.detach().cpu() for n, t in merged_state(learner.model).items()}
     try:
@@ -89,7 +89,7 @@ def save_learner(learner, path: str, extra: dict | None = None, optimizer: bool 
         if learner.lora is not None:
             from safetensors.torch import save_file
 
-            from rl.lora import adapter_state
+            from rl.learner.lora import adapter_state
 
             (tmp / ADAPTERS).parent.mkdir()
             save_file(adapter_state(learner.model), tmp / ADAPTERS)
@@ -244,7 +244,7 @@ def load_learner(learner, path: str) -> dict:
         if learner.lora is not None:
             from safetensors.torch import load_file
 
-            from rl.lora import load_adapter_state
+            from rl.learner.lora import load_adapter_state
 
             learner._load(learner.base_path)
             saved = Path(path) / ADAPTERS

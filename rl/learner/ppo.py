@@ -1,6 +1,6 @@
 """PPO's parts that GRPO does not have: a value head, GAE, the clipped value loss.
 
-The policy loss is GRPO's (`rl.grpo.policy_loss`, with the same clipping, importance weights and
+The policy loss is GRPO's (`rl.learner.grpo.policy_loss`, with the same clipping, importance weights and
 aggregation); PPO replaces group-relative advantages with GAE over a learned value:
 
     δ_i = r_i + γ V_{i+1} − V_i          A_i = Σ_k (γλ)^k δ_{i+k}          R_i = A_i + V_i

@@ -12,8 +12,8 @@ from pathlib import Path
 import ray
 
 from rl.config import RunConfig
-from rl.loggers import TensorBoardLog
-from rl.sync import WORKER_LOST
+from rl.loop.loggers import TensorBoardLog
+from rl.weight_sync.transport import WORKER_LOST
 
 
 class MetricsLog:
@@ -59,7 +59,7 @@ class MetricsLog:
         self.tensorboard.log(row)
         if self.cfg.log.wandb_project:
             if self.wandb is None:
-                from rl.loggers import WandbLog
+                from rl.loop.loggers import WandbLog
 
                 self.wandb = WandbLog(self.cfg, self.run_dir)
             self.wandb.log(row)

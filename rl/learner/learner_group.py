@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import ray
 
-from rl.learner import Learner
+from rl.learner.learner import Learner
 from rl.ray_utils import result
 
 LearnerActor = ray.remote(Learner)

@@ -1,9 +1,9 @@
 """Learner: the policy in torch, its optimiser, and one GRPO update per batch of trajectories.
 
 A plain class (it imports no Ray: it also runs in a process of its own, e.g. on a GPU machine
-without Ray); `rl.learner_group.LearnerActor` is its Ray shell. Trains Hugging Face causal LMs (the tiny
+without Ray); `rl.learner.learner_group.LearnerActor` is its Ray shell. Trains Hugging Face causal LMs (the tiny
 Qwen3-MoE of the quickstart) and the project's own `policy/` checkpoints through one adapter
-(`rl.logprobs.CausalLM`). Memory per step is bounded for long trajectories: episodes are packed
+(`rl.learner.logprobs.CausalLM`). Memory per step is bounded for long trajectories: episodes are packed
 into micro-batches by a token budget, the output projection runs a chunk of positions at a time,
 and layers can be recomputed in the backward pass (activation checkpointing).
 
@@ -11,12 +11,12 @@ For the project's policy, every optimiser step also updates each MoE router's se
 (quantile balancing, its histogram estimator or the sign update, per `moe.balance`) from the
 step's router scores, and reports the worst layer's max/mean expert load.
 
-Credit: `algo.credit = "milestone"` gives each turn's tokens its own advantage (rl/credit.py).
+Credit: `algo.credit = "milestone"` gives each turn's tokens its own advantage (rl/learner/credit.py).
 Advantages are an episode's; an episode stored as several samples (an agent program whose history
 was rewritten, `Trajectory.sample_starts`) runs each as its own sequence with its slice of them.
 
 PPO (`algo.name = "ppo"`): a value head on the shared trunk, GAE over tokens or turns, the clipped
-value loss added with `vf_coef` (rl/ppo.py).
+value loss added with `vf_coef` (rl/learner/ppo.py).
 
 Rollout routing replay (`algo.routing_replay`, `policy/` checkpoints): where the trajectories carry
 the engine's routed expert ids per token, every forward of the update (the pre-update log-probs and
@@ -24,17 +24,17 @@ the trained ones) takes them as the MoE selection, with weights from the current
 learner scores the tokens with the experts that generated them and the router still learns; the
 share of recorded decisions the learner's router would have made differently is
 `router_decisions_differ`. Hugging Face MoE checkpoints replay through hooks on their routers
-(`rl/routing.py`, Qwen3-MoE-style top-k routers).
+(`rl/learner/routing.py`, Qwen3-MoE-style top-k routers).
 
-LoRA (`lora.enabled`, rl/lora.py): peft adapters on the attention projections and every routed
+LoRA (`lora.enabled`, rl/learner/lora.py): peft adapters on the attention projections and every routed
 expert; only they train (the optimiser holds only them), a sync sends only their factors, and a
 checkpoint is the merged model plus the adapters.
 
-What the learner hands the weight sync (publish, stream, broadcast) is rl/weight_source.py.
+What the learner hands the weight sync (publish, stream, broadcast) is rl/learner/weight_source.py.
 
-Learner group (`learner.world_size` > 1, driven by rl/learner_group.py): each rank is one of these,
+Learner group (`learner.world_size` > 1, driven by rl/learner/learner_group.py): each rank is one of these,
 `join`ed to a process group, its model sharded (FSDP2 + expert parallelism); every rank gets the
-whole batch and trains on its token share of each minibatch (rl/shares.py), the losses scaled by the
+whole batch and trains on its token share of each minibatch (rl/learner/shares.py), the losses scaled by the
 minibatch's global counts so the summed gradients are the single learner's. The pre-update
 log-probs, the balancing scores and the metrics are gathered, so every rank takes the same
 decisions and rank 0 reports what a single learner would.
@@ -49,8 +49,9 @@ import numpy as np
 import torch
 
 from policy.kda import FP32_PARAMS
-from rl import device as devices
-from rl.batch import (
+from rl.config import AlgoConfig, LoraConfig
+from rl.learner import device as devices
+from rl.learner.batch import (
     Row,
     annotations,
     episode_values,
@@ -60,21 +61,20 @@ from rl.batch import (
     training_rows,
     usable_episodes,
 )
-from rl.config import AlgoConfig, LoraConfig
-from rl.credit import token_advantages
-from rl.grpo import group_advantages, mismatch_metrics, policy_loss, rollout_is_weights
-from rl.hf_experts import casts_cached_over
-from rl.logprobs import chunked_logprobs, load_causal_lm
-from rl.ppo import ValueHead, episode_targets, value_loss
-from rl.routing import RouterStats, balance_policy_routers, balance_terms, hf_load_metrics
-from rl.shares import (
+from rl.learner.credit import token_advantages
+from rl.learner.grpo import group_advantages, mismatch_metrics, policy_loss, rollout_is_weights
+from rl.learner.hf_experts import casts_cached_over
+from rl.learner.logprobs import chunked_logprobs, load_causal_lm
+from rl.learner.ppo import ValueHead, episode_targets, value_loss
+from rl.learner.routing import RouterStats, balance_policy_routers, balance_terms, hf_load_metrics
+from rl.learner.shares import (
     all_gather_objects,
     all_reduce_sum,
     minibatch_shares,
     pack,
     padded_slots,
 )
-from rl.weight_source import WeightSource
+from rl.learner.weight_source import WeightSource
 from rollout.trajectory import Trajectory
 
 
@@ -108,7 +108,7 @@ class Learner(WeightSource):
         self.max_generated_tokens = max_generated_tokens
         self.max_staleness = max_staleness
         self._tokenizer_path = policy_path
-        # rl/lora.py: adapters on policy_path
+        # rl/learner/lora.py: adapters on policy_path
         self.lora = lora if lora is not None and lora.enabled else None
         self.base_path = policy_path
         self.value_head = None
@@ -134,7 +134,7 @@ class Learner(WeightSource):
                     gradient_checkpointing_kwargs={"use_reentrant": False}
                 )
         if self.lora is not None:
-            from rl.lora import EngineFactors, add_adapters
+            from rl.learner.lora import EngineFactors, add_adapters
 
             if self.lm.kind == "policy":
                 raise ValueError(
@@ -166,7 +166,7 @@ class Learner(WeightSource):
             **({"foreach": False} if getattr(self, "world", 1) > 1 else {"fused": True}),
         )
 
-    # --- learner group (rl/learner_group.py) ---
+    # --- learner group (rl/learner/learner_group.py) ---
     def address(self) -> str:
         """host:port on this rank's node for the group's rendezvous (rank 0 is asked)."""
         import socket
@@ -220,7 +220,7 @@ class Learner(WeightSource):
         )
 
     def _routing(self, mb: list[Trajectory], width: int) -> torch.Tensor | None:
-        """The recorded expert ids of a micro-batch (rl/batch.py `recorded_routing`), for rollout routing
+        """The recorded expert ids of a micro-batch (rl/learner/batch.py `recorded_routing`), for rollout routing
         replay; None when off or for a model that cannot replay."""
         shape = self.lm.moe_shape()
         if not self.cfg.routing_replay or shape is None:
@@ -305,7 +305,7 @@ class Learner(WeightSource):
         return [[m for share in mb for m in share] for mb in self.shares(seqs)]
 
     def shares(self, seqs: list[Trajectory]) -> list[list[list[list[int]]]]:
-        """Per minibatch, per rank, that rank's micro-batches (rl/shares.py `minibatch_shares`)."""
+        """Per minibatch, per rank, that rank's micro-batches (rl/learner/shares.py `minibatch_shares`)."""
         return minibatch_shares(
             [len(t.token_ids) for t in seqs],
             self.cfg.minibatch_episodes,
@@ -600,7 +600,7 @@ class Learner(WeightSource):
         return out
 
     def imitate(self, batch: list[Trajectory], lr: float) -> dict:
-        """One supervised step on demonstrations (the warm start, rl/warm_start.py): minimise the mean
+        """One supervised step on demonstrations (the warm start, rl/start/warm_start.py): minimise the mean
         negative log-likelihood of their generated tokens (the loss mask; temperature 1, as a
         demonstration is the target itself), one optimiser step over the whole batch at learning rate
         `lr`, gradients accumulated over micro-batches of `microbatch_tokens`. Uses the same forward
@@ -662,7 +662,7 @@ class Learner(WeightSource):
 
     def _rollout_gap(self, seqs, plan, old) -> dict:
         """How far the engine's log-probs are from the weights about to be trained, and what the
-        importance weights that correct it (`algo.rollout_is`) did (rl/grpo.py `mismatch_metrics`)."""
+        importance weights that correct it (`algo.rollout_is`) did (rl/learner/grpo.py `mismatch_metrics`)."""
         logr, weights, lags, seqs_dropped, n_seqs = [], [], [], 0, 0
         for micro in (m for mb in plan for m in mb):
             _, _, mask, rollout = self._tensors([seqs[i] for i in micro])
@@ -723,21 +723,21 @@ class Learner(WeightSource):
         )[0][0].tolist()
 
     def allocator(self) -> str:
-        """The malloc this learner process runs with (rl/allocator.py)."""
-        from rl.allocator import in_use
+        """The malloc this learner process runs with (rl/learner/allocator.py)."""
+        from rl.learner.allocator import in_use
 
         return in_use()
 
     def save_checkpoint(self, path: str, extra: dict | None = None, optimizer: bool = True) -> str:
-        """A checkpoint directory (rl/checkpoints.py: weights, tokenizer, `trainer_state.pt`, and a
+        """A checkpoint directory (rl/learner/checkpoints.py: weights, tokenizer, `trainer_state.pt`, and a
         group's `sharded/`), written under a temporary name and renamed; `optimizer` False leaves the
         optimiser state out (a warm start's, which RL does not continue)."""
-        from rl.checkpoints import save_learner
+        from rl.learner.checkpoints import save_learner
 
         return save_learner(self, path, extra, optimizer=optimizer)
 
     def load_checkpoint(self, path: str) -> dict:
         """Restore weights, optimiser state, version and RNG from `save_checkpoint`'s directory."""
-        from rl.checkpoints import load_learner
+        from rl.learner.checkpoints import load_learner
 
         return load_learner(self, path)

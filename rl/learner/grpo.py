@@ -202,7 +202,7 @@ def mismatch_metrics(
 
 def token_logprobs(logits_BTV: torch.Tensor, ids_BT: torch.Tensor, temperature: float = 1.0):
     """log p(ids[:, t+1] | ids[:, :t+1]) from next-token logits; returns (B, T-1), fp32 or wider.
-    The whole-sequence reference for `rl.logprobs.chunked_logprobs`, which the learner uses."""
+    The whole-sequence reference for `rl.learner.logprobs.chunked_logprobs`, which the learner uses."""
     logits = (
         logits_BTV[:, :-1].to(torch.promote_types(logits_BTV.dtype, torch.float32)) / temperature
     )

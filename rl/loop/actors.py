@@ -1,76 +1,34 @@
 """The run's Ray actors: the policy they start from, starting them (the learner group, the judge,
-env workers, rollout workers), waiting until the engines are up, and stopping them; and how the
-driver reports a learner that died.
+env workers, rollout workers), waiting until the engines are up, and stopping them.
 
 The learner holds the run's state, so Ray never restarts it (`max_restarts=0`): its death stops
-the run with `LearnerDied`, which says what survived and how to continue (`--resume`). Rollout
-and env workers, the judge too, are restarted by Ray (`ray.max_restarts`); bringing a restarted
-rollout worker back to the current weights is rl/weight_sync.py's job.
+the run with `LearnerDied` (rl/faults.py). Rollout and env workers, the judge too, are restarted
+by Ray (`ray.max_restarts`); bringing a restarted rollout worker back to the current weights is
+rl/weight_sync/driver.py's job.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
 
 from envs.env_worker import EnvWorkerActor
-from rl import allocator
 from rl.config import RunConfig
-from rl.learner_group import LearnerGroup, result
+from rl.learner import allocator
+from rl.learner.learner_group import LearnerGroup
 from rollout.judge_actor import JudgeActor
 from rollout.worker import RolloutWorkerActor
-
-
-class WorkerLost(RuntimeError):
-    """A rollout worker died and did not come back (Ray out of restarts or of room to place it)."""
-
-
-class LearnerDied(RuntimeError):
-    """The learner actor died; the message says what survived and how to continue."""
-
-    def __init__(self, run_dir: Path, checkpoint: Path | None, during: str, exc: BaseException):
-        where = (
-            f"the last checkpoint is {checkpoint.name}"
-            if checkpoint is not None
-            else "no checkpoint was written yet"
-        )
-        super().__init__(
-            f"the learner died during {during} ({type(exc).__name__}); the run stops here. Trajectories "
-            f"and metrics written so far are kept in {run_dir} and {where}; continue with: "
-            f"longhorizon train --resume {run_dir}"
-        )
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    ckpts = sorted((run_dir / "checkpoints").glob("version-*/trainer_state.pt"))
-    return ckpts[-1].parent if ckpts else None
-
-
-@contextmanager
-def learner_alive(run_dir: Path, during: str):
-    """Turns the learner actor's death into `LearnerDied` (the only actor the calls inside reach)."""
-    try:
-        yield
-    except ray.exceptions.RayActorError as exc:
-        raise LearnerDied(run_dir, latest_checkpoint(run_dir), during, exc) from None
-
-
-def learner_get(run_dir: Path, refs, during: str):
-    """The answer of a learner call (rank 0's), or `LearnerDied`."""
-    with learner_alive(run_dir, during):
-        return result(refs)
 
 
 def policy_path(cfg: RunConfig, run_dir: Path, source_dir: Path | None = None) -> str:
     """The policy the run starts from (before any warm start: that runs on the learner). `source_dir`:
     the trajectories of the run a `--from-store` run trains on (its stored ids are that run's
     tokenizer's, so it trains that run's policy)."""
-    # converted and upcycled once, in the local cache (rl/pretrained.py)
+    # converted and upcycled once, in the local cache (rl/start/pretrained.py)
     if cfg.policy.pretrained:
-        from rl.pretrained import for_config
+        from rl.start.pretrained import for_config
 
         return str(for_config(cfg.policy))
     if cfg.policy.path:
@@ -84,11 +42,11 @@ def policy_path(cfg: RunConfig, run_dir: Path, source_dir: Path | None = None) -
     if not (init / "config.json").exists():
         if cfg.policy.flavour:
             from policy.args import load_model_args
-            from rl.tiny import make_tiny_policy
+            from rl.start.tiny import make_tiny_policy
 
             make_tiny_policy(init, load_model_args(cfg.policy.flavour), seed=cfg.seed)
         else:
-            from rl.tiny import make_tiny_qwen3_moe
+            from rl.start.tiny import make_tiny_qwen3_moe
 
             make_tiny_qwen3_moe(init, cfg.policy.tiny, seed=cfg.seed)
     return str(init)

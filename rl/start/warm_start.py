@@ -4,12 +4,12 @@ round after round until held-out success on validation seeds stops improving.
 A tiny random policy never reaches a sparse milestone by chance, and a pretrained one rarely follows
 a tool format it has never seen, so RL starts from a policy that imitated the environment's scripted
 expert. Each round plays `warm_start.demos` fresh expert episodes per environment through the agent
-loop (rl/sft.py `demonstrations`: the rollouts' chat format, context management and token
+loop (rl/start/sft.py `demonstrations`: the rollouts' chat format, context management and token
 bookkeeping, so what is imitated is token for token what rollouts look like, summaries included),
 takes `epochs` passes over them in steps of `batch_size` (Learner.imitate: the mean negative
 log-likelihood of the generated tokens, the same forward as RL), publishes the weights to the rollout
 workers as a new policy version and, with `patience`, measures held-out success on validation seeds
-(rl/evaluate.py). The best round is kept as a checkpoint (RUN_DIR/warm-start, what `longhorizon
+(rl/loop/evaluate.py). The best round is kept as a checkpoint (RUN_DIR/warm-start, what `longhorizon
 eval`/`serve` load as the warm start); after `patience` rounds in a row without a new best, or
 `rounds` rounds, the learner goes back to the best, its optimiser is reset, and RL starts there:
 from the best warm start, not from one stopped early so that RL has room (the evaluation protocol
@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from rl.sft import DEMO_SEED, demonstrations
+from rl.start.sft import DEMO_SEED, demonstrations
 
 
 @dataclass

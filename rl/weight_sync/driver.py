@@ -8,8 +8,8 @@
 - `restore(i, min_version)`: wait until Ray has restarted rollout worker `i`, then bring it to the
   current weights (on the collective transport, form the group again and sync everyone).
 
-How a version travels (buckets, shared memory, a collective group) is rl/sync.py's; this module
-only decides when. A learner that dies on the way raises `LearnerDied` (rl/actors.py).
+How a version travels (buckets, shared memory, a collective group) is rl/weight_sync/transport.py's; this module
+only decides when. A learner that dies on the way raises `LearnerDied` (rl/loop/actors.py).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import ray
 
-from rl.actors import WorkerLost, learner_alive
 from rl.config import RunConfig
-from rl.sync import PendingSync, form_group, start_collective_sync, start_sync
+from rl.faults import WorkerLost, learner_alive
+from rl.weight_sync.transport import PendingSync, form_group, start_collective_sync, start_sync
 
 
 class WeightSync:

@@ -3,7 +3,7 @@
 Full-vocabulary logits for a long trajectory are the learner's largest tensor (128K tokens ×
 150K vocab × 4 bytes = 77 GB for a real vocabulary). Here the LM head runs on `chunk_tokens`
 positions at a time and, under autograd, each chunk is recomputed in the backward pass, so at
-most one chunk of logits exists at any moment. `token_logprobs` in `rl.grpo` is the reference.
+most one chunk of logits exists at any moment. `token_logprobs` in `rl.learner.grpo` is the reference.
 
 The model side is a `CausalLM` adapter: `hidden(input_ids, attention_mask)` → (B, T, D) final
 hidden states (after the final norm) and `head` the output projection, for Hugging Face causal LMs
@@ -19,7 +19,7 @@ import torch
 import torch.utils.checkpoint
 
 from policy.norm import upcast
-from rl.hf_experts import padded_rows
+from rl.learner.hf_experts import padded_rows
 
 
 def _chunk_logprobs(
@@ -127,7 +127,7 @@ def chunked_logprobs(
         sel_BT = only_BT.bool()
         h_ND, t_N = h[sel_BT], targets[sel_BT]
         n = len(t_N)
-        # rows to a multiple of ROWS: one oneDNN kernel per few shapes (rl/hf_experts.py)
+        # rows to a multiple of ROWS: one oneDNN kernel per few shapes (rl/learner/hf_experts.py)
         pad = padded_rows(n) - n
         if pad:
             h_ND = torch.cat([h_ND, h_ND.new_zeros(pad, h_ND.shape[-1])])
@@ -199,7 +199,7 @@ class CausalLM:
         # runs that prefix once (`_hf_shared_prefix`); 0: off. Set by the learner (algo.shared_prefix_tokens).
         self.shared_prefix_tokens = 0
         if kind == "hf":
-            from rl.routing import HFRoutingReplay
+            from rl.learner.routing import HFRoutingReplay
 
             self.hf_replay = HFRoutingReplay(module)
 
@@ -228,7 +228,7 @@ class CausalLM:
         model gets none either when `attention_mask` only pads on the right (`right_padded`; the
         shared-prefix forward keeps it: its suffix attends to a cache). A Hugging Face MoE replays
         through hooks, and with `capture` reports each router's logits and chosen experts
-        (`hf_routers`, for load balancing and load metrics: rl/routing.py)."""
+        (`hf_routers`, for load balancing and load metrics: rl/learner/routing.py)."""
         if self.kind == "policy":
             return (self.root or self.module.hidden_states)(input_ids, routing=routing)
         capture = capture and self.hf_replay.supported
@@ -367,8 +367,9 @@ def load_causal_lm(path: str | Path, dtype: torch.dtype) -> CausalLM:
         return CausalLM(load_policy(path, dtype=dtype), "policy")
     from transformers import AutoModelForCausalLM
 
-    from rl.hf_experts import use_autocast_experts
+    from rl.learner.hf_experts import use_autocast_experts
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    use_autocast_experts(model)  # fused experts in bf16 under bf16 autocast (rl/hf_experts.py)
+    # fused experts in bf16 under bf16 autocast (rl/learner/hf_experts.py)
+    use_autocast_experts(model)
     return CausalLM(model, "hf")

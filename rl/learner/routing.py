@@ -162,7 +162,7 @@ class RouterStats:
 
 def balance_policy_routers(lm, stats: RouterStats, world: int = 1) -> dict:
     """Quantile-balancing (or sign) update of every MoE router's selection bias of the project's
-    policy (`lm`, an rl.logprobs.CausalLM) from one optimiser step's `stats`; returns the load metric.
+    policy (`lm`, an rl.learner.logprobs.CausalLM) from one optimiser step's `stats`; returns the load metric.
 
     The update uses the scores the step's forward produced, with the bias it had; it takes effect
     from the next forward (rollouts see it after the next weight sync). In a learner group every
@@ -170,7 +170,7 @@ def balance_policy_routers(lm, stats: RouterStats, world: int = 1) -> dict:
     if lm.kind != "policy" or not (stats.seen or world > 1):
         return {}  # (in a group, a rank with only dummies still takes part in the collectives)
     from policy.balance import load_imbalance, quantile_bias, sign_update
-    from rl.shares import all_gather_rows, all_reduce_sum
+    from rl.learner.shares import all_gather_rows, all_reduce_sum
 
     loads = []
     for layer, router in enumerate(stats.routers):
@@ -194,7 +194,7 @@ def hf_load_metrics(lm, loads_per_micro: list[list[torch.Tensor]]) -> dict:
     if lm.kind != "hf" or not lm.hf_replay.supported:
         return {}
     from policy.balance import load_imbalance
-    from rl.shares import all_reduce_sum
+    from rl.learner.shares import all_reduce_sum
 
     n_layers, n_experts = len(lm.hf_replay.gates), lm.hf_replay.num_experts
     load = torch.zeros(n_layers, n_experts, dtype=torch.long)

@@ -11,7 +11,7 @@ and the importance weights are computed in fp32 from the bf16 logits. The engine
 own precision, so the learner/engine log-prob gap grows; truncated importance weights
 (`algo.tis_cap`) correct it, and `rollout_logprob_diff_*` reports it. Autocast does not reach a
 Hugging Face MoE's fused experts (transformers multiplies them with `torch._grouped_mm`, in the
-weights' fp32): rl/hf_experts.py runs them in bf16 too.
+weights' fp32): rl/learner/hf_experts.py runs them in bf16 too.
 
 Not covered: fp16 (no loss scaling here), bf16 master weights, several GPUs per rank.
 """

@@ -1,9 +1,9 @@
-"""What a learner hands the weight sync (rl/sync.py): its weights in the engines' names, format and
+"""What a learner hands the weight sync (rl/weight_sync/transport.py): its weights in the engines' names, format and
 dtype, published into Ray's object store (whole, or streamed bucket by bucket) or broadcast to the
 sync group.
 
-A mixin of `rl.learner.Learner`, kept apart because it is one job: it reads the learner's `model`,
-`lm` (rl/logprobs.py `CausalLM`), `lora`, `engine_factors`, `engine_dtype`, `version`, `rank` and
+A mixin of `rl.learner.learner.Learner`, kept apart because it is one job: it reads the learner's `model`,
+`lm` (rl/learner/logprobs.py `CausalLM`), `lora`, `engine_factors`, `engine_dtype`, `version`, `rank` and
 `world`, and never trains. Imports Ray only inside calls (rollout/weights.py where it puts buckets;
 the placement of a shared-memory sync).
 """
@@ -20,7 +20,9 @@ class WeightSource:
     """The learner's weight-sync surface (its Ray actor's `publish`, `plan_publish`, `publish_bucket`,
     `broadcast_weights`, ...)."""
 
-    _shared = None  # rl/shared_weights.py SharedPublisher, made at the first shared-memory sync
+    _shared = (
+        None  # rl/learner/shared_weights.py SharedPublisher, made at the first shared-memory sync
+    )
     _outgoing = None
 
     @torch.no_grad()
@@ -51,7 +53,7 @@ class WeightSource:
             return self.lm.checkpoint_names(_cast(self.full_weights(), dtype))
         # the adapters folded into their weights, under the original names
         if self.lora is not None:
-            from rl.lora import merged_state
+            from rl.learner.lora import merged_state
 
             state = merged_state(self.model)
         else:
@@ -87,7 +89,7 @@ class WeightSource:
         )
 
     def publish(self, bucket_mb: float, shared: str | None = None):
-        """Put what a sync sends into Ray's object store in buckets (rl/sync.py); the manifest names
+        """Put what a sync sends into Ray's object store in buckets (rl/weight_sync/transport.py); the manifest names
         this version. In a group every rank gathers tensor by tensor and rank 0 puts the buckets as
         they fill, so no rank holds a full copy of the model (the others return None). `shared`: write
         it into a shared-memory slab instead, for workers of this node (`plan_publish`)."""
@@ -112,13 +114,13 @@ class WeightSource:
         return None
 
     def plan_publish(self, bucket_mb: float, shared: str | None = None) -> dict | None:
-        """Start publishing the current version bucket by bucket (`publish_bucket`, rl/sync.py): its
+        """Start publishing the current version bucket by bucket (`publish_bucket`, rl/weight_sync/transport.py): its
         plan, from the tensors' sizes alone. None in a group, which publishes whole (`publish`): its
         gathers are collective, so a plan would cost a gather of the whole model.
 
-        `shared` (rl/sync.py `shared_memory_kind`: "host", every worker on this node; "cuda", every
+        `shared` (rl/weight_sync/transport.py `shared_memory_kind`: "host", every worker on this node; "cuda", every
         worker's engine on this learner's GPU): the buckets are written into a shared-memory slab, in
-        host or GPU memory, and name where their tensors lie in it (rl/shared_weights.py), unless the
+        host or GPU memory, and name where their tensors lie in it (rl/learner/shared_weights.py), unless the
         weights are LoRA factors or every slab is still held by a version in flight; the plan then
         says `shared` (the slab's address) and `shared_node`."""
         from rollout.weights import Outgoing, wire_nbytes
@@ -150,7 +152,7 @@ class WeightSource:
         return time.perf_counter() - self._outgoing.started
 
     def placement(self) -> dict:
-        """This learner's Ray node and, when it trains on a GPU, that GPU's UUID (rl/sync.py `placements`)."""
+        """This learner's Ray node and, when it trains on a GPU, that GPU's UUID (rl/weight_sync/transport.py `placements`)."""
         import ray
 
         from rollout.shared_memory import gpu_uuid
@@ -185,7 +187,7 @@ class WeightSource:
 
     def _shared_publisher(self):
         if self._shared is None:
-            from rl.shared_weights import SharedPublisher, layout
+            from rl.learner.shared_weights import SharedPublisher, layout
 
             self._shared = SharedPublisher(
                 layout(self.lm, list(self._shared_state()), self.engine_dtype)
@@ -194,7 +196,7 @@ class WeightSource:
 
     def _shared_source(self):
         """The tensors the shared layout's regions hold, in its order: the learner's own, or, for a
-        model whose renaming is more than slicing, the renamed ones (rl/shared_weights.py)."""
+        model whose renaming is more than slicing, the renamed ones (rl/learner/shared_weights.py)."""
         if self._shared.layout.views:
             return self._shared_state()
         return self.lm.checkpoint_names(self._shared_state())

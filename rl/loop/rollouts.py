@@ -11,8 +11,8 @@ back, what is run again, and which ended episodes may train.
 - `trainable(ended)`: partial rollouts (`rollout.iteration_token_budget`) end a group's episodes in
   different iterations; a group trains once all its episodes have ended, the others are held.
 
-Not covered: where a version comes from (rl/weight_sync.py, which `restore` is) or held-out
-evaluation (rl/held_out.py).
+Not covered: where a version comes from (rl/weight_sync/driver.py, which `restore` is) or held-out
+evaluation (rl/loop/held_out.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from collections.abc import Callable
 import ray
 
 from rl.config import RunConfig
-from rl.episodes import iteration_tasks
-from rl.sync import WORKER_LOST
+from rl.loop.episodes import iteration_tasks
+from rl.weight_sync.transport import WORKER_LOST
 from rollout.judge_actor import ask_groups, settle
 from rollout.trajectory import EpisodeTask, Trajectory
 from rollout.worker import StaleWorkerError

@@ -1,7 +1,7 @@
 """Held-out evaluation during a run: episodes on seeds no training episode uses, played by the
 rollout workers with the weights they hold.
 
-Two splits (rl/evaluate.py): validation, for anything tuned or watched (the warm start's rounds,
+Two splits (rl/loop/evaluate.py): validation, for anything tuned or watched (the warm start's rounds,
 `eval.every` during RL), and test, for what is reported (the demo's stages). `HeldOut.play` splits
 the episodes evenly over the workers; a worker that dies is restored and its share played again, a
 second loss stops the run (`WorkerLost`): an evaluation is never skipped. In the async schedule it
@@ -16,11 +16,11 @@ from pathlib import Path
 
 import ray
 
-from rl.actors import WorkerLost
 from rl.config import RunConfig
+from rl.faults import WorkerLost
 from rl.store import TrajectoryStore
-from rl.sync import WORKER_LOST
-from rl.weight_sync import WeightSync
+from rl.weight_sync.driver import WeightSync
+from rl.weight_sync.transport import WORKER_LOST
 from rollout.trajectory import Trajectory
 
 
@@ -53,7 +53,7 @@ class HeldOut:
         and `loop` (the agent loop's keywords, e.g. a `context` mode or `max_turns`) replace the
         run's for this evaluation. `keep` ("DIR/NAME"): the episodes are also stored, as shard NAME
         of a store at RUN_DIR/DIR (`longhorizon inspect RUN_DIR/DIR`)."""
-        from rl.evaluate import eval_tasks, summarise
+        from rl.loop.evaluate import eval_tasks, summarise
 
         e = self.cfg.eval
         env_id, kwargs = (
