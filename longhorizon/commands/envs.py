@@ -298,7 +298,7 @@ def _guarded(fn):
     return run
 
 
-def add_parsers(sub) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser("envs", help="list, show, check and play environments")
     esub = p.add_subparsers(dest="envs_command", required=True)
     e = esub.add_parser("list", help="registered environments, plugins included")
