@@ -126,7 +126,7 @@ def test_the_check_sees_an_upward_import(tmp_path):
     graph = import_graph()
     assert "rollout.trajectory" in graph["rollout.agent_loop"]
     assert "typed_yaml" in graph["policy.args"]
-    assert any(d.startswith("rl.") for d in graph["longhorizon.cli"])
+    assert any(d.startswith("rl.") for d in graph["longhorizon.commands.train"])
 
 
 def test_every_layer_ships_and_installs():
