@@ -16,7 +16,7 @@ from importlib.metadata import entry_points
 import gymnasium as gym
 
 from envs.agent_program import AgentResult, AgentTask, is_agent_program
-from envs.base import ToolEnv, ToolFailure, ToolSpec
+from envs.base import ResetInfo, StepInfo, ToolEnv, ToolFailure, ToolSpec
 from rewards.milestones import Milestone
 
 _ID = re.compile(r"^[a-z0-9_\-]+/[A-Za-z0-9_\-]+-v\d+$")
@@ -187,4 +187,6 @@ __all__ = [
     "ToolEnv",
     "ToolSpec",
     "ToolFailure",
+    "ResetInfo",
+    "StepInfo",
 ]

@@ -1,19 +1,12 @@
 """The environment API: a Gymnasium `Env` whose actions are model turns and whose tools the chat
 template can render.
 
-- `reset(seed, options)` -> `(observation, info)`; the observation is the task text.
-- `step(action)` -> `(observation, reward, terminated, truncated, info)`; the action is the model's
-  whole turn (text with zero or more `<tool_call>` blocks).
-- `info["messages"]`: the chat messages the observation adds (role "tool" per tool result, or a
-  "user" nudge), so the agent loop renders them with the chat template.
-- `info["milestones"]`: milestone events reached this step, each `{"name", "reward"}`; the step's
-  reward is their sum (sparse: nothing is paid between milestones).
-- `info["tool_errors"]`: how many tool calls in this turn were malformed or failed.
-- `info["infra_error"]`: set when the environment's own machinery failed (a sandbox that could not
-  start, an engine that went away): not the policy's fault, so the learner keeps the episode out of
-  its statistics. A tool raises `SandboxError` (or `InfraError`) for that.
-- `info["sandbox_events"]`: limits hit and clean-ups done by sandboxed tools this step.
-- `info["images"]`: images the observation adds (H×W×3 uint8 arrays), for environments that show them.
+- `reset(seed, options)` -> `(observation, info: ResetInfo)`; the observation is the task text.
+- `step(action)` -> `(observation, reward, terminated, truncated, info: StepInfo)`; the action is
+  the model's whole turn (text with zero or more `<tool_call>` blocks).
+
+`ResetInfo` and `StepInfo` below are the contract between an environment and the agent loop
+(rollout/agent_loop.py): what each key means is said there, once.
 """
 
 from __future__ import annotations
@@ -21,13 +14,54 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 import gymnasium as gym
 
 from envs.sandbox import Limits, SandboxError, backend_status, open_sandbox, options_problem
 from envs.tool_calls import ToolCall, ToolCallError, argument_problem, parse_tool_calls
 from rewards.milestones import Milestone, MilestoneLedger, solved, step_reward
+
+
+class _ResetInfoRequired(TypedDict):
+    tools: list[dict]
+    """The tools, as OpenAI function schemas: the chat template renders them into the prompt."""
+
+
+class ResetInfo(_ResetInfoRequired, total=False):
+    """What `reset` tells the agent loop beside the task text (`tools` always; the rest may be absent)."""
+
+    images: list
+    """Images the task shows (H×W×3 uint8 arrays), for environments that show them."""
+    infra_error: str
+    """Set by an EnvWorker that could not build the environment: the episode ends as an infra error."""
+
+
+class _StepInfoRequired(TypedDict):
+    messages: list[dict]
+    """The chat messages the observation adds (role "tool" per tool result, or a "user" nudge), so
+    the agent loop renders them with the chat template."""
+    milestones: list[dict]
+    """Milestone events reached this step, each `{"name", "reward"}`; the step's reward is their
+    sum (sparse: nothing is paid between milestones)."""
+    tool_errors: int
+    """How many tool calls in this turn were malformed or failed."""
+
+
+class StepInfo(_StepInfoRequired, total=False):
+    """What `step` tells the agent loop beside the observation and the reward (the first three
+    keys always; the rest may be absent). `envs check` holds an environment to it."""
+
+    failures: list[str]
+    """What went wrong in this turn, one entry per problem (rollout.trajectory.TURN_FAILURES)."""
+    infra_error: str
+    """Set when the environment's own machinery failed (a sandbox that could not start, an engine
+    that went away): not the policy's fault, so the learner keeps the episode out of its
+    statistics. A tool raises `SandboxError` (or `InfraError`) for that."""
+    sandbox_events: list[str]
+    """Limits hit and clean-ups done by sandboxed tools this step."""
+    images: list
+    """Images the observation adds (H×W×3 uint8 arrays), for environments that show them."""
 
 
 @dataclass(frozen=True)
@@ -152,19 +186,21 @@ class ToolEnv(gym.Env):
         self._sandbox_events += [f"{result.backend}: {e}" for e in result.events]
 
     # --- gym API ---
-    def reset(self, *, seed: int | None = None, options: dict | None = None):
+    def reset(
+        self, *, seed: int | None = None, options: dict | None = None
+    ) -> tuple[str, ResetInfo]:
         super().reset(seed=seed)
         self._turn = 0
         self._done = False
         self._ledger = MilestoneLedger()
         self._events, self._sandbox_events, self._images, self._failures = [], [], [], []
         task = self._reset_task()
-        info = {"tools": [t.to_openai() for t in self.tools]}
+        info: ResetInfo = {"tools": [t.to_openai() for t in self.tools]}
         if self._images:
             info["images"], self._images = self._images, []
         return task, info
 
-    def step(self, action: str):
+    def step(self, action: str) -> tuple[str, float, bool, bool, StepInfo]:
         if self._done:
             raise RuntimeError("step() called on a finished episode; call reset() first")
         # what a model wrote, as bytes: undecodable bytes become U+FFFD
@@ -233,7 +269,7 @@ class ToolEnv(gym.Env):
         n_errors = sum(
             f in ("malformed_call", "unknown_tool", "tool_error") for f in self._failures
         )
-        info = {
+        info: StepInfo = {
             "messages": messages,
             "milestones": list(self._events),
             "tool_errors": n_errors,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 
-from envs.base import ToolEnv, ToolSpec
+from envs.base import StepInfo, ToolEnv, ToolSpec
 from rewards.milestones import Milestone
 
 
@@ -41,6 +41,11 @@ def _check_step_output(out, where: str, problems: list[str]) -> dict | None:
     if not isinstance(info, dict):
         problems.append(f"{where}: info must be a dict")
         return None
+    missing = sorted(StepInfo.__required_keys__ - set(info))
+    if missing:  # the typed contract with the agent loop (envs.StepInfo)
+        problems.append(
+            f"{where}: info lacks {', '.join(missing)} (envs.StepInfo says what each is)"
+        )
     msgs = info.get("messages")
     if not isinstance(msgs, list) or not all(
         isinstance(m, dict) and {"role", "content"} <= set(m) for m in msgs

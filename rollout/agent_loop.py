@@ -12,9 +12,10 @@ Two ways to drive the episodes, the same turns either way:
   episodes are generating at each step, so an episode's tool call starts as soon as its own turn
   is sampled and its next turn joins the batch as soon as its tool returns.
 
-An environment that raises (in reset or step) or reports `info["infra_error"]` ends that episode
-with stop reason `infra_error` and the message; the batch and the worker carry on, and the
-learner keeps such episodes out of its group statistics.
+What an environment tells the loop beside its observations is typed: `envs.ResetInfo` and
+`envs.StepInfo` (envs/base.py). An environment that raises (in reset or step) or reports
+`info["infra_error"]` ends that episode with stop reason `infra_error` and the message; the batch
+and the worker carry on, and the learner keeps such episodes out of its group statistics.
 
 The episodes' environments are reset and stepped concurrently on threads: sandboxed tools spend
 their time in subprocesses, remote environments (`envs.env_worker.RemoteEnv`) in Ray calls.

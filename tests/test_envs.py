@@ -151,3 +151,29 @@ def test_actions_are_text_and_bytes_are_decoded():
     assert "unknown tool 'nope'" in obs and info["tool_errors"] == 1
     with pytest.raises(TypeError, match="got int"):
         env.step(7)
+
+
+def test_envs_check_holds_an_environment_to_the_typed_step_info():
+    """`envs.StepInfo` is the contract with the agent loop: an environment whose step leaves out a
+    key the loop needs is named by `check_env`, key by key; the built-in one passes."""
+    from envs.base import StepInfo
+    from envs.check import EnvCheckError, check_env
+
+    class Forgetful(CalculatorEnv):
+        def step(self, action):
+            obs, reward, terminated, truncated, info = super().step(action)
+            return (
+                obs,
+                reward,
+                terminated,
+                truncated,
+                {k: v for k, v in info.items() if k != "milestones"},
+            )
+
+    assert StepInfo.__required_keys__ == {"messages", "milestones", "tool_errors"}
+    with pytest.raises(EnvCheckError) as err:
+        check_env(Forgetful(max_turns=4))
+    assert "expert turn 0: info lacks milestones (envs.StepInfo says what each is)" in str(
+        err.value
+    )
+    check_env(CalculatorEnv(max_turns=4))
