@@ -356,10 +356,15 @@ class Trainer:
         )
 
     def close(self) -> None:
+        """Stop the actors; what the run counted (restarts, reruns) stays readable."""
         self.metrics.close()
         if self.actors is not None:
             self.actors.kill()
-        self.actors = self.weights = self.rollouts = self.held_out = None
+        self.actors = None
+        if self.weights is not None:
+            self.weights.queued, self.weights.workers = [], []
+        if self.rollouts is not None:
+            self.rollouts.inflight, self.rollouts.workers = {}, []
 
     # --- the parts, as callers and tests see them ---
     @property
