@@ -452,6 +452,16 @@ def test_a_session_that_sends_back_its_answers_stays_one_token_sequence(served, 
     assert c.prompt_ids[: len(sampled)] != sampled
 
 
+def drain(proc) -> None:
+    """Keep reading a served process's output once the test has what it needs: a pipe left full
+    (vLLM's and uvicorn's lines, more of them on a loaded machine) blocks the server's next write,
+    its shutdown included."""
+    import threading
+
+    for stream in (proc.stdout, proc.stderr):
+        threading.Thread(target=stream.read, daemon=True).start()
+
+
 @pytest.mark.slow
 def test_longhorizon_serve_answers_the_openai_client(tiny_policy):
     import re
@@ -497,6 +507,7 @@ def test_longhorizon_serve_answers_the_openai_client(tiny_policy):
                 break
         else:
             raise AssertionError(f"serve exited with {proc.wait()} before serving")
+        drain(proc)
         client = openai.OpenAI(base_url=f"{found.group(1)}/v1", api_key="unused")
         assert client.models.list().data[0].id == "tiny"
         r = client.chat.completions.create(
@@ -710,6 +721,7 @@ def test_longhorizon_serve_under_abuse_keeps_answering_and_gives_its_memory_back
                 break
         else:
             raise AssertionError(f"serve exited with {proc.wait()} before serving")
+        drain(proc)
         url = f"{found.group(1)}/v1/chat/completions"
         small = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
         assert httpx.post(url, json=small, timeout=60).status_code == 200
