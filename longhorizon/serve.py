@@ -13,6 +13,7 @@ session (`/sessions/ID/v1`) like in training; this command keeps none of them.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -126,12 +127,23 @@ def serve(args) -> int:
         file=sys.stderr,
         flush=True,
     )
+
+    # Ctrl-C and SIGTERM stop it, however it was started: a process started in the background by a
+    # non-interactive shell (or by a parent that ignores SIGINT) inherits SIGINT ignored, and would
+    # otherwise serve on through every Ctrl-C
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
     try:
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:
+        # a second Ctrl-C must not cut the shutdown short
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         server.stop()
         engine.close()
     return 0

@@ -453,13 +453,11 @@ def test_a_session_that_sends_back_its_answers_stays_one_token_sequence(served, 
 
 
 def drain(proc) -> None:
-    """Keep reading a served process's output once the test has what it needs: a pipe left full
-    (vLLM's and uvicorn's lines, more of them on a loaded machine) blocks the server's next write,
-    its shutdown included."""
+    """Keep reading a served process's stderr once the test has what it needs: a pipe left full
+    (vLLM's and uvicorn's lines) blocks the server's next write, its shutdown included."""
     import threading
 
-    for stream in (proc.stdout, proc.stderr):
-        threading.Thread(target=stream.read, daemon=True).start()
+    threading.Thread(target=proc.stderr.read, daemon=True).start()
 
 
 @pytest.mark.slow
@@ -497,6 +495,9 @@ def test_longhorizon_serve_answers_the_openai_client(tiny_policy):
         ],
         stderr=subprocess.PIPE,
         stdout=subprocess.PIPE,
+        # as a background job of a non-interactive shell is started (and as pytest's own process may
+        # have it by now): SIGINT ignored, which the server must not inherit as "never stop"
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
         text=True,
         cwd=REPO,
     )
@@ -517,7 +518,11 @@ def test_longhorizon_serve_answers_the_openai_client(tiny_policy):
         assert r.choices[0].finish_reason in ("stop", "length") and r.usage.prompt_tokens > 0
     finally:
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0
+        try:
+            assert proc.wait(60) == 0
+        finally:  # never a server left behind for the tests after this one
+            if proc.poll() is None:
+                proc.kill()
     assert proc.stdout.read() == ""  # the command's stdout carries nothing but results
 
 
@@ -749,4 +754,8 @@ def test_longhorizon_serve_under_abuse_keeps_answering_and_gives_its_memory_back
         assert max(a.elapsed.total_seconds() for a in answers) < 30
     finally:
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0
+        try:
+            assert proc.wait(60) == 0
+        finally:  # never a server left behind for the tests after this one
+            if proc.poll() is None:
+                proc.kill()
