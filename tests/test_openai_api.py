@@ -4,6 +4,7 @@ OpenAI-style errors for malformed requests, and the bearer token off loopback.""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 
@@ -452,18 +453,62 @@ def test_a_session_that_sends_back_its_answers_stays_one_token_sequence(served, 
     assert c.prompt_ids[: len(sampled)] != sampled
 
 
-def drain(proc) -> None:
-    """Keep reading a served process's stderr once the test has what it needs: a pipe left full
-    (vLLM's and uvicorn's lines) blocks the server's next write, its shutdown included."""
+@contextlib.contextmanager
+def serving(tiny_policy: str, ignore_sigint: bool = False):
+    """`longhorizon serve` on the tiny policy in a subprocess: (the process, its base URL) once it
+    says where it serves. Its stderr is drained from then on (a pipe left full blocks the server's
+    next write, its shutdown included); on the way out it gets SIGINT, must exit 0 within 60 s, and
+    is killed if it does not, so no server is left behind for the tests after this one.
+    `ignore_sigint`: started with SIGINT ignored, as a background job of a non-interactive shell is
+    (and as pytest's own process may have it by then), which the server must not take as "never stop"."""
+    import re
+    import signal
+    import subprocess
+    import sys
     import threading
 
-    threading.Thread(target=proc.stderr.read, daemon=True).start()
+    from conftest import REPO
+
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "longhorizon.cli",
+            "serve",
+            tiny_policy,
+            "--port",
+            "0",
+            "--model",
+            "tiny",
+        ],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        if ignore_sigint
+        else None,
+        text=True,
+        cwd=REPO,
+    )
+    try:
+        for line in proc.stderr:
+            found = re.search(r"at (http://127\.0\.0\.1:\d+)/v1 ", line)
+            if found:
+                break
+        else:
+            raise AssertionError(f"serve exited with {proc.wait()} before serving")
+        threading.Thread(target=proc.stderr.read, daemon=True).start()
+        yield proc, found.group(1)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            assert proc.wait(60) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
 
 
 @pytest.mark.slow
 def test_longhorizon_serve_answers_the_openai_client(tiny_policy):
-    import re
-    import signal
     import subprocess
     import sys
 
@@ -481,48 +526,14 @@ def test_longhorizon_serve_answers_the_openai_client(tiny_policy):
         and bad.stderr.startswith("error: --host 0.0.0.0 is not loopback")
         and not bad.stdout
     )
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "longhorizon.cli",
-            "serve",
-            tiny_policy,
-            "--port",
-            "0",
-            "--model",
-            "tiny",
-        ],
-        stderr=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        # as a background job of a non-interactive shell is started (and as pytest's own process may
-        # have it by now): SIGINT ignored, which the server must not inherit as "never stop"
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
-        text=True,
-        cwd=REPO,
-    )
-    try:
-        for line in proc.stderr:
-            found = re.search(r"at (http://127\.0\.0\.1:\d+)/v1 ", line)
-            if found:
-                break
-        else:
-            raise AssertionError(f"serve exited with {proc.wait()} before serving")
-        drain(proc)
-        client = openai.OpenAI(base_url=f"{found.group(1)}/v1", api_key="unused")
+    with serving(tiny_policy, ignore_sigint=True) as (proc, base):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
         assert client.models.list().data[0].id == "tiny"
         r = client.chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=5
         )
         assert 1 <= r.usage.completion_tokens <= 5
         assert r.choices[0].finish_reason in ("stop", "length") and r.usage.prompt_tokens > 0
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            assert proc.wait(60) == 0
-        finally:  # never a server left behind for the tests after this one
-            if proc.poll() is None:
-                proc.kill()
     assert proc.stdout.read() == ""  # the command's stdout carries nothing but results
 
 
@@ -678,7 +689,6 @@ def test_longhorizon_serve_under_abuse_keeps_answering_and_gives_its_memory_back
     long one are all answered, each within a bound, while it runs."""
     import concurrent.futures
     import re
-    import signal
     import subprocess
     import sys
     import time
@@ -695,39 +705,13 @@ def test_longhorizon_serve_under_abuse_keeps_answering_and_gives_its_memory_back
     assert blank.returncode == 2 and blank.stderr.strip() == (
         "error: the API key is blank (only whitespace): give a real token, or none on loopback"
     )
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "longhorizon.cli",
-            "serve",
-            tiny_policy,
-            "--port",
-            "0",
-            "--model",
-            "tiny",
-        ],
-        stderr=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-    )
+    with serving(tiny_policy) as (proc, base):
 
-    def rss_mib() -> float:
-        return (
-            int(re.search(r"VmRSS:\s+(\d+)", open(f"/proc/{proc.pid}/status").read()).group(1))
-            / 1024
-        )
+        def rss_mib() -> float:
+            status = open(f"/proc/{proc.pid}/status").read()
+            return int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024
 
-    try:
-        for line in proc.stderr:
-            found = re.search(r"at (http://127\.0\.0\.1:\d+)/v1 ", line)
-            if found:
-                break
-        else:
-            raise AssertionError(f"serve exited with {proc.wait()} before serving")
-        drain(proc)
-        url = f"{found.group(1)}/v1/chat/completions"
+        url = f"{base}/v1/chat/completions"
         small = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
         assert httpx.post(url, json=small, timeout=60).status_code == 200
         before = rss_mib()
@@ -752,10 +736,3 @@ def test_longhorizon_serve_under_abuse_keeps_answering_and_gives_its_memory_back
             answers = [f.result() for f in quick]
             assert all(a.status_code == 200 for a in answers) and long.result().status_code == 200
         assert max(a.elapsed.total_seconds() for a in answers) < 30
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            assert proc.wait(60) == 0
-        finally:  # never a server left behind for the tests after this one
-            if proc.poll() is None:
-                proc.kill()
