@@ -100,42 +100,35 @@ class HeldOut:
 
     def evaluate(self) -> dict:
         """Held-out evaluation on validation seeds, as `eval/*` metrics."""
-        t0, k = time.perf_counter(), self.cfg.eval.k
+        t0 = time.perf_counter()
         s, trajs = self.play("validation")
-        out = {
-            "eval/success": s["success"],
-            "eval/ci95_low": s["ci95"][0],
-            "eval/ci95_high": s["ci95"][1],
-            "eval/milestones_mean": s["milestones_mean"],
-            "eval/reward_mean": s["reward_mean"],
-            "eval/episodes": s["episodes"],
-            "eval/s": time.perf_counter() - t0,
-            # the oldest version it sampled with (async: the weights loaded by then)
-            "eval/policy_version": min(
-                (turn.policy_version for t in trajs for turn in t.turns), default=-1
-            ),
-        }
-        if k > 1:
-            out[f"eval/pass@{k}"] = s[f"pass@{k}"]
-        return out
+        # the oldest version it sampled with (async: the weights loaded by then)
+        version = min((turn.policy_version for t in trajs for turn in t.turns), default=-1)
+        return eval_metrics(s, version, seconds=time.perf_counter() - t0)
 
     def validate(self, keep: str | None = None) -> dict:
         """Held-out success on validation seeds (the warm start's rounds), as `summarise` reports it;
         `keep`: where its episodes are stored (`play`)."""
         return self.play("validation", keep=keep)[0]
 
-    @staticmethod
-    def from_warm_start(validation: dict, version: int) -> dict:
-        """The warm start's best round's validation result as `eval/*` metrics (the same seeds and
-        weights RL starts from, so not evaluated twice)."""
-        v = validation
-        return {
-            "eval/success": v["success"],
-            "eval/ci95_low": v["ci95"][0],
-            "eval/ci95_high": v["ci95"][1],
-            "eval/milestones_mean": v["milestones_mean"],
-            "eval/reward_mean": v["reward_mean"],
-            "eval/episodes": v["episodes"],
-            "eval/policy_version": version,
-            "eval/from_warm_start": 1,
-        }
+
+def eval_metrics(summary: dict, version: int, seconds: float | None = None) -> dict:
+    """A validation summary (`summarise`'s) as the metrics row's `eval/*` keys; `seconds`: how long
+    the evaluation took (None: taken from the warm start's best round, not played again)."""
+    out = {
+        "eval/success": summary["success"],
+        "eval/ci95_low": summary["ci95"][0],
+        "eval/ci95_high": summary["ci95"][1],
+        "eval/milestones_mean": summary["milestones_mean"],
+        "eval/reward_mean": summary["reward_mean"],
+        "eval/episodes": summary["episodes"],
+        "eval/policy_version": version,
+    }
+    if seconds is None:
+        out["eval/from_warm_start"] = 1
+    else:
+        out["eval/s"] = seconds
+    k = summary.get("k", 1)
+    if k > 1:
+        out[f"eval/pass@{k}"] = summary[f"pass@{k}"]
+    return out

@@ -52,7 +52,7 @@ from rl.learner.checkpoints import resume_point
 from rl.loop.actors import policy_path, start_actors
 from rl.loop.episodes import batch_metrics
 from rl.loop.guards import LearningGuard
-from rl.loop.held_out import HeldOut
+from rl.loop.held_out import HeldOut, eval_metrics
 from rl.loop.metrics import MetricsLog
 from rl.loop.rollouts import Rollouts
 from rl.ray_utils import init_ray
@@ -240,7 +240,7 @@ class Trainer:
         """The starting point, for comparison with the evaluations to come: after a warm start its
         best round was evaluated on the same validation seeds with these weights (eval-initial.json)."""
         v = self.warm_start_summary.get("validation")
-        initial = HeldOut.from_warm_start(v, self.version) if v else self.held_out.evaluate()
+        initial = eval_metrics(v, self.version) if v else self.held_out.evaluate()
         (self.run_dir / "eval-initial.json").write_text(json.dumps(initial))
         if initial:
             log(
