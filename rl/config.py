@@ -23,6 +23,8 @@ from rollout.config import RolloutConfig
 from typed_yaml import (
     ConfigError,
     apply_override,
+    bound_problems,
+    bounded,
     build_dataclass,
     field_docs,
     load_dataclass,
@@ -33,9 +35,9 @@ from typed_yaml import (
 
 @dataclass
 class UpcycleConfig:
-    experts: int = 4
+    experts: int = bounded(4, zero_off=True, ge=2, note="0: keep the model dense")
     """Experts per MoE layer, each a copy of the dense MLP (0: keep the model dense)."""
-    top_k: int = 1
+    top_k: int = bounded(1, ge=1)
     """Experts each token is routed to; their weights are renormalised, so the upcycled model equals the dense one at the start."""
     seed: int = 0
     """Seeds the new routers."""
@@ -59,29 +61,45 @@ class PolicyConfig:
 
 @dataclass
 class AlgoConfig:
+    """What the learner optimises: the loss, its advantages and corrections, the optimiser's steps.
+    How the learner computes it (micro-batches, threads, devices) is `LearnerConfig`'s."""
+
+    MOVED = {
+        k: f"learner.{k}"
+        for k in (
+            "microbatch_tokens",
+            "logprob_chunk_tokens",
+            "shared_prefix_tokens",
+            "activation_checkpointing",
+            "fuse_old_logprobs",
+            "threads",
+        )
+    }
+    """Keys that moved to another section (a config naming them is told where)."""
+
     name: Literal["grpo", "ppo"] = "grpo"
     """Algorithm. grpo: group-relative advantages, no critic; ppo: a value head and GAE (rl/learner/ppo.py)."""
-    gae_lambda: float = 0.95
+    gae_lambda: float = bounded(0.95, ge=0, le=1)
     """PPO: GAE's lambda."""
     ppo_level: Literal["token", "turn"] = "token"
     """PPO: decision points are generated tokens, or turns (one value per turn)."""
-    vf_coef: float = 0.5
+    vf_coef: float = bounded(0.5, ge=0)
     """PPO: weight of the value loss."""
-    value_clip: float = 0.2
+    value_clip: float = bounded(0.2, gt=0)
     """PPO: clip range of the value update."""
     whiten_advantages: bool = True
     """PPO: normalise advantages to zero mean, unit std over the batch's generated tokens."""
-    lr: float = 1e-3
+    lr: float = bounded(1e-3, gt=0)
     """AdamW learning rate (tiny random models need a large one to move at all)."""
-    weight_decay: float = 0.0
+    weight_decay: float = bounded(0.0, ge=0)
     """AdamW weight decay."""
-    clip_low: float = 0.2
+    clip_low: float = bounded(0.2, gt=0, lt=1)
     """Ratio clip below: ratio >= 1 - clip_low."""
-    clip_high: float = 0.28
+    clip_high: float = bounded(0.28, gt=0)
     """Ratio clip above: ratio <= 1 + clip_high (asymmetric, as in DAPO)."""
     credit: Literal["episode", "milestone"] = "episode"
     """episode: one advantage per episode from its total reward (GRPO); milestone: each turn credited with its discounted reward-to-go against the group's other episodes at that turn (rl/learner/credit.py)."""
-    gamma: float = 1.0
+    gamma: float = bounded(1.0, gt=0, le=1)
     """Discount per turn (milestone credit) or per decision point (PPO)."""
     baseline: Literal["loo", "mean"] = "loo"
     """Milestone credit's baseline: leave-one-out (unbiased) or the group mean including the episode (GRPO's; scales the gradient by 1 - 1/n)."""
@@ -91,57 +109,48 @@ class AlgoConfig:
     """token_mean: over all generated tokens of the batch (DAPO); seq_mean: mean of per-episode means (GRPO); seq_sum_norm: sum / (episodes · max generated tokens) (Dr.GRPO)."""
     ratio_level: Literal["token", "sequence"] = "token"
     """Importance ratio per token, or one per episode from the mean log-ratio (GSPO)."""
-    dual_clip: float = 0.0
+    dual_clip: float = bounded(0.0, zero_off=True, gt=1)
     """Dual-clip bound c > 1 on the loss of negative-advantage tokens (0: off)."""
-    tis_cap: float = 2.0
+    tis_cap: float = bounded(2.0, zero_off=True, ge=1)
     """Upper bound C of the engine-mismatch importance weight (below); 0: no correction."""
     rollout_is: Literal[
         "token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "geometric_mask"
     ] = "token_truncate"
     """How the gap between the engine that sampled and the learner's weights (bf16, async staleness, kernels) is corrected, with r = π_learner/π_engine per generated token (rl/learner/grpo.py `rollout_is_weights`): token_truncate (TIS) weights each token min(r, C); token_mask (IcePop) weights it r inside [is_low, C] and drops it outside; sequence_truncate and sequence_mask (MIS) do that with one ratio per sequence, the product of its tokens'; geometric_mask with their geometric mean (a long trajectory's product leaves the bounds by its length alone)."""
-    is_low: float = 0.0
+    is_low: float = bounded(0.0, ge=0, le=1)
     """Lower bound of that weight: truncate modes raise smaller weights to it, mask modes drop what falls below (0: none)."""
-    kl_beta: float = 0.0
+    kl_beta: float = bounded(0.0, ge=0)
     """Weight of the KL penalty to the frozen starting policy (0: no reference model is loaded)."""
     kl_estimator: Literal["k1", "k3"] = "k3"
     """KL estimator: k1 = log-ratio, k3 = e^d - d - 1 (non-negative, low variance)."""
     kl_in: Literal["loss", "reward"] = "loss"
     """Where the KL penalty goes: loss (per token, in the policy loss, as in GRPO) or reward (each turn's β·KL summed over its generated tokens, with the pre-update log-probs, is subtracted from the episode's reward at that turn before advantages, as in PPO-RLHF; a `kl_penalty` milestone records it)."""
-    entropy_coef: float = 0.0
+    entropy_coef: float = bounded(0.0, ge=0)
     """Weight of an entropy bonus over generated tokens (0: off)."""
-    epochs: int = 1
+    epochs: int = bounded(1, ge=1)
     """Passes over each iteration's episodes."""
-    minibatch_episodes: int = 8
+    minibatch_episodes: int = bounded(8, ge=1)
     """Episodes per optimiser step."""
-    microbatch_tokens: int = 16384
-    """Padded tokens per forward/backward; a minibatch is split into micro-batches within this budget (gradients accumulate)."""
-    logprob_chunk_tokens: int = 2048
-    """Positions whose full-vocabulary logits exist at once (the output projection runs chunk by chunk)."""
-    shared_prefix_tokens: int = 32
-    """Hugging Face models: when every sequence of a micro-batch starts with the same N or more tokens (a group's prompt; the tool descriptions every task shares), that prefix runs forward and backward once, its KV cache shared by the rows, instead of once per row (rl/learner/logprobs.py `_hf_shared_prefix`; same result). 0: off. Not with activation checkpointing, routing replay or a learner group."""
-    activation_checkpointing: bool = False
-    """Recompute each layer in the backward pass instead of keeping its activations."""
     routing_replay: bool = True
     """Rollout routing replay: where trajectories carry the engine's routed expert ids, the learner's MoE layers use them as the selection (weights from the current router, so it still learns); `policy/` checkpoints. Reports `router_decisions_differ`."""
-    fuse_old_logprobs: bool = True
-    """With one optimiser step per batch (GRPO, one epoch, one minibatch, no KL, one learner rank), take the pre-update log-probs from the training forward itself instead of a separate no-grad pass (identical numbers, a third less compute); off: always the separate pass."""
-    router_aux_coef: float = 0.0
+    router_aux_coef: float = bounded(0.0, ge=0)
     """Hugging Face MoE: weight of the Switch-Transformer load-balancing loss on the routers (rl/learner/routing.py; e.g. 0.01 for an upcycled model, whose top-1 router gets no other gradient). The project's policy balances with `moe.balance` instead."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: float = bounded(1.0, gt=0)
     """Gradient norm clip."""
-    threads: int = 2
-    """torch CPU threads in the learner. In async mode on a machine whose cores the engines share, fewer than the cores (the engines generate while the learner trains: bench row 6)."""
 
 
 @dataclass
 class LearnerConfig:
-    world_size: int = 1
+    """How the learner computes the update `AlgoConfig` defines: its ranks and devices, its
+    micro-batches and threads. None of these changes what is optimised, only what it costs."""
+
+    world_size: int = bounded(1, ge=1)
     """Learner ranks (Ray actors) training one model together in a torch.distributed group: FSDP2 shards parameters, gradients and optimizer state, MoE experts are split across ranks (policy/parallelize.py), each optimiser step's micro-batches are shared out by tokens. 1: a single plain learner."""
     device: Literal["cpu", "cuda", "auto"] = "cpu"
     """Where each learner rank trains: cpu, cuda (Ray gives each rank one GPU), or auto (cuda where the rank's process sees a GPU); rl/learner/device.py."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """fp32, or bf16 mixed precision: the forward and backward under bf16 autocast, the weights, gradients and AdamW state kept in fp32."""
-    gpus_per_rank: float = 1.0
+    gpus_per_rank: float = bounded(1.0, gt=0, le=1)
     """Ray GPUs per learner rank when it trains on cuda: 1, or a fraction to share a GPU with a rollout engine (one GPU for the whole loop: configs/gpu/one_gpu.yaml)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """Process-group backend for world_size > 1: auto is nccl when the learner trains on GPUs, else gloo; nccl needs learner.device cuda."""
@@ -149,15 +158,27 @@ class LearnerConfig:
     """The learner processes' malloc (rl/learner/allocator.py: under glibc's malloc a CPU learner step of the real policy slowed down after the first, under tcmalloc it did not). auto: tcmalloc where installed (`apt-get install libtcmalloc-minimal4`; `make install` does it where it can), else the system's; tcmalloc: required (an error names the package when missing); system: the system's."""
     expert_parallel: bool = True
     """Split each MoE layer's routed experts across the ranks (all-to-all dispatch); off: experts are FSDP-sharded like the rest. The expert count must divide by world_size."""
+    microbatch_tokens: int = bounded(16384, ge=1)
+    """Padded tokens per forward/backward; a minibatch is split into micro-batches within this budget (gradients accumulate)."""
+    logprob_chunk_tokens: int = bounded(2048, ge=1)
+    """Positions whose full-vocabulary logits exist at once (the output projection runs chunk by chunk)."""
+    shared_prefix_tokens: int = bounded(32, ge=0, note="0: off")
+    """Hugging Face models: when every sequence of a micro-batch starts with the same N or more tokens (a group's prompt; the tool descriptions every task shares), that prefix runs forward and backward once, its KV cache shared by the rows, instead of once per row (rl/learner/logprobs.py `_hf_shared_prefix`; same result). 0: off. Not with activation checkpointing, routing replay or a learner group."""
+    activation_checkpointing: bool = False
+    """Recompute each layer in the backward pass instead of keeping its activations."""
+    fuse_old_logprobs: bool = True
+    """With one optimiser step per batch (GRPO, one epoch, one minibatch, no KL, one learner rank), take the pre-update log-probs from the training forward itself instead of a separate no-grad pass (identical numbers, a third less compute); off: always the separate pass."""
+    threads: int = bounded(2, ge=1)
+    """torch CPU threads in the learner. In async mode on a machine whose cores the engines share, fewer than the cores (the engines generate while the learner trains: bench row 6)."""
 
 
 @dataclass
 class LoraConfig:
     enabled: bool = False
     """Train low-rank adapters (peft) instead of the full model: only they get gradients and optimizer state, and a weight sync sends only them (the rollout workers add them to the base weights). false: full fine-tuning, the same run otherwise."""
-    rank: int = 8
+    rank: int = bounded(8, ge=1)
     """Rank r of each adapter (B is out × r, A is r × in)."""
-    alpha: float = 16.0
+    alpha: float = bounded(16.0, gt=0)
     """Scale numerator: an adapter adds (alpha / rank) · B·A to its weight."""
     targets: list = field(default_factory=lambda: ["attention", "experts"])
     """Where adapters go: attention (the q/k/v/o projections of every layer), experts (every routed expert's weights, one adapter pair per expert)."""
@@ -167,9 +188,9 @@ class LoraConfig:
 class RayConfig:
     address: str = ""
     """Existing cluster address; empty starts a local Ray bound to loopback."""
-    num_cpus: int = 2
+    num_cpus: int = bounded(2, ge=1)
     """CPUs of the local Ray (ignored with `address`)."""
-    object_store_mb: int = 256
+    object_store_mb: int = bounded(256, ge=1)
     """Object-store size of the local Ray, MiB (weights travel through it)."""
     log_to_driver: bool = False
     """Stream actor logs (vLLM's included) to the driver's terminal."""
@@ -179,13 +200,13 @@ class RayConfig:
     """Custom Ray resources each EnvWorker actor requests (e.g. {env_worker: 1})."""
     learner_resources: dict = field(default_factory=dict)
     """Custom Ray resources each learner rank requests (e.g. {learner: 1})."""
-    learner_cpus: float = 0.0
+    learner_cpus: float = bounded(0.0, ge=0)
     """Ray CPUs reserved for each learner rank (0: it shares the node without a reservation)."""
     local_resources: dict = field(default_factory=dict)
     """Custom resources the local Ray advertises (ignored with `address`): lets a one-machine run use the same placement."""
-    start_timeout_s: float = 900.0
+    start_timeout_s: float = bounded(900.0, gt=0)
     """Seconds the rollout workers have to start (engines loaded) before the run stops naming what they asked for: Ray waits without a word for an actor the cluster has no room for."""
-    max_restarts: int = 3
+    max_restarts: int = bounded(3, ge=-1, note="-1: no limit")
     """How many times Ray restarts a crashed rollout or env worker (on any node with room; -1: no limit); the driver re-syncs a restarted rollout worker and reruns its lost episodes. The learner is never restarted: a run whose learner died continues with `--resume`."""
 
 
@@ -193,19 +214,19 @@ class RayConfig:
 class ScheduleConfig:
     mode: Literal["sync", "async"] = "sync"
     """sync: each iteration's episodes come from the weights the learner just produced (on-policy); async: rollouts of the next iterations run while the learner trains, on weights up to `max_staleness` versions old."""
-    max_staleness: int = 1
+    max_staleness: int = bounded(1, ge=0)
     """async: how many policy versions older than the weights being trained a generated token may be (rollouts are started no earlier than that allows; the importance weights correct for the lag)."""
 
 
 @dataclass
 class SyncConfig:
-    bucket_mb: float = 64.0
+    bucket_mb: float = bounded(64.0, gt=0)
     """Weights travel in buckets of at most this many MiB (bounds each worker's extra memory, and on the collective transport the buffer in flight)."""
     transport: Literal["object_store", "collective"] = "object_store"
     """How a version reaches the rollout workers: object_store (the learner puts the buckets into Ray's object store once, each worker fetches them; any cluster, any devices) or collective (the learner broadcasts each bucket over a process group of itself and the workers: NCCL between GPUs, gloo on CPUs; rollout/collective.py). collective needs schedule.mode sync."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """The collective transport's backend: auto is nccl when the learner trains on cuda and the rollout workers have GPUs, else gloo."""
-    timeout_s: float = 300.0
+    timeout_s: float = bounded(300.0, gt=0)
     """Seconds every rollout worker has to load a published version once its earlier calls are done; a late worker is named in the error."""
     shared_memory: bool = True
     """When the learner (a single one) and every rollout worker run on one node, a version goes through a shared-memory slab the learner writes and the workers read in place, not Ray's object store (whose put alone cost ~3× a memcpy; rollout/shared_memory.py); a learner on a GPU that every engine shares keeps the slab in that GPU's memory (CUDA IPC). Each version in flight holds a slab the size of the model in the engines' dtype, kept for reuse. false: always the object store."""
@@ -215,19 +236,19 @@ class SyncConfig:
 
 @dataclass
 class WarmStartConfig:
-    demos: int = 0
+    demos: int = bounded(0, ge=0, note="0: no warm start")
     """Scripted-expert demonstrations per environment and round for a supervised warm start on the run's learner before RL (rl/start/warm_start.py); 0: none."""
     envs: list = field(default_factory=list)
     """Environment ids to take them from (empty: the training environment); the training environment's kwargs apply to it."""
-    epochs: float = 2.0
+    epochs: float = bounded(2.0, gt=0)
     """Passes over a round's demonstrations."""
-    lr: float = 2e-3
+    lr: float = bounded(2e-3, gt=0)
     """Learning rate of the supervised steps (constant)."""
-    batch_size: int = 8
+    batch_size: int = bounded(8, ge=1)
     """Demonstrations per optimiser step."""
-    rounds: int = 1
+    rounds: int = bounded(1, ge=1)
     """The most rounds, each on fresh demonstrations; with `patience`, the cap."""
-    patience: int = 0
+    patience: int = bounded(0, ge=0, note="0: no validation")
     """With > 0: after each round, held-out success on validation seeds (`eval.episodes` of them); the warm start stops after this many rounds in a row without a new best, and RL starts from the best round's weights (not from one stopped early). 0: no validation, every round runs."""
 
 
@@ -235,15 +256,15 @@ class WarmStartConfig:
 class JudgeConfig:
     model: str = "smollm2-135m-instruct"
     """The judge model: a packaged pretrained name (rl/start/pretrained.py) or a local Hugging Face checkpoint directory."""
-    timeout_s: float = 300.0
+    timeout_s: float = bounded(300.0, gt=0)
     """How long the trainer waits for an iteration's judge scores; episodes still unscored then are infrastructure errors."""
-    cpus: float = 0.5
+    cpus: float = bounded(0.5, ge=0)
     """CPUs Ray reserves for the judge actor."""
-    gpus: float = 0.0
+    gpus: float = bounded(0.0, ge=0)
     """GPUs Ray reserves for the judge actor (vLLM then runs it on the GPU)."""
-    max_model_len: int = 4096
+    max_model_len: int = bounded(4096, ge=256)
     """The judge engine's longest prompt + continuation, in tokens."""
-    kv_cache_gib: float = 1.0
+    kv_cache_gib: float = bounded(1.0, gt=0)
     """The judge engine's KV cache."""
 
 
@@ -263,19 +284,19 @@ class RewardConfig:
 
 @dataclass
 class EvalConfig:
-    every: int = 0
+    every: int = bounded(0, ge=0, note="0: never")
     """Evaluate on held-out seeds every N iterations and after the last (0: never); metrics `eval/*` (rl/loop/evaluate.py)."""
-    episodes: int = 32
+    episodes: int = bounded(32, ge=1)
     """Held-out episodes per evaluation."""
-    k: int = 1
+    k: int = bounded(1, ge=1)
     """Episodes per held-out seed; pass@k is reported when > 1."""
     env_id: str = ""
     """Environment to evaluate on (empty: the training environment, with its kwargs)."""
     env_kwargs: dict = field(default_factory=dict)
     """Its arguments (with `env_id`)."""
-    temperature: float = 0.0
+    temperature: float = bounded(0.0, ge=0, note="0: the rollouts'")
     """Sampling temperature of the evaluation episodes (0: the rollouts')."""
-    test_episodes: int = 200
+    test_episodes: int = bounded(200, ge=1)
     """Episodes per test cell of `longhorizon demo` (on test seeds, rl/loop/evaluate.py; `episodes` are the validation evaluations')."""
     test: list = field(default_factory=list)
     """`longhorizon demo`'s test cells, each {kwargs: environment kwargs, context: rollout.context fields, max_turns, episodes, stages: [warm_start, rl, warm_start_more]}, every key optional (longhorizon/demo.py); empty: one cell, the run's environment at every stage."""
@@ -295,15 +316,15 @@ class LogConfig:
 class RunConfig:
     seed: int = 0
     """Seeds task sampling, vLLM sampling and the learner."""
-    iterations: int = 2
+    iterations: int = bounded(2, ge=1)
     """Rollout → train → sync iterations."""
-    checkpoint_every: int = 1
+    checkpoint_every: int = bounded(1, ge=1)
     """Save a Hugging Face checkpoint every N iterations (the last one always)."""
-    max_infra_error_share: float = 0.5
+    max_infra_error_share: float = bounded(0.5, ge=0, lt=1)
     """An iteration in which more than this share of the episodes ended in infrastructure errors (or the learner had no usable episode) is a failed one."""
-    stop_after_failed: int = 2
+    stop_after_failed: int = bounded(2, ge=0, note="0: never stop")
     """Stop the run with an error, quoting the first episode's failure, after this many failed iterations in a row (a run that cannot learn must not finish green); 0: never."""
-    stop_after_flat: int = 3
+    stop_after_flat: int = bounded(3, ge=0, note="0: never stop")
     """Stop the run with an error after this many iterations in a row with no learning signal: no group whose episodes earned different rewards (GRPO's advantages are all zero), or for PPO one reward for every episode. A policy that never reaches a milestone needs a warm start or an easier task; 0: never."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     """The policy model."""
@@ -361,14 +382,23 @@ class RunConfig:
         return "", bool(judges)
 
     def validate(self, source: str = "config") -> RunConfig:
+        """Every field within the bounds declared with it (`bounded`), then what ties fields
+        together: an unknown value, settings that exclude each other, a feature that needs another."""
+        require(bound_problems(self), source)
+        require(self._cross_checks(), source)
+        require(self._env_checks(), source)
+        return self
+
+    def _cross_checks(self) -> list[tuple[str, bool, str]]:
+        """(key, ok, why) for what no single field's bounds can say."""
         unavailable = (
             pretrained_missing(self.policy.pretrained)
             if self.policy.pretrained in PRETRAINED
             else None
         )
         rubric_problem, judged = self._rubric_problem()
-        j = self.reward.judge
-        checks = (
+        j, r, p, lr = self.reward.judge, self.rollout, self.policy, self.learner
+        return (
             [
                 ("reward.parts", not rubric_problem, f"is wrong: {rubric_problem}"),
                 (
@@ -378,45 +408,16 @@ class RunConfig:
                     or (Path(j.model) / "config.json").is_file(),
                     f"is neither a packaged model ({', '.join(sorted(PRETRAINED))}) nor a checkpoint directory with a config.json",
                 ),
-                ("reward.judge.timeout_s", j.timeout_s > 0, "must be > 0"),
-                (
-                    "reward.judge.cpus",
-                    j.cpus >= 0 and j.gpus >= 0,
-                    "and reward.judge.gpus must be >= 0",
-                ),
-                ("reward.judge.max_model_len", j.max_model_len >= 256, "must be >= 256"),
-                ("iterations", self.iterations >= 1, "must be >= 1"),
-                ("checkpoint_every", self.checkpoint_every >= 1, "must be >= 1"),
-                ("max_infra_error_share", 0 <= self.max_infra_error_share < 1, "must be in [0, 1)"),
-                ("stop_after_failed", self.stop_after_failed >= 0, "must be >= 0 (0: never stop)"),
-                ("stop_after_flat", self.stop_after_flat >= 0, "must be >= 0 (0: never stop)"),
-                ("rollout.num_workers", self.rollout.num_workers >= 1, "must be >= 1"),
-                (
-                    "rollout.group_size",
-                    self.rollout.group_size >= 2,
-                    "must be >= 2 (GRPO compares within a group)",
-                ),
-                (
-                    "rollout.groups_per_iteration",
-                    self.rollout.groups_per_iteration >= 1,
-                    "must be >= 1",
-                ),
-                ("rollout.max_turns", self.rollout.max_turns >= 1, "must be >= 1"),
-                ("rollout.max_new_tokens", self.rollout.max_new_tokens >= 1, "must be >= 1"),
-                ("rollout.max_batch", self.rollout.max_batch >= 1, "must be >= 1"),
-                ("learner.world_size", self.learner.world_size >= 1, "must be >= 1"),
                 (
                     "learner.allocator",
-                    self.learner.allocator != "tcmalloc" or tcmalloc_installed(),
+                    lr.allocator != "tcmalloc" or tcmalloc_installed(),
                     "is tcmalloc, which this machine does not have: apt-get install libtcmalloc-minimal4, or use auto",
                 ),
                 (
                     "learner.backend",
-                    self.learner.backend != "nccl" or self.learner.device == "cuda",
+                    lr.backend != "nccl" or lr.device == "cuda",
                     "nccl needs the learner on GPUs: set learner.device=cuda, or use gloo (or auto)",
                 ),
-                ("lora.rank", self.lora.rank >= 1, "must be >= 1"),
-                ("lora.alpha", self.lora.alpha > 0, "must be > 0"),
                 (
                     "lora.targets",
                     bool(self.lora.targets)
@@ -425,91 +426,51 @@ class RunConfig:
                 ),
                 (
                     "lora.enabled",
-                    not (self.lora.enabled and self.learner.world_size > 1),
+                    not (self.lora.enabled and lr.world_size > 1),
                     "needs learner.world_size 1 (a learner group does not shard peft's adapters yet)",
                 ),
                 (
                     "lora.enabled",
-                    not (self.lora.enabled and self.policy.flavour),
+                    not (self.lora.enabled and p.flavour),
                     "needs a Hugging Face policy (a policy.flavour model's experts are not peft targets yet)",
                 ),
                 (
                     "policy.flavour",
-                    not (self.policy.flavour and self.policy.path),
+                    not (p.flavour and p.path),
                     "and policy.path exclude each other (a flavour makes a new random policy)",
                 ),
                 (
                     "policy.pretrained",
-                    not (self.policy.pretrained and (self.policy.path or self.policy.flavour)),
+                    not (p.pretrained and (p.path or p.flavour)),
                     "excludes policy.path and policy.flavour (it names the starting policy itself)",
                 ),
                 (
                     "policy.pretrained",
-                    not self.policy.pretrained or self.policy.pretrained in PRETRAINED,
-                    f"must be one of: {', '.join(sorted(PRETRAINED))} (got {self.policy.pretrained!r})",
+                    not p.pretrained or p.pretrained in PRETRAINED,
+                    f"must be one of: {', '.join(sorted(PRETRAINED))} (got {p.pretrained!r})",
                 ),
                 ("policy.pretrained", unavailable is None, f"cannot be loaded: {unavailable}"),
                 (
-                    "policy.upcycle.experts",
-                    self.policy.upcycle.experts == 0 or self.policy.upcycle.experts >= 2,
-                    "must be 0 (dense) or >= 2",
-                ),
-                (
                     "policy.upcycle.top_k",
-                    1 <= self.policy.upcycle.top_k <= max(1, self.policy.upcycle.experts),
+                    p.upcycle.top_k <= max(1, p.upcycle.experts),
                     "must be between 1 and policy.upcycle.experts",
                 ),
                 (
                     "rollout.engine",
-                    not (
-                        self.rollout.engine == "native"
-                        and not self.policy.flavour
-                        and (self.policy.pretrained or not self.policy.path)
-                    ),
+                    not (r.engine == "native" and not p.flavour and (p.pretrained or not p.path)),
                     "native serves the policy/ model: set policy.flavour, or policy.path to a policy/ checkpoint",
                 ),
-                ("rollout.temperature", self.rollout.temperature > 0, "must be > 0"),
                 (
                     "rollout.max_model_len",
-                    self.rollout.context.mode != "full"
-                    or self.rollout.max_model_len >= self.rollout.max_episode_tokens,
+                    r.context.mode != "full" or r.max_model_len >= r.max_episode_tokens,
                     "must be >= rollout.max_episode_tokens under rollout.context.mode full (window and compact keep each "
                     "context within it)",
                 ),
-                ("algo.lr", self.algo.lr > 0, "must be > 0"),
-                ("algo.clip_low", 0 < self.algo.clip_low < 1, "must be in (0, 1)"),
-                ("algo.clip_high", self.algo.clip_high > 0, "must be > 0"),
-                ("algo.minibatch_episodes", self.algo.minibatch_episodes >= 1, "must be >= 1"),
-                ("algo.microbatch_tokens", self.algo.microbatch_tokens >= 1, "must be >= 1"),
-                ("algo.logprob_chunk_tokens", self.algo.logprob_chunk_tokens >= 1, "must be >= 1"),
-                (
-                    "algo.shared_prefix_tokens",
-                    self.algo.shared_prefix_tokens >= 0,
-                    "must be >= 0 (0: off)",
-                ),
-                ("algo.epochs", self.algo.epochs >= 1, "must be >= 1"),
-                (
-                    "algo.dual_clip",
-                    self.algo.dual_clip == 0 or self.algo.dual_clip > 1,
-                    "must be 0 (off) or > 1",
-                ),
-                (
-                    "algo.tis_cap",
-                    self.algo.tis_cap == 0 or self.algo.tis_cap >= 1,
-                    "must be 0 (off) or >= 1",
-                ),
-                ("algo.is_low", 0 <= self.algo.is_low <= 1, "must be in [0, 1]"),
-                ("algo.kl_beta", self.algo.kl_beta >= 0, "must be >= 0"),
-                ("algo.router_aux_coef", self.algo.router_aux_coef >= 0, "must be >= 0"),
-                ("algo.gamma", 0 < self.algo.gamma <= 1, "must be in (0, 1]"),
-                ("env.workers", self.env.workers >= 0, "must be >= 0"),
                 (
                     "schedule.max_staleness",
                     self.schedule.max_staleness >= (1 if self.schedule.mode == "async" else 0),
                     "must be >= 1 in async mode (0 would be synchronous)",
                 ),
-                ("sync.bucket_mb", self.sync.bucket_mb > 0, "must be > 0"),
-                ("sync.timeout_s", self.sync.timeout_s > 0, "must be > 0"),
                 (
                     "sync.transport",
                     self.sync.transport == "object_store" or self.schedule.mode == "sync",
@@ -518,38 +479,19 @@ class RunConfig:
                 ),
                 (
                     "sync.backend",
-                    self.sync.backend != "nccl"
-                    or (self.learner.device == "cuda" and self.rollout.gpus_per_worker > 0),
+                    self.sync.backend != "nccl" or (lr.device == "cuda" and r.gpus_per_worker > 0),
                     "nccl needs the learner and the rollout workers on GPUs: learner.device=cuda and rollout.gpus_per_worker > 0",
                 ),
-                ("rollout.gpus_per_worker", self.rollout.gpus_per_worker >= 0, "must be >= 0"),
-                ("learner.gpus_per_rank", 0 < self.learner.gpus_per_rank <= 1, "must be in (0, 1]"),
-                ("ray.learner_cpus", self.ray.learner_cpus >= 0, "must be >= 0"),
-                ("ray.max_restarts", self.ray.max_restarts >= -1, "must be >= 0, or -1 (no limit)"),
-                ("ray.start_timeout_s", self.ray.start_timeout_s > 0, "must be > 0"),
-                ("eval.every", self.eval.every >= 0, "must be >= 0 (0: never)"),
-                ("warm_start.demos", self.warm_start.demos >= 0, "must be >= 0 (0: no warm start)"),
                 (
                     "warm_start.envs",
                     all(isinstance(e, str) for e in self.warm_start.envs),
                     "must be a list of env ids",
                 ),
-                ("warm_start.epochs", self.warm_start.epochs > 0, "must be > 0"),
-                ("warm_start.lr", self.warm_start.lr > 0, "must be > 0"),
-                ("warm_start.batch_size", self.warm_start.batch_size >= 1, "must be >= 1"),
-                ("warm_start.rounds", self.warm_start.rounds >= 1, "must be >= 1"),
-                (
-                    "warm_start.patience",
-                    self.warm_start.patience >= 0,
-                    "must be >= 0 (0: no validation)",
-                ),
                 (
                     "warm_start.demos",
-                    not (self.warm_start.demos and self.learner.world_size > 1),
+                    not (self.warm_start.demos and lr.world_size > 1),
                     "needs learner.world_size 1 (the warm start's supervised steps run on a single learner)",
                 ),
-                ("eval.episodes", self.eval.episodes >= 1, "must be >= 1"),
-                ("eval.test_episodes", self.eval.test_episodes >= 1, "must be >= 1"),
                 (
                     "eval.test",
                     self._test_cells_problem() is None,
@@ -557,29 +499,20 @@ class RunConfig:
                 ),
                 (
                     "eval.k",
-                    1 <= self.eval.k <= self.eval.episodes,
+                    self.eval.k <= self.eval.episodes,
                     "must be between 1 and eval.episodes",
                 ),
-                ("eval.temperature", self.eval.temperature >= 0, "must be >= 0 (0: the rollouts')"),
-                (
-                    "rollout.iteration_token_budget",
-                    self.rollout.iteration_token_budget >= 0,
-                    "must be >= 0 (0: no limit)",
-                ),
-                ("rollout.max_segments", self.rollout.max_segments >= 1, "must be >= 1"),
                 (
                     "rollout.max_episode_tokens_schedule",
                     _stages_ok(
-                        self.rollout.max_episode_tokens_schedule,
-                        self.rollout.max_model_len
-                        if self.rollout.context.mode == "full"
-                        else 1 << 40,
+                        r.max_episode_tokens_schedule,
+                        r.max_model_len if r.context.mode == "full" else 1 << 40,
                     ),
                     "must be [[iteration, tokens], ...] with increasing iterations >= 0 and 2 <= tokens (<= "
                     "rollout.max_model_len under rollout.context.mode full)",
                 ),
             ]
-            + self.rollout.context.problems(self.rollout.max_model_len, self.rollout.max_new_tokens)
+            + r.context.problems(r.max_model_len, r.max_new_tokens)
             + [
                 (
                     f"ray.{name}",
@@ -600,9 +533,6 @@ class RunConfig:
                 )
             ]
         )
-        require(checks, source)
-        require(self._env_checks(), source)
-        return self
 
     def _test_cells_problem(self) -> str | None:
         """What is wrong with `eval.test`, or None."""

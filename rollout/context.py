@@ -36,6 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from typed_yaml import bounded
+
 COMPACT_INSTRUCTION = (
     "Your context is nearly full. Write a summary of your progress for yourself: what the task asks, "
     "everything you found that you will still need, and what to do next. Do not call a tool. Only the "
@@ -58,11 +60,11 @@ def window_note(first: int, last: int, kept: int) -> str:
 class ContextConfig:
     mode: Literal["full", "window", "compact"] = "full"
     """full: the context only grows, and an episode ends when the next observation does not fit; window: past `at_tokens` the episode continues from the task, a one-line stub and the last `keep_turns` turns; compact: past `at_tokens` the policy writes a summary of its progress (a compaction turn, trained like any other) and the episode continues from the task, that summary and the last `keep_turns` turns (rollout/context.py)."""
-    at_tokens: int = 0
+    at_tokens: int = bounded(0, ge=0, note="0: 3/4 of rollout.max_model_len")
     """window, compact: the context length (tokens) past which the context is rebuilt; 0: three quarters of `rollout.max_model_len`. compact needs room above it for the instruction and `summary_tokens`."""
-    keep_turns: int = 2
+    keep_turns: int = bounded(2, ge=0)
     """window, compact: the last turns kept verbatim (their exact tokens) in a rebuilt context (0: none); fewer when they would take more than half the room between the task's prompt and the threshold."""
-    summary_tokens: int = 192
+    summary_tokens: int = bounded(192, ge=8)
     """compact: the most tokens a summary turn may generate."""
 
     def threshold(self, max_model_len: int) -> int:
@@ -70,17 +72,11 @@ class ContextConfig:
         return self.at_tokens or max_model_len * 3 // 4
 
     def problems(self, max_model_len: int, max_new_tokens: int) -> list[tuple[str, bool, str]]:
-        """Range checks (key, ok, why), for the run config's `validate`."""
+        """What ties the threshold to the engine's context (key, ok, why), for the run config's
+        `validate`; each field's own range is declared with it."""
         at = self.threshold(max_model_len)
         managed = self.mode != "full"
         return [
-            (
-                "rollout.context.at_tokens",
-                self.at_tokens >= 0,
-                "must be >= 0 (0: 3/4 of rollout.max_model_len)",
-            ),
-            ("rollout.context.keep_turns", self.keep_turns >= 0, "must be >= 0"),
-            ("rollout.context.summary_tokens", self.summary_tokens >= 8, "must be >= 8"),
             (
                 "rollout.context.at_tokens",
                 not managed or at + max_new_tokens < max_model_len,

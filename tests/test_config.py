@@ -115,6 +115,63 @@ def test_malformed_yaml_and_missing_file(tmp_path):
         load_config(tmp_path / "missing.yaml")
 
 
+def _bounded_fields(cls, prefix=""):
+    """(key, its Bounds, its type) for every bounded field under `cls`."""
+    import dataclasses
+    import typing
+
+    from typed_yaml import bounds_of
+
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from _bounded_fields(hints[f.name], f"{prefix}{f.name}.")
+        elif bounds_of(f) is not None:
+            yield f"{prefix}{f.name}", bounds_of(f), hints[f.name]
+
+
+def _outside(rule, tp):
+    """A value just outside `rule` (never 0 where 0 switches the feature off)."""
+    step = 1 if tp is int else 0.5
+    if rule.ge is not None:
+        return rule.ge - step if not (rule.zero_off and rule.ge - step == 0) else rule.ge - 2 * step
+    if rule.gt is not None:
+        return rule.gt if not (rule.zero_off and rule.gt == 0) else rule.gt - step
+    return rule.le + step if rule.le is not None else rule.lt
+
+
+def test_every_bound_declared_with_a_field_is_enforced_at_load():
+    """Each bounded field, set just outside its bounds on the command line, is refused naming the
+    field, the rule and the override; set on its bound (where inclusive), it loads."""
+    fields = list(_bounded_fields(RunConfig))
+    assert len(fields) > 60  # the bounds live with the fields, not in a list in validate
+    for key, rule, tp in fields:
+        bad = _outside(rule, tp)
+        override = f"{key}={bad}"
+        assert not rule.holds(bad)
+        with pytest.raises(ConfigError) as err:
+            load_config(QUICKSTART, [override])
+        assert str(err.value).startswith(f"command-line override {override!r}: {key} must be ")
+        assert rule.text() in str(err.value)
+    edges = {"algo.gamma=1.0", "rollout.group_size=2", "algo.is_low=0.0", "algo.dual_clip=0.0"}
+    for override in edges:
+        load_config(QUICKSTART, [override])
+
+
+def test_a_key_that_moved_section_is_named_with_its_new_home(tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"override 'algo.threads=1'.*'algo.threads' is now learner.threads"
+    ):
+        load_config(QUICKSTART, ["algo.threads=1"])
+    bad = tmp_path / "old.yaml"
+    bad.write_text("algo:\n  microbatch_tokens: 2048\n")
+    with pytest.raises(
+        ConfigError, match="old.yaml: 'algo.microbatch_tokens' is now learner.microbatch_tokens"
+    ):
+        load_config(bad)
+    assert load_config(QUICKSTART, ["learner.threads=1"]).learner.threads == 1
+
+
 def test_every_field_has_a_docstring():
     import dataclasses
     import typing

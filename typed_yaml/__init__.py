@@ -5,7 +5,9 @@ A config is a plain dataclass with a docstring under each field (`field_docs` re
 `Literal` choices, ints where floats are wanted — and `load_dataclass` reads a YAML file first.
 An unknown key (with the nearest known one suggested), a wrong type or a value outside a
 `Literal` raises `ConfigError` naming the key and where it came from (a file, a command-line
-override, a checkpoint's config.json). Range checks stay with each dataclass (`require`).
+override, a checkpoint's config.json). A numeric field declares its bounds beside it
+(`bounded(default, ge=1)`; `bound_problems` checks a whole config against them); checks that tie
+fields together stay with each dataclass (`require`).
 
 This module imports nothing of the project's: rewards/, policy/, envs/, rollout/ and rl/ all use it.
 
@@ -78,6 +80,78 @@ def load_yaml(text: str):
     return yaml.load(text, Loader=_Loader)
 
 
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """A numeric field's allowed values: within every given bound, or exactly 0 where `zero_off`
+    (0 switches the feature off). `note` says what a special value means, in the error line."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    zero_off: bool = False
+    note: str = ""
+
+    def holds(self, value) -> bool:
+        if self.zero_off and value == 0:
+            return True
+        return (
+            (self.ge is None or value >= self.ge)
+            and (self.gt is None or value > self.gt)
+            and (self.le is None or value <= self.le)
+            and (self.lt is None or value < self.lt)
+        )
+
+    def text(self) -> str:
+        """`>= 1`, `in (0, 1]`, `0 or > 1`: the rule, as the error line and the docs say it."""
+        low = ("[", ">=", self.ge) if self.ge is not None else ("(", ">", self.gt)
+        high = ("]", "<=", self.le) if self.le is not None else (")", "<", self.lt)
+        if low[2] is not None and high[2] is not None:
+            rule = f"in {low[0]}{low[2]:g}, {high[2]:g}{high[0]}"
+        elif low[2] is not None:
+            rule = f"{low[1]} {low[2]:g}"
+        else:
+            rule = f"{high[1]} {high[2]:g}"
+        return f"0 or {rule}" if self.zero_off else rule
+
+
+def bounded(
+    default,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    zero_off: bool = False,
+    note: str = "",
+):
+    """A dataclass field with a default and its bounds, declared together:
+    `lr: float = bounded(1e-3, gt=0)`. The docstring under it stays the field's documentation."""
+    rule = Bounds(ge, gt, le, lt, zero_off, note)
+    if not rule.holds(default):
+        raise ValueError(f"default {default!r} is outside its own bounds ({rule.text()})")
+    return dataclasses.field(default=default, metadata={"bounds": rule})
+
+
+def bounds_of(f: dataclasses.Field) -> Bounds | None:
+    return f.metadata.get("bounds")
+
+
+def bound_problems(obj, prefix: str = "") -> list[tuple[str, bool, str]]:
+    """(key, ok, why) for every bounded field of the dataclass `obj` and of the dataclasses nested
+    in it, in declaration order: the checks `require` takes."""
+    checks = []
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            checks += bound_problems(value, key + ".")
+        elif (rule := bounds_of(f)) is not None:
+            note = rule.note or ("0: off" if rule.zero_off else "")
+            note = f" ({note})" if note else ""
+            checks.append((key, rule.holds(value), f"must be {rule.text()}{note}"))
+    return checks
+
+
 def require(checks: list[tuple[str, bool, str]], source: str) -> None:
     """Raise `ConfigError` for the first (key, ok, why) whose check failed, naming key and source."""
     for key, ok, why in checks:
@@ -139,6 +213,9 @@ def build_dataclass(cls, raw: dict, prefix: str, source: str):
     for key, value in raw.items():
         full = f"{prefix}.{key}" if prefix else str(key)
         if key not in names:
+            moved = getattr(cls, "MOVED", {}).get(key)
+            if moved:
+                raise ConfigError(f"{source}: {short(full)} is now {moved}")
             near = difflib.get_close_matches(str(key), names, n=1)
             hint = f"; did you mean {near[0]!r}?" if near else f"; known keys: {', '.join(names)}"
             raise ConfigError(f"{source}: unknown key {short(full)}{hint}")

@@ -1,7 +1,7 @@
 """What the docs site takes from the code at build time, so that it cannot drift from it:
 
 - `configuration.md`'s `<!-- config-reference -->` marker becomes a table per config section, every
-  field with its type, default and docstring, read from the dataclasses themselves (`rl/config.py`,
+  field with its type, default, bounds and docstring, read from the dataclasses themselves (`rl/config.py`,
   `rollout/config.py`, `envs/config.py`; `typed_yaml.field_docs`);
 - `bench/results.md` and its plots are pages of the site as they are in the repository.
 
@@ -56,16 +56,26 @@ def config_reference() -> str:
     """A markdown table per section of `RunConfig` (the run's top-level fields first)."""
     sys.path.insert(0, str(REPO))
     from rl.config import RunConfig
-    from typed_yaml import field_docs
+    from typed_yaml import bounds_of, field_docs
+
+    def bounds(f) -> str:
+        rule = bounds_of(f)
+        if rule is None:
+            return ""
+        return f"{rule.text()}" + (f" ({rule.note})" if rule.note else "")
 
     def table(cls) -> list[str]:
         hints, docs = typing.get_type_hints(cls), field_docs(cls)
-        rows = ["| key | type | default | what it is |", "| --- | --- | --- | --- |"]
+        rows = [
+            "| key | type | default | bounds | what it is |",
+            "| --- | --- | --- | --- | --- |",
+        ]
         for f in dataclasses.fields(cls):
             if dataclasses.is_dataclass(hints[f.name]):
                 continue
             rows.append(
-                f"| `{f.name}` | {_type(hints[f.name])} | {_cell(_default(f))} | {_cell(docs.get(f.name, ''))} |"
+                f"| `{f.name}` | {_type(hints[f.name])} | {_cell(_default(f))} "
+                f"| {_cell(bounds(f))} | {_cell(docs.get(f.name, ''))} |"
             )
         return rows
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from policy.args import ModelArgs
+from typed_yaml import bounded
 
 CHAT_TEMPLATE = (Path(__file__).parent / "chat_template.jinja").read_text()
 
@@ -32,25 +33,25 @@ TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>
 class TinyMoEDims:
     """Sizes of a tiny random Qwen3-MoE. Defaults give ~1 M parameters: fast on two CPU cores."""
 
-    vocab_size: int = 1024
+    vocab_size: int = bounded(1024, ge=1)
     """Target BPE vocabulary size (the trained tokenizer may come out smaller)."""
-    hidden_size: int = 64
+    hidden_size: int = bounded(64, ge=1)
     """Model width."""
-    num_layers: int = 2
+    num_layers: int = bounded(2, ge=1)
     """Decoder layers, each attention + sparse MoE."""
-    num_heads: int = 4
+    num_heads: int = bounded(4, ge=1)
     """Query heads."""
-    num_kv_heads: int = 2
+    num_kv_heads: int = bounded(2, ge=1)
     """Key/value heads (grouped-query attention)."""
-    head_dim: int = 32
+    head_dim: int = bounded(32, ge=1)
     """Per-head width."""
-    num_experts: int = 8
+    num_experts: int = bounded(8, ge=1)
     """Routed experts per MoE layer."""
-    experts_per_token: int = 2
+    experts_per_token: int = bounded(2, ge=1)
     """Top-k experts each token is routed to."""
-    moe_intermediate_size: int = 32
+    moe_intermediate_size: int = bounded(32, ge=1)
     """Hidden width of each expert's SwiGLU."""
-    max_position_embeddings: int = 8192
+    max_position_embeddings: int = bounded(8192, ge=1)
     """Longest sequence the rotary tables cover."""
 
 
