@@ -6,7 +6,7 @@ in the same run on the same config.
 The config is the quickstart's (tiny Qwen3-MoE, vLLM rollout workers, GRPO learner) on
 `tools/calculator-v0` whose every step sleeps `--step-latency` seconds, standing in for a remote
 tool backend. Only the schedule and the learner's threads differ between the runs: sync, async
-with `schedule.max_staleness=1` and with 2, each with `algo.threads` 2 and 1. In async mode a
+with `schedule.max_staleness=1` and with 2, each with `learner.threads` 2 and 1. In async mode a
 worker runs the rollouts in flight at once on its one engine (rl/loop/trainer.py), so one iteration's
 episodes generate while another's wait for their tools, and the learner trains while the engine is
 busy: on these 2 cores two learner threads beside it oversubscribe them. The ratios are against
@@ -68,12 +68,12 @@ def main() -> None:
     # (schedule, max staleness, learner threads): the learner shares this machine's cores with the engine,
     # which in async mode is busy while it trains, so async is also run with one learner thread
     modes = {
-        ("sync", 0, 2): ["schedule.mode=sync", "algo.threads=2"],
-        ("sync", 0, 1): ["schedule.mode=sync", "algo.threads=1"],
-        ("async", 1, 2): ["schedule.mode=async", "schedule.max_staleness=1", "algo.threads=2"],
-        ("async", 2, 2): ["schedule.mode=async", "schedule.max_staleness=2", "algo.threads=2"],
-        ("async", 1, 1): ["schedule.mode=async", "schedule.max_staleness=1", "algo.threads=1"],
-        ("async", 2, 1): ["schedule.mode=async", "schedule.max_staleness=2", "algo.threads=1"],
+        ("sync", 0, 2): ["schedule.mode=sync", "learner.threads=2"],
+        ("sync", 0, 1): ["schedule.mode=sync", "learner.threads=1"],
+        ("async", 1, 2): ["schedule.mode=async", "schedule.max_staleness=1", "learner.threads=2"],
+        ("async", 2, 2): ["schedule.mode=async", "schedule.max_staleness=2", "learner.threads=2"],
+        ("async", 1, 1): ["schedule.mode=async", "schedule.max_staleness=1", "learner.threads=1"],
+        ("async", 2, 1): ["schedule.mode=async", "schedule.max_staleness=2", "learner.threads=1"],
     }
     cfg0 = load_config(REPO / "configs" / "quickstart.yaml", common)
     init_ray(cfg0.ray)

@@ -207,13 +207,17 @@ def run_trl(init: str, a, run_dir: str) -> dict:
     cfg = base_config([f"seed={a.seed}"])
     r, algo = cfg.rollout, cfg.algo
     torch.manual_seed(cfg.seed)
-    torch.set_num_threads(algo.threads or os.cpu_count())
+    torch.set_num_threads(cfg.learner.threads or os.cpu_count())
     tok = AutoTokenizer.from_pretrained(init)
     # our template's <tool_call> JSON blocks are Qwen's: TRL parses them with its Qwen response template
     tok.response_template = qwen3_template
     tok.padding_side = "left"
     # the same training tasks in the same order: the seeds of our groups, each once (TRL repeats a prompt per generation)
-    seeds = [t.seed for it in range(a.max_steps) for t in iteration_tasks(cfg, it)[:: r.group_size]]
+    seeds = [
+        t.seed
+        for it in range(a.max_steps)
+        for t in iteration_tasks(r, cfg.seed, it)[:: r.group_size]
+    ]
     data = trl_prompts(ENV, seeds, **cfg.env.kwargs)
     environment = trl_environment(ENV, **cfg.env.kwargs)
     env = envs.make(ENV, **cfg.env.kwargs)
@@ -333,7 +337,7 @@ def machine_gflops(policy: str, precision: str) -> float:
 
     shape = json.loads((Path(policy) / "config.json").read_text())
     threads = torch.get_num_threads()
-    torch.set_num_threads(base_config().algo.threads)
+    torch.set_num_threads(base_config().learner.threads)
     try:
         return matmul_gflops(
             shape["hidden_size"],

@@ -99,15 +99,20 @@ def batch(episodes: int, length: int, vocab: int, seed: int = 0, logprobs: float
 def algo(**kw):
     from rl.config import AlgoConfig
 
-    base = dict(lr=1e-5, minibatch_episodes=24, microbatch_tokens=4096, threads=os.cpu_count() or 1)
-    return AlgoConfig(**{**base, **kw})
+    return AlgoConfig(**{**dict(lr=1e-5, minibatch_episodes=24), **kw})
+
+
+def system(precision: str = "fp32"):
+    from rl.config import LearnerConfig
+
+    return LearnerConfig(microbatch_tokens=4096, threads=os.cpu_count() or 1, precision=precision)
 
 
 def learner(path, device, precision="fp32", **kw):
     from rl.learner.learner import Learner
 
     torch.manual_seed(0)
-    return Learner(path, algo(**kw), device=device, precision=precision)
+    return Learner(path, algo(**kw), system(precision), device=device)
 
 
 def params(lrn) -> dict:

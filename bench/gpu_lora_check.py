@@ -29,7 +29,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_learner_check import SMOLLM2_MOE, algo, batch, command_line, make_model, timed_steps  # noqa: E402
+from gpu_learner_check import (
+    SMOLLM2_MOE,
+    algo,
+    batch,
+    command_line,
+    make_model,
+    system,
+    timed_steps,
+)  # noqa: E402
 
 
 def measure(path: str, device: str, lora: bool, episodes: int, length: int, steps: int) -> dict:
@@ -40,8 +48,8 @@ def measure(path: str, device: str, lora: bool, episodes: int, length: int, step
     lrn = Learner(
         path,
         algo(minibatch_episodes=episodes, lr=2e-4 if lora else 1e-5),
+        system("bf16"),
         device=device,
-        precision="bf16",
         lora=LoraConfig(enabled=lora),
     )
     b = batch(episodes, length, SMOLLM2_MOE["vocab_size"])

@@ -26,7 +26,7 @@ def one(length: int, bounded: bool) -> dict:
     from policy.args import load_model_args
     from policy.checkpoint import save_policy
     from policy.model import Policy
-    from rl.config import AlgoConfig
+    from rl.config import AlgoConfig, LearnerConfig
     from rl.learner.learner import Learner
     from rollout.trajectory import Trajectory
 
@@ -34,14 +34,13 @@ def one(length: int, bounded: bool) -> dict:
     args = dataclasses.replace(args, vision=dataclasses.replace(args.vision, enabled=False))
     torch.manual_seed(0)
     ckpt = save_policy(Policy(args), tempfile.mkdtemp())
-    algo = AlgoConfig(
-        minibatch_episodes=2,
+    system = LearnerConfig(
         microbatch_tokens=length,
         threads=2,
         logprob_chunk_tokens=1024 if bounded else length,
         activation_checkpointing=bounded,
     )
-    learner = Learner(str(ckpt), algo)
+    learner = Learner(str(ckpt), AlgoConfig(minibatch_episodes=2), system)
     g = torch.Generator().manual_seed(0)
     batch = []
     for i in range(2):

@@ -66,7 +66,7 @@ def one(precision: str, spec: dict, engine_logprobs: list | None) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from rl.config import AlgoConfig
+    from rl.config import AlgoConfig, LearnerConfig
     from rl.learner.learner import Learner
     from rl.start.sft import demonstrations
     from rollout.chat import ChatFormat
@@ -79,14 +79,11 @@ def one(precision: str, spec: dict, engine_logprobs: list | None) -> dict:
         env_kwargs={"max_turns": spec["max_turns"]},
         max_turns=spec["max_turns"],
     )
-    algo = AlgoConfig(
-        minibatch_episodes=spec["episodes"],
-        microbatch_tokens=spec["microbatch_tokens"],
-        lr=1e-5,
-        loss_aggregation="token_mean",
-        threads=2,
+    algo = AlgoConfig(minibatch_episodes=spec["episodes"], lr=1e-5, loss_aggregation="token_mean")
+    system = LearnerConfig(
+        microbatch_tokens=spec["microbatch_tokens"], threads=2, precision=precision
     )
-    learner = Learner(spec["path"], algo, precision=precision)
+    learner = Learner(spec["path"], algo, system)
     # the fp32 learner scores the batch: the engine's numbers for both runs
     if engine_logprobs is None:
         engine_logprobs = [[0.0] + learner.logprobs(t.token_ids) for t in episodes]

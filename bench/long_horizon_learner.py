@@ -86,7 +86,7 @@ def step_wise(t):
 def one(horizon: int, n: int, layout: str) -> dict:
     import torch
 
-    from rl.config import AlgoConfig
+    from rl.config import AlgoConfig, LearnerConfig
     from rl.learner.batch import training_rows
     from rl.learner.learner import Learner
     from rl.start.pretrained import policy
@@ -113,8 +113,8 @@ def one(horizon: int, n: int, layout: str) -> dict:
     torch.set_num_threads(2)
     learner = Learner(
         str(policy("smollm2-135m-instruct", 4, 1)),
-        AlgoConfig(minibatch_episodes=n, microbatch_tokens=2048, lr=1e-6, threads=2),
-        precision="bf16",
+        AlgoConfig(minibatch_episodes=n, lr=1e-6),
+        LearnerConfig(microbatch_tokens=2048, threads=2, precision="bf16"),
     )
     # a first step on two short samples pays what a process pays once (allocator, kernels' set-up)
     learner.train_step(

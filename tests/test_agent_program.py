@@ -187,13 +187,16 @@ def test_the_learner_trains_each_sample_of_a_split_episode_with_the_episode_s_ad
     learner's pre-update log-probs equal each sample scored alone, and the engine's log-probs of
     the samples match them), and every sample's tokens get the episode's advantages (GRPO over the
     group's episodes, the split one counted once; with milestone credit, each turn's own)."""
-    from rl.config import AlgoConfig
+    from rl.config import AlgoConfig, LearnerConfig
     from rl.learner.credit import token_advantages
     from rl.learner.grpo import group_advantages
     from rl.learner.learner import Learner
 
     learner = Learner(
-        tiny_policy, AlgoConfig(threads=1, credit=credit, scale_rewards="none"), seed=0
+        tiny_policy,
+        AlgoConfig(credit=credit, scale_rewards="none"),
+        LearnerConfig(threads=1),
+        seed=0,
     )
     batch = _split_batch(learner, tokenizer)
     split = batch[0]
@@ -229,20 +232,15 @@ def test_the_learner_trains_each_sample_of_a_split_episode_with_the_episode_s_ad
 def test_ppo_values_of_a_split_episode_s_samples_fit_their_returns(tiny_policy, tokenizer):
     """PPO's returns reach each sample at its own positions: turn-level values before the first
     call (return 2.0: the episode's reward) and before the second (-1.0 to go) fit them."""
-    from rl.config import AlgoConfig
+    from rl.config import AlgoConfig, LearnerConfig
     from rl.learner.learner import Learner
 
     learner = Learner(
         tiny_policy,
         AlgoConfig(
-            name="ppo",
-            lr=3e-3,
-            vf_coef=1.0,
-            value_clip=10.0,
-            threads=1,
-            ppo_level="turn",
-            gae_lambda=1.0,
+            name="ppo", lr=3e-3, vf_coef=1.0, value_clip=10.0, ppo_level="turn", gae_lambda=1.0
         ),
+        LearnerConfig(threads=1),
     )
     split = _split_batch(learner, tokenizer)[0]
     split.milestones = [

@@ -210,7 +210,7 @@ def test_milestone_credit_across_segments_against_a_naive_reference(tiny_policy,
     segment, is the turn's reward-to-go against the other episodes' at that turn, computed here from
     the milestones' turns alone; every milestone lies in the segment of the turn that reached it."""
     from envs.tool_calls import format_tool_call as call
-    from rl.config import AlgoConfig
+    from rl.config import AlgoConfig, LearnerConfig
     from rl.learner.batch import training_rows
     from rl.learner.learner import Learner
 
@@ -260,7 +260,10 @@ def test_milestone_credit_across_segments_against_a_naive_reference(tiny_policy,
         return out
 
     learner = Learner(
-        tiny_policy, AlgoConfig(credit="milestone", scale_rewards="none", threads=1), seed=0
+        tiny_policy,
+        AlgoConfig(credit="milestone", scale_rewards="none"),
+        LearnerConfig(threads=1),
+        seed=0,
     )
     stats = learner.train_step(batch)
     for i, t in enumerate(batch):

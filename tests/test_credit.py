@@ -136,7 +136,7 @@ def test_rewards_to_go_and_turn_baselines_by_hand():
 
 
 def test_token_advantages_follow_turn_spans_and_the_learner_uses_them(tiny_policy, tokenizer):
-    from rl.config import AlgoConfig
+    from rl.config import AlgoConfig, LearnerConfig
     from rl.learner.credit import token_advantages
     from rl.learner.learner import Learner
     from rollout.trajectory import Trajectory, Turn
@@ -176,7 +176,9 @@ def test_token_advantages_follow_turn_spans_and_the_learner_uses_them(tiny_polic
     assert adv[0][7:] == [-1.0] * (len(adv[0]) - 7) and adv[1][7:] == [1.0] * (len(adv[1]) - 7)
     masked = [abs(a) for t, row in zip(batch, adv) for a, m in zip(row, t.loss_mask) if m]
     assert adv[0][:2] == [0.0, 0.0] and adv[0][5:7] == [0.0, 0.0]
-    learner = Learner(tiny_policy, AlgoConfig(credit="milestone", scale_rewards="none", threads=1))
+    learner = Learner(
+        tiny_policy, AlgoConfig(credit="milestone", scale_rewards="none"), LearnerConfig(threads=1)
+    )
     stats = learner.train_step(batch)
     assert stats["adv_abs_mean"] == pytest.approx(sum(masked) / len(masked))
     assert 0.75 < stats["adv_abs_mean"] < 1.0  # both turn values present

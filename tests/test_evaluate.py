@@ -38,7 +38,9 @@ def test_held_out_seeds_never_meet_training_seeds():
         2**30,
     ):  # training seeds are masked to 31 bits, whatever the run's seed
         cfg = load_config(REPO / "configs" / "quickstart.yaml", [f"seed={seed}"])
-        assert all(t.seed < HELD_OUT for i in range(50) for t in iteration_tasks(cfg, i))
+        assert all(
+            t.seed < HELD_OUT for i in range(50) for t in iteration_tasks(cfg.rollout, cfg.seed, i)
+        )
 
 
 def test_success_follows_each_environments_rule():

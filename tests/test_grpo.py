@@ -134,16 +134,15 @@ def test_rollout_importance_weights_by_hand():
 def test_the_learner_reports_and_corrects_the_engine_mismatch(tiny_policy, tokenizer):
     """A batch whose engine log-probs equal the learner's except on one episode, off by δ per token:
     the KL, χ² and perplexity ratio are those of that gap, and sequence_mask drops that episode."""
-    from rl.config import AlgoConfig
+    from rl.config import AlgoConfig, LearnerConfig
     from rl.learner.learner import Learner
     from rollout.trajectory import Trajectory
 
     delta = 0.3
     learner = Learner(
         tiny_policy,
-        AlgoConfig(
-            threads=1, minibatch_episodes=4, rollout_is="sequence_mask", tis_cap=2.0, is_low=0.5
-        ),
+        AlgoConfig(minibatch_episodes=4, rollout_is="sequence_mask", tis_cap=2.0, is_low=0.5),
+        LearnerConfig(threads=1),
         seed=0,
     )
     batch, gen = [], []
@@ -196,13 +195,14 @@ def test_truncated_importance_weights_and_k1_kl_by_hand():
 
 
 def test_learner_with_reference_kl_and_tis(tiny_policy, tokenizer):
-    from rl.config import AlgoConfig
+    from rl.config import AlgoConfig, LearnerConfig
     from rl.learner.learner import Learner
     from rollout.trajectory import Trajectory
 
     learner = Learner(
         tiny_policy,
-        AlgoConfig(kl_beta=0.1, tis_cap=2.0, minibatch_episodes=2, threads=1),
+        AlgoConfig(kl_beta=0.1, tis_cap=2.0, minibatch_episodes=2),
+        LearnerConfig(threads=1),
         seed=0,
         max_generated_tokens=8,
     )
@@ -239,11 +239,11 @@ def test_learner_with_reference_kl_and_tis(tiny_policy, tokenizer):
 
 
 def test_learner_skips_an_update_with_nothing_usable(tiny_policy, tokenizer):
-    from rl.config import AlgoConfig
+    from rl.config import AlgoConfig, LearnerConfig
     from rl.learner.learner import Learner
     from rollout.trajectory import Trajectory
 
-    learner = Learner(tiny_policy, AlgoConfig(threads=1), seed=0)
+    learner = Learner(tiny_policy, AlgoConfig(), LearnerConfig(threads=1), seed=0)
     ids = tokenizer.encode("a b c d")
     batch = [
         Trajectory(
@@ -276,7 +276,7 @@ def test_kl_in_the_reward(tiny_policy, tokenizer, estimator):
     """With `kl_in: reward`, each turn's β·KL(π_old‖π_ref) over its generated tokens comes off the
     episode's reward at that turn: checked against a hand computation from the learner's and the
     reference's log-probs, after one update has moved the policy away from the reference."""
-    from rl.config import AlgoConfig
+    from rl.config import AlgoConfig, LearnerConfig
     from rl.learner.grpo import group_advantages
     from rl.learner.learner import Learner
     from rollout.trajectory import Trajectory, Turn
@@ -285,13 +285,9 @@ def test_kl_in_the_reward(tiny_policy, tokenizer, estimator):
     learner = Learner(
         tiny_policy,
         AlgoConfig(
-            kl_beta=beta,
-            kl_in="reward",
-            kl_estimator=estimator,
-            lr=1e-2,
-            minibatch_episodes=4,
-            threads=1,
+            kl_beta=beta, kl_in="reward", kl_estimator=estimator, lr=1e-2, minibatch_episodes=4
         ),
+        LearnerConfig(threads=1),
         seed=0,
     )
     batch = []

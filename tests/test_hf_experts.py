@@ -132,11 +132,13 @@ def test_a_bf16_learner_forwards_its_updated_experts(tiny_policy, monkeypatch):
     the second step's, after the first step's (fused AdamW) update, not the first's."""
     from test_learner_device import _batch
 
-    from rl.config import AlgoConfig
+    from rl.config import AlgoConfig, LearnerConfig
     from rl.learner.learner import Learner
 
     learner = Learner(
-        tiny_policy, AlgoConfig(threads=1, minibatch_episodes=4, lr=0.05), precision="bf16"
+        tiny_policy,
+        AlgoConfig(minibatch_episodes=4, lr=0.05),
+        LearnerConfig(threads=1, precision="bf16"),
     )
     batch = _batch()
     learner.train_step(batch)

@@ -152,11 +152,11 @@ def test_the_terminal_shows_escape_sequences_a_run_wrote_and_never_obeys_them(tm
 @pytest.fixture(scope="module")
 def saved_run(tiny_policy, tmp_path_factory):
     """A run directory with two real learner checkpoints (versions 1 and 2) and its config."""
-    from rl.config import AlgoConfig, dump_config, load_config
+    from rl.config import AlgoConfig, LearnerConfig, dump_config, load_config
     from rl.learner.learner import Learner
 
     run = tmp_path_factory.mktemp("saved-run")
-    learner = Learner(tiny_policy, AlgoConfig(threads=1), seed=0)
+    learner = Learner(tiny_policy, AlgoConfig(), LearnerConfig(threads=1), seed=0)
     for v in (1, 2):
         learner.version = v
         learner.save_checkpoint(str(run / "checkpoints" / f"version-{v:06d}"), {"iteration": v - 1})

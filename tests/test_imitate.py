@@ -12,12 +12,15 @@ from rollout.chat import ChatFormat
 def test_imitate_is_the_demonstrations_nll_and_its_gradient(tiny_policy, tokenizer):
     from transformers import AutoModelForCausalLM
 
-    from rl.config import AlgoConfig
+    from rl.config import AlgoConfig, LearnerConfig
     from rl.learner.learner import Learner
 
     demos = demonstrations(ChatFormat(tokenizer), "tools/calculator-v0", 3, max_turns=4)
     learner = Learner(
-        tiny_policy, AlgoConfig(threads=1, max_grad_norm=1e9, microbatch_tokens=300), seed=0
+        tiny_policy,
+        AlgoConfig(max_grad_norm=1e9),
+        LearnerConfig(threads=1, microbatch_tokens=300),
+        seed=0,
     )
     ref = AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.float32)
     total, n = 0.0, sum(t.num_generated for t in demos)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from rl.config import AlgoConfig, ConfigError, load_config
+from rl.config import AlgoConfig, ConfigError, LearnerConfig, load_config
 from rl.learner import device as devices
 from rl.learner.learner import Learner
 from rollout.trajectory import Trajectory
@@ -63,7 +63,9 @@ def test_bf16_mixed_precision_keeps_fp32_master_weights(tiny_policy):
     for precision in ("fp32", "bf16"):
         torch.manual_seed(0)
         learner = Learner(
-            tiny_policy, AlgoConfig(threads=1, minibatch_episodes=4), precision=precision
+            tiny_policy,
+            AlgoConfig(minibatch_episodes=4),
+            LearnerConfig(threads=1, precision=precision),
         )
         before = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
         linear = next(m for m in learner.model.modules() if isinstance(m, torch.nn.Linear))
@@ -126,7 +128,9 @@ def test_the_fused_adamw_step_equals_the_per_tensor_one(tiny_policy):
     """A single-process learner updates with fused AdamW (one kernel per tensor, no temporaries);
     its step is the per-tensor reference AdamW's on the same gradients, to rounding."""
     learner = Learner(
-        tiny_policy, AlgoConfig(threads=1, minibatch_episodes=4, lr=1e-3, weight_decay=0.1)
+        tiny_policy,
+        AlgoConfig(minibatch_episodes=4, lr=1e-3, weight_decay=0.1),
+        LearnerConfig(threads=1),
     )
     assert all(g.get("fused") for g in learner.opt.param_groups)
     params = [p for g in learner.opt.param_groups for p in g["params"]]

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from rl.config import AlgoConfig
+from rl.config import AlgoConfig, LearnerConfig
 from rl.learner.shares import deal_by_tokens, padded_slots
 from rollout.trajectory import Trajectory, Turn
 
@@ -72,13 +72,14 @@ def batch_of(tokenizer, n: int, seed: int) -> list[Trajectory]:
     return out
 
 
-ALGO = dict(lr=1e-2, minibatch_episodes=5, microbatch_tokens=48, threads=1, max_grad_norm=0.01)
+ALGO = dict(lr=1e-2, minibatch_episodes=5, max_grad_norm=0.01)
+SYSTEM = LearnerConfig(microbatch_tokens=48, threads=1)
 
 
 def single_run(path: str, algo: AlgoConfig, batches) -> tuple[list[dict], list[dict]]:
     from rl.learner.learner import Learner
 
-    learner = Learner(path, algo, seed=0, max_generated_tokens=64)
+    learner = Learner(path, algo, SYSTEM, seed=0, max_generated_tokens=64)
     stats, states = [], []
     for batch in batches:
         stats.append(learner.train_step(batch))
@@ -124,7 +125,9 @@ def test_a_two_rank_group_trains_the_hf_moe_like_one_learner_and_resumes_from_it
     algo = AlgoConfig(**ALGO)
     batches = [batch_of(tokenizer, 10, seed) for seed in (0, 1)]
     ref_stats, ref_states = single_run(tiny_policy, algo, batches)
-    group = LearnerGroup(2, {"num_cpus": 0}, tiny_policy, algo, seed=0, max_generated_tokens=64)
+    group = LearnerGroup(
+        2, {"num_cpus": 0}, tiny_policy, algo, SYSTEM, seed=0, max_generated_tokens=64
+    )
     try:
         stats = group.call("train_step", batches[0])
         assert stats["policy_version"] == 1
@@ -139,9 +142,11 @@ def test_a_two_rank_group_trains_the_hf_moe_like_one_learner_and_resumes_from_it
     saved = dict(full.checkpoint_names(full.module.state_dict().items()))
     assert all(torch.equal(saved[n], state[n]) for n in state)
     with pytest.raises(ValueError, match="learner group of 2 ranks"):
-        Learner(tiny_policy, algo).load_checkpoint(str(ckpt))
+        Learner(tiny_policy, algo, SYSTEM).load_checkpoint(str(ckpt))
 
-    group = LearnerGroup(2, {"num_cpus": 0}, tiny_policy, algo, seed=0, max_generated_tokens=64)
+    group = LearnerGroup(
+        2, {"num_cpus": 0}, tiny_policy, algo, SYSTEM, seed=0, max_generated_tokens=64
+    )
     try:
         restored = group.call("load_checkpoint", str(ckpt))
         assert restored["version"] == 1 and restored["iteration"] == 0
@@ -178,7 +183,7 @@ def test_a_two_rank_group_trains_the_policy_model_with_ppo_and_balancing_like_on
     batch = batch_of(tokenizer, 10, 0)
     ref_stats, ref_states = single_run(path, algo, [batch])
     assert any("router.bias" in n for n in ref_states[0])
-    group = LearnerGroup(2, {"num_cpus": 0}, path, algo, seed=0, max_generated_tokens=64)
+    group = LearnerGroup(2, {"num_cpus": 0}, path, algo, SYSTEM, seed=0, max_generated_tokens=64)
     try:
         stats = group.call("train_step", batch)
         assert stats["value_loss"] == pytest.approx(ref_stats[0]["value_loss"], rel=1e-4)

@@ -10,7 +10,7 @@ from conftest import REPO
 from policy.args import load_model_args
 from policy.checkpoint import save_policy
 from policy.model import Policy
-from rl.config import AlgoConfig
+from rl.config import AlgoConfig, LearnerConfig
 from rl.learner.grpo import token_logprobs
 from rl.learner.learner import Learner
 from rl.learner.logprobs import chunked_logprobs
@@ -101,20 +101,14 @@ def test_micro_batches_and_chunks_give_the_same_update(policy_ckpt, aggregation)
     batch = _batch([40, 25, 33, 18, 50, 27])
     plain = Learner(
         policy_ckpt,
-        AlgoConfig(
-            loss_aggregation=aggregation, minibatch_episodes=6, threads=1, entropy_coef=0.01
-        ),
+        AlgoConfig(loss_aggregation=aggregation, minibatch_episodes=6, entropy_coef=0.01),
+        LearnerConfig(threads=1),
     )
     small = Learner(
         policy_ckpt,
-        AlgoConfig(
-            loss_aggregation=aggregation,
-            minibatch_episodes=6,
-            threads=1,
-            entropy_coef=0.01,
-            microbatch_tokens=60,
-            logprob_chunk_tokens=7,
-            activation_checkpointing=True,
+        AlgoConfig(loss_aggregation=aggregation, minibatch_episodes=6, entropy_coef=0.01),
+        LearnerConfig(
+            threads=1, microbatch_tokens=60, logprob_chunk_tokens=7, activation_checkpointing=True
         ),
     )
     assert len(small.plan(batch)[0]) > 2 and len(plain.plan(batch)[0]) == 1
@@ -132,12 +126,8 @@ def test_micro_batches_and_chunks_give_the_same_update(policy_ckpt, aggregation)
 def test_long_trajectory_trains_the_policy_model(policy_ckpt, tmp_path):
     learner = Learner(
         policy_ckpt,
-        AlgoConfig(
-            minibatch_episodes=2,
-            threads=2,
-            logprob_chunk_tokens=1024,
-            activation_checkpointing=True,
-        ),
+        AlgoConfig(minibatch_episodes=2),
+        LearnerConfig(threads=2, logprob_chunk_tokens=1024, activation_checkpointing=True),
     )
     batch = _batch([8192, 8192])
     before = [p.detach().clone() for p in learner.model.parameters()]
@@ -145,7 +135,7 @@ def test_long_trajectory_trains_the_policy_model(policy_ckpt, tmp_path):
     assert torch.isfinite(torch.tensor(stats["loss"])) and stats["grad_norm"] > 0
     assert any((p - b).abs().max() > 0 for p, b in zip(learner.model.parameters(), before))
     saved = learner.save_checkpoint(str(tmp_path / "ckpt"), {"iteration": 0})
-    again = Learner(policy_ckpt, AlgoConfig(threads=1))
+    again = Learner(policy_ckpt, AlgoConfig(), LearnerConfig(threads=1))
     again.load_checkpoint(saved)
     assert again.version == 1
     assert all(
@@ -169,7 +159,9 @@ def test_router_balancing_during_rl_steps(tmp_path, balance):
             r.weight[:2] += 0.5 * torch.randn(args.dim)  # experts 0 and 1 win almost every token
     ckpt = str(save_policy(model, tmp_path / balance))
     learner = Learner(
-        ckpt, AlgoConfig(minibatch_episodes=4, threads=1, lr=1e-6, microbatch_tokens=300)
+        ckpt,
+        AlgoConfig(minibatch_episodes=4, lr=1e-6),
+        LearnerConfig(threads=1, microbatch_tokens=300),
     )
     batch = _batch([200, 180, 190, 210], seed=1)
     loads = [learner.train_step(batch)["router_load_max_over_mean"] for _ in range(8)]
@@ -234,13 +226,8 @@ def test_fused_pre_update_logprobs_give_the_separate_passs_update(policy_ckpt, t
     for fuse in (True, False):
         learner = Learner(
             path,
-            AlgoConfig(
-                minibatch_episodes=6,
-                threads=1,
-                microbatch_tokens=100,
-                fuse_old_logprobs=fuse,
-                router_aux_coef=0.01 if kind == "hf" else 0.0,
-            ),
+            AlgoConfig(minibatch_episodes=6, router_aux_coef=0.01 if kind == "hf" else 0.0),
+            LearnerConfig(threads=1, microbatch_tokens=100, fuse_old_logprobs=fuse),
         )
         assert learner.fuses_old_logprobs(len(learner.plan(batch))) == fuse
         # the step is the gradient

@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_learner_device import _batch
 
-from rl.config import AlgoConfig, LoraConfig
+from rl.config import AlgoConfig, LearnerConfig, LoraConfig
 from rl.learner.learner import Learner
 from rl.learner.lora import EngineFactors, adapter_state, merged_state
 from rollout.weights import CheckpointTensors, merge_adapters
@@ -57,7 +57,9 @@ def _nudge(model: torch.nn.Module, seed: int = 0) -> None:
 
 def _learner(path: str, **kw) -> Learner:
     torch.manual_seed(0)
-    return Learner(path, AlgoConfig(threads=1, minibatch_episodes=4, **kw), lora=LORA)
+    return Learner(
+        path, AlgoConfig(minibatch_episodes=4, **kw), LearnerConfig(threads=1), lora=LORA
+    )
 
 
 def test_only_the_adapters_train_and_start_at_the_base(tiny_policy, hf_model):
@@ -172,7 +174,9 @@ def test_checkpoints_keep_the_merged_model_and_resume_the_adapters(tiny_policy, 
     saved = adapter_state(learner.model)
     assert all(torch.equal(v, adapter_state(resumed.model)[k]) for k, v in saved.items())
     assert len(resumed.opt.state) == len(learner.opt.state) > 0
-    other = Learner(tiny_policy, AlgoConfig(threads=1), lora=LoraConfig(enabled=True, rank=2))
+    other = Learner(
+        tiny_policy, AlgoConfig(), LearnerConfig(threads=1), lora=LoraConfig(enabled=True, rank=2)
+    )
     with pytest.raises(ValueError, match="lora.rank or lora.targets changed"):
         other.load_checkpoint(path)
 

@@ -489,7 +489,7 @@ def test_the_safe_gate_starts_with_memory_and_its_rates_stay_fp32_without_weight
     from policy.checkpoint import load_policy, save_policy
     from policy.kda import KDA
     from policy.model import Policy
-    from rl.config import AlgoConfig
+    from rl.config import AlgoConfig, LearnerConfig
     from rl.learner.learner import Learner
 
     args = load_model_args("configs/policy/debug.yaml")
@@ -508,7 +508,7 @@ def test_the_safe_gate_starts_with_memory_and_its_rates_stay_fp32_without_weight
     assert all(
         b.dtype == torch.float32 for n, b in model.named_buffers() if n.endswith("router.bias")
     )
-    learner = Learner(str(path), AlgoConfig(threads=1, weight_decay=0.1))
+    learner = Learner(str(path), AlgoConfig(weight_decay=0.1), LearnerConfig(threads=1))
     rates = {id(p) for n, p in learner.model.named_parameters() if n.endswith(("A_log", "dt_bias"))}
     main, own = learner.opt.param_groups
     assert (

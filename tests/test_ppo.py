@@ -69,20 +69,15 @@ def test_decision_points_per_token_and_per_turn():
 
 
 def test_ppo_learner_fits_values_to_returns(tiny_policy, tokenizer):
-    from rl.config import AlgoConfig
+    from rl.config import AlgoConfig, LearnerConfig
     from rl.learner.learner import Learner
 
     learner = Learner(
         tiny_policy,
         AlgoConfig(
-            name="ppo",
-            lr=3e-3,
-            vf_coef=1.0,
-            value_clip=10.0,
-            threads=1,
-            ppo_level="turn",
-            gae_lambda=1.0,
+            name="ppo", lr=3e-3, vf_coef=1.0, value_clip=10.0, ppo_level="turn", gae_lambda=1.0
         ),
+        LearnerConfig(threads=1),
     )
     ids = tokenizer.encode("one two three four five six seven eight nine ten")[:10]
     t = _episode()
@@ -98,14 +93,14 @@ def test_ppo_learner_fits_values_to_returns(tiny_policy, tokenizer):
 
 
 def test_ppo_checkpoint_keeps_the_value_head(tiny_policy, tokenizer, tmp_path):
-    from rl.config import AlgoConfig
+    from rl.config import AlgoConfig, LearnerConfig
     from rl.learner.learner import Learner
 
-    algo = AlgoConfig(name="ppo", threads=1)
-    learner = Learner(tiny_policy, algo)
+    algo, system = AlgoConfig(name="ppo"), LearnerConfig(threads=1)
+    learner = Learner(tiny_policy, algo, system)
     with torch.no_grad():
         learner.value_head.proj.weight.normal_()
     path = learner.save_checkpoint(str(tmp_path / "ck"), {"iteration": 0})
-    again = Learner(tiny_policy, algo)
+    again = Learner(tiny_policy, algo, system)
     again.load_checkpoint(path)
     assert torch.equal(again.value_head.proj.weight, learner.value_head.proj.weight)

@@ -34,7 +34,7 @@ OVERRIDES = [
     "algo.lr=1e-5",
     "algo.entropy_coef=0.01",
     "algo.router_aux_coef=0.01",
-    "algo.microbatch_tokens=2048",
+    "learner.microbatch_tokens=2048",
 ]
 
 

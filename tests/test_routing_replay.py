@@ -9,7 +9,7 @@ import pytest
 import torch
 from test_learner_memory import _batch, policy_ckpt  # noqa: F401  (a module fixture)
 
-from rl.config import AlgoConfig
+from rl.config import AlgoConfig, LearnerConfig
 from rl.learner.learner import Learner
 
 
@@ -35,7 +35,7 @@ def _record(traj, experts_LTk, shift: int, n_experts: int):
 @pytest.fixture()
 def learner(policy_ckpt):  # noqa: F811
     torch.manual_seed(0)
-    return Learner(policy_ckpt, AlgoConfig(minibatch_episodes=4, threads=1))
+    return Learner(policy_ckpt, AlgoConfig(minibatch_episodes=4), LearnerConfig(threads=1))
 
 
 def test_replayed_experts_are_the_ones_the_update_uses(learner):
@@ -79,11 +79,15 @@ def test_decisions_the_router_agrees_with_count_as_the_same(learner):
 
 
 def test_replay_off_and_a_malformed_record(policy_ckpt):  # noqa: F811
-    off = Learner(policy_ckpt, AlgoConfig(minibatch_episodes=4, threads=1, routing_replay=False))
+    off = Learner(
+        policy_ckpt,
+        AlgoConfig(minibatch_episodes=4, routing_replay=False),
+        LearnerConfig(threads=1),
+    )
     n_experts = off.model.routers()[0].a.n_routed_experts
     batch = [_record(t, _own_routing(off, t), 1, n_experts) for t in _batch([40, 40])]
     assert "routing_replay_decisions" not in off.train_step(batch)
-    on = Learner(policy_ckpt, AlgoConfig(minibatch_episodes=4, threads=1))
+    on = Learner(policy_ckpt, AlgoConfig(minibatch_episodes=4), LearnerConfig(threads=1))
     bad = dataclasses.replace(
         batch[0], routed_experts=[[[1]] if m else [] for m in batch[0].loss_mask]
     )
@@ -95,7 +99,7 @@ def test_hugging_face_moe_replays_through_router_hooks(tiny_policy, tokenizer):
     """The same for a Hugging Face Qwen3-MoE checkpoint: hooks on its routers swap in the recorded
     selection, weights from the current router (it still learns)."""
     torch.manual_seed(0)
-    hf = Learner(tiny_policy, AlgoConfig(minibatch_episodes=4, threads=1))
+    hf = Learner(tiny_policy, AlgoConfig(minibatch_episodes=4), LearnerConfig(threads=1))
     replay = hf.lm.hf_replay
     assert replay.supported and hf.lm.moe_shape() == (len(replay.gates), replay.top_k)
     n_experts = replay.gates[0].num_experts

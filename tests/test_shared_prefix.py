@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl.config import AlgoConfig
+from rl.config import AlgoConfig, LearnerConfig
 from rl.learner.learner import Learner
 from rl.learner.logprobs import load_causal_lm
 from rl.learner.routing import balance_terms
@@ -123,14 +123,8 @@ def test_a_train_step_with_shared_prefixes_is_the_plain_step(tiny_policy, precis
         torch.manual_seed(0)
         learner = Learner(
             tiny_policy,
-            AlgoConfig(
-                threads=1,
-                minibatch_episodes=6,
-                shared_prefix_tokens=shared,
-                router_aux_coef=0.01,
-                lr=1e-3,
-            ),
-            precision=precision,
+            AlgoConfig(minibatch_episodes=6, router_aux_coef=0.01, lr=1e-3),
+            LearnerConfig(threads=1, shared_prefix_tokens=shared, precision=precision),
         )
         step = learner._clip_and_step
 

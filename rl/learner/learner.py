@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from policy.kda import FP32_PARAMS
-from rl.config import AlgoConfig, LoraConfig
+from rl.config import AlgoConfig, LearnerConfig, LoraConfig
 from rl.learner import device as devices
 from rl.learner.batch import (
     Row,
@@ -83,6 +83,7 @@ class Learner(WeightSource):
         self,
         policy_path: str,
         algo: AlgoConfig,
+        system: LearnerConfig | None = None,
         *,
         seed: int = 0,
         dtype: str = "float32",
@@ -90,15 +91,20 @@ class Learner(WeightSource):
         max_generated_tokens: int | None = None,
         max_staleness: int | None = None,
         device: str = "cpu",
-        precision: str = "fp32",
         lora: LoraConfig | None = None,
         engine_dtype: str | None = None,
     ):
-        torch.set_num_threads(algo.threads)
+        """`algo`: what is optimised; `system`: how it is computed (micro-batches, threads,
+        precision); `device`: where, resolved by the caller (a rank placed by Ray knows whether it
+        got a GPU; `learner.device` auto does not say)."""
+        self.system = system = system or LearnerConfig()
+        torch.set_num_threads(system.threads)
         torch.manual_seed(seed)
         self.device = devices.resolve(device)
-        self.precision = precision
-        devices.autocast(self.device, precision)  # an unknown precision fails here, not mid-step
+        self.precision = system.precision
+        devices.autocast(
+            self.device, self.precision
+        )  # an unknown precision fails here, not mid-step
         self.cfg = algo
         self.temperature = temperature
         self.dtype = getattr(torch, dtype)
@@ -117,16 +123,16 @@ class Learner(WeightSource):
         self.ref = None
         if algo.kl_beta:  # frozen copy of the starting policy
             self.ref = load_causal_lm(policy_path, self.dtype)
-            self.ref.shared_prefix_tokens = algo.shared_prefix_tokens
+            self.ref.shared_prefix_tokens = system.shared_prefix_tokens
             self.ref.module.to(self.device).eval().requires_grad_(False)
         self.version = 0
 
     def _load(self, path: str) -> None:
         self.lm = load_causal_lm(path, self.dtype)
-        self.lm.shared_prefix_tokens = self.cfg.shared_prefix_tokens
+        self.lm.shared_prefix_tokens = self.system.shared_prefix_tokens
         self.model = self.lm.module.to(self.device)
         self.model.train()
-        if self.cfg.activation_checkpointing:
+        if self.system.activation_checkpointing:
             if self.lm.kind == "policy":
                 self.model.activation_checkpointing = True
             else:
@@ -266,7 +272,7 @@ class Learner(WeightSource):
                 lm.head,
                 ids,
                 temperature=temperature or self.temperature,
-                chunk_tokens=self.cfg.logprob_chunk_tokens,
+                chunk_tokens=self.system.logprob_chunk_tokens,
                 with_entropy=with_entropy,
                 banned_ids=lm.banned_ids,
                 only_BT=only,
@@ -286,10 +292,10 @@ class Learner(WeightSource):
     def fuses_old_logprobs(self, n_minibatches: int) -> bool:
         """Whether the pre-update log-probs come from the training forward itself: GRPO with a single
         optimiser step per batch (one epoch, one minibatch), nothing else needing them before it (no
-        reference model, no value head) and a single rank, and `algo.fuse_old_logprobs` on."""
+        reference model, no value head) and a single rank, and `learner.fuse_old_logprobs` on."""
         c = self.cfg
         return (
-            c.fuse_old_logprobs
+            self.system.fuse_old_logprobs
             and c.name == "grpo"
             and c.epochs == 1
             and n_minibatches == 1
@@ -309,7 +315,7 @@ class Learner(WeightSource):
         return minibatch_shares(
             [len(t.token_ids) for t in seqs],
             self.cfg.minibatch_episodes,
-            self.cfg.microbatch_tokens,
+            self.system.microbatch_tokens,
             self.world,
         )
 
@@ -613,7 +619,7 @@ class Learner(WeightSource):
         t0 = time.perf_counter()
         seqs = [row.seq for row in training_rows(batch)]
         micro_batches = pack(
-            list(range(len(seqs))), [len(t.token_ids) for t in seqs], self.cfg.microbatch_tokens
+            list(range(len(seqs))), [len(t.token_ids) for t in seqs], self.system.microbatch_tokens
         )
         n_tokens = sum(t.num_generated for t in seqs)
         for group in self.opt.param_groups:
@@ -718,7 +724,7 @@ class Learner(WeightSource):
             h,
             self.lm.head,
             ids,
-            chunk_tokens=self.cfg.logprob_chunk_tokens,
+            chunk_tokens=self.system.logprob_chunk_tokens,
             banned_ids=self.lm.banned_ids,
         )[0][0].tolist()
 

@@ -196,7 +196,7 @@ class CausalLM:
         self.banned_ids = module.never_generated() if kind == "policy" else []
         self.hf_replay = None
         # Hugging Face models: a micro-batch whose rows all start with at least this many equal tokens
-        # runs that prefix once (`_hf_shared_prefix`); 0: off. Set by the learner (algo.shared_prefix_tokens).
+        # runs that prefix once (`_hf_shared_prefix`); 0: off. Set by the learner (learner.shared_prefix_tokens).
         self.shared_prefix_tokens = 0
         if kind == "hf":
             from rl.learner.routing import HFRoutingReplay

@@ -98,6 +98,7 @@ def start_actors(cfg: RunConfig, path: str, run_dir: Path, rollouts: bool, judge
         ),
         path,
         c.algo,
+        c.learner,
         seed=c.seed,
         dtype=c.policy.dtype,
         temperature=c.rollout.temperature,
@@ -106,7 +107,6 @@ def start_actors(cfg: RunConfig, path: str, run_dir: Path, rollouts: bool, judge
         expert_parallel=c.learner.expert_parallel,
         backend=c.learner.backend,
         device="cuda" if gpus else "cpu",
-        precision=c.learner.precision,
         lora=c.lora,
         engine_dtype=c.rollout.engine_dtype(c.policy.dtype),
     )
