@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -205,6 +206,18 @@ class TrajectoryStore:
 
     def shards(self) -> list[Path]:
         return sorted(self.dir.glob("*.parquet")) if self.dir.exists() else []
+
+    def set_aside(self, from_iteration: int) -> int:
+        """Move the shards (and the learner's) of `from_iteration` on to `superseded/`, kept and
+        never deleted: a resumed run plays those iterations again. How many moved."""
+        aside, moved, stamp = self.dir / "superseded", 0, int(time.time())
+        for shard in self.shards() + self.learner_shards():
+            if int(shard.stem.split("-")[1]) >= from_iteration:
+                aside.mkdir(exist_ok=True)
+                prefix = "learner-" if shard.parent == self.learner_dir else ""
+                os.replace(shard, aside / f"{prefix}{shard.stem}-{stamp}.parquet")
+                moved += 1
+        return moved
 
     def rows(
         self,

@@ -5,17 +5,17 @@ from __future__ import annotations
 
 from collections import Counter
 
-from rl.config import RunConfig
+from rollout.config import RolloutConfig
 from rollout.trajectory import FAILURE_KINDS, EpisodeTask, Trajectory
 
 
-def iteration_tasks(cfg: RunConfig, iteration: int) -> list[EpisodeTask]:
-    """The episodes of one iteration: `groups_per_iteration` tasks × `group_size` episodes."""
-    r = cfg.rollout
+def iteration_tasks(r: RolloutConfig, seed: int, iteration: int) -> list[EpisodeTask]:
+    """The episodes of one iteration: `groups_per_iteration` tasks × `group_size` episodes, their
+    environment seeds drawn from the run's `seed`."""
     tasks = []
     for g in range(r.groups_per_iteration):
         group_id = iteration * r.groups_per_iteration + g
-        env_seed = (cfg.seed * 1_000_003 + group_id) & 0x7FFFFFFF
+        env_seed = (seed * 1_000_003 + group_id) & 0x7FFFFFFF
         for k in range(r.group_size):
             tasks.append(EpisodeTask(f"i{iteration}-g{g}-e{k}", group_id, env_seed, iteration))
     return tasks

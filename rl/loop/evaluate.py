@@ -1,7 +1,7 @@
 """Evaluation on held-out seeds: success rate with a 95% interval, mean milestones, pass@k.
 
 Held-out means never trained on: training draws environment seeds below 2^31
-(`rl.loop.trainer.iteration_tasks` masks them to 31 bits); evaluation has two splits of its own,
+(`rl.loop.episodes.iteration_tasks` masks them to 31 bits); evaluation has two splits of its own,
 `validation` (2^31 + i: what anything is tuned or watched on, the warm start's stopping rule and the
 evaluations during RL) and `test` (2^31 + 2^30 + i: what is reported, looked at once at the end). Each of
 `episodes / k` seeds is played `k` times (different sampling seeds); success is the environment's

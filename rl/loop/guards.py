@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rl.config import RunConfig
 from rollout.trajectory import Trajectory
 
 
@@ -20,8 +19,20 @@ class CannotLearn(RuntimeError):
 
 
 class LearningGuard:
-    def __init__(self, cfg: RunConfig, run_dir: Path):
-        self.cfg, self.run_dir = cfg, run_dir
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        max_infra_error_share: float,
+        stop_after_failed: int,
+        stop_after_flat: int,
+        ppo: bool,
+    ):
+        """The run's `max_infra_error_share`, `stop_after_failed` and `stop_after_flat`; `ppo`:
+        the signal is a reward spread (no groups)."""
+        self.run_dir, self.ppo = run_dir, ppo
+        self.max_infra_error_share = max_infra_error_share
+        self.stop_after_failed, self.stop_after_flat = stop_after_failed, stop_after_flat
         self._failed_in_a_row = 0  # iterations whose episodes failed for reasons outside the policy
         self._flat_in_a_row = 0  # iterations without a learning signal (every advantage zero)
         self._why = ""  # what went wrong in the last failed iteration
@@ -33,7 +44,7 @@ class LearningGuard:
         errors = [t for t in trajs if t.infra_error]
         failed = bool(stats.get("skipped_update")) or len(
             errors
-        ) > self.cfg.max_infra_error_share * len(trajs)
+        ) > self.max_infra_error_share * len(trajs)
         self._failed_in_a_row = self._failed_in_a_row + 1 if failed else 0
         if failed:
             self._why = (
@@ -42,19 +53,19 @@ class LearningGuard:
                 if errors
                 else f"the learner had no usable episode in iteration {it} ({len(trajs)} episodes)"
             )
-        if self.cfg.stop_after_failed and self._failed_in_a_row >= self.cfg.stop_after_failed:
+        if self.stop_after_failed and self._failed_in_a_row >= self.stop_after_failed:
             raise CannotLearn(
                 f"the run cannot learn: {self._failed_in_a_row} failed iterations in a row; {self._why}. "
                 f"What was written is kept in {self.run_dir}"
             )
         if failed:
             return
-        ppo = self.cfg.algo.name == "ppo"
+        ppo = self.ppo
         flat = (
             stats.get("reward_spread", 1) == 0 if ppo else stats.get("groups_with_signal", 1) == 0
         )
         self._flat_in_a_row = self._flat_in_a_row + 1 if flat else 0
-        if self.cfg.stop_after_flat and self._flat_in_a_row >= self.cfg.stop_after_flat:
+        if self.stop_after_flat and self._flat_in_a_row >= self.stop_after_flat:
             ok = [t for t in trajs if not t.infra_error]
             rewards = sorted({round(t.reward, 6) for t in ok})
             what = (

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import ray
 
-from rl.config import RunConfig
+from envs.config import EnvConfig
+from rl.config import EvalConfig
 from rl.faults import WorkerLost
 from rl.store import TrajectoryStore
 from rl.weight_sync.driver import WeightSync
@@ -27,12 +28,17 @@ from rollout.trajectory import Trajectory
 class HeldOut:
     def __init__(
         self,
-        cfg: RunConfig,
+        cfg: EvalConfig,
+        env: EnvConfig,
+        temperature: float,
         workers: list,
         weights: WeightSync,
         run_dir: Path,
         log: Callable[[str], None],
     ):
+        """`env`: the training environment (evaluated on when `eval.env_id` is empty);
+        `temperature`: the rollouts' (when `eval.temperature` is 0)."""
+        self.env, self.temperature = env, temperature
         self.cfg, self.workers, self.weights, self.run_dir, self.log = (
             cfg,
             workers,
@@ -55,15 +61,13 @@ class HeldOut:
         of a store at RUN_DIR/DIR (`longhorizon inspect RUN_DIR/DIR`)."""
         from rl.loop.evaluate import eval_tasks, summarise
 
-        e = self.cfg.eval
+        e = self.cfg
         env_id, kwargs = (
-            (e.env_id, dict(e.env_kwargs))
-            if e.env_id
-            else (self.cfg.env.id, dict(self.cfg.env.kwargs))
+            (e.env_id, dict(e.env_kwargs)) if e.env_id else (self.env.id, dict(self.env.kwargs))
         )
         kwargs = kwargs if env_kwargs is None else {**kwargs, **env_kwargs}
         tasks = eval_tasks(episodes or e.episodes, e.k, split)
-        temperature = e.temperature or self.cfg.rollout.temperature
+        temperature = e.temperature or self.temperature
         shares = {i: tasks[i :: len(self.workers)] for i in range(len(self.workers))}
         trajs: list[Trajectory] = []
         for attempt in range(2):

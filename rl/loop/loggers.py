@@ -40,19 +40,17 @@ class TensorBoardLog:
 class WandbLog:
     """The metrics rows as a Weights & Biases run (step = iteration), the run config as its config."""
 
-    def __init__(self, cfg, run_dir: str | Path):
-        import dataclasses
-
+    def __init__(self, log, run_dir: str | Path, config: dict):
+        """`log`: the run's LogConfig; `config`: the whole run's, recorded with the run."""
         import wandb
 
-        log = cfg.log
         self.run = wandb.init(
             project=log.wandb_project,
             entity=log.wandb_entity or None,
             mode=log.wandb_mode,
             dir=str(Path(run_dir)),
             name=Path(run_dir).name,
-            config=dataclasses.asdict(cfg),
+            config=config,
             resume="allow",
             id=_wandb_id(run_dir),
             # the trainer has its own progress display; W&B's banner and console capture would garble it

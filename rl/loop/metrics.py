@@ -11,18 +11,30 @@ from pathlib import Path
 
 import ray
 
-from rl.config import RunConfig
+from rl.config import LogConfig
 from rl.loop.loggers import TensorBoardLog
 from rl.weight_sync.transport import WORKER_LOST
 
 
 class MetricsLog:
-    def __init__(self, cfg: RunConfig, run_dir: Path, workers: list):
-        self.cfg, self.run_dir, self.workers = cfg, run_dir, workers
+    def __init__(self, cfg: LogConfig, run_dir: Path, workers: list, run_config: dict):
+        """`run_config`: the whole run's config, as W&B records it beside the metrics."""
+        self.cfg, self.run_dir, self.workers, self.run_config = cfg, run_dir, workers, run_config
         self.tensorboard = None
         self.wandb = None
         self._busy_last: list[float] = []  # the engines' busy seconds at the last row
         self._last_row_t = 0.0
+
+    def drop_from(self, iteration: int) -> None:
+        """Forget the metrics rows of `iteration` on (a resumed run writes them again)."""
+        path = self.run_dir / "metrics.jsonl"
+        if path.exists():
+            kept = [
+                line
+                for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line)["iteration"] < iteration
+            ]
+            path.write_text("".join(line + "\n" for line in kept))
 
     def start_clock(self) -> None:
         """From now on: what the engines did before (an evaluation) is no iteration's."""
@@ -57,11 +69,11 @@ class MetricsLog:
         if self.tensorboard is None:
             self.tensorboard = TensorBoardLog(self.run_dir)
         self.tensorboard.log(row)
-        if self.cfg.log.wandb_project:
+        if self.cfg.wandb_project:
             if self.wandb is None:
                 from rl.loop.loggers import WandbLog
 
-                self.wandb = WandbLog(self.cfg, self.run_dir)
+                self.wandb = WandbLog(self.cfg, self.run_dir, self.run_config)
             self.wandb.log(row)
 
     def finish(self) -> None:
@@ -75,3 +87,20 @@ class MetricsLog:
             self.tensorboard.close()
             self.tensorboard = None
         self.finish()
+
+
+def progress_line(row: dict) -> str:
+    loss = f"loss {row['loss']:+.4f}" if "loss" in row else "no usable episodes"
+    sync = f"  sync {row['sync_s'] * 1e3:.0f} ms" if "sync_s" in row else ""
+    status = f"reward {row['mean_reward']:.3f}  {loss}  v{row['policy_version']}{sync}"
+    if row.get("infra_errors"):
+        status += f"  infra errors {row['infra_errors']}"
+    return status
+
+
+def rates_line(row: dict) -> str:
+    busy = f"  engine busy {row['engine_busy']:.0%}" if "engine_busy" in row else ""
+    return (
+        f"{row['episodes_per_s']:.2f} episodes/s  gen {row['gen_tokens_per_s']:.0f} tok/s  "
+        f"staleness {row['staleness_max']}{busy}"
+    )

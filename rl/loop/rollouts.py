@@ -22,9 +22,9 @@ from collections.abc import Callable
 
 import ray
 
-from rl.config import RunConfig
 from rl.loop.episodes import iteration_tasks
 from rl.weight_sync.transport import WORKER_LOST
+from rollout.config import RolloutConfig
 from rollout.judge_actor import ask_groups, settle
 from rollout.trajectory import EpisodeTask, Trajectory
 from rollout.worker import StaleWorkerError
@@ -33,16 +33,23 @@ from rollout.worker import StaleWorkerError
 class Rollouts:
     def __init__(
         self,
-        cfg: RunConfig,
+        cfg: RolloutConfig,
         workers: list,
         restore: Callable[[int, int], None],
         rubric,
         judge,
         log: Callable[[str], None],
+        *,
+        seed: int,
+        iterations: int,
+        judge_timeout_s: float,
     ):
         """`restore(i, min_version)`: bring back rollout worker `i` at `min_version` at least
-        (WeightSync.restore); `rubric`, `judge`: the run's (rewards/rubric.py, rollout/judge_actor.py)."""
+        (WeightSync.restore); `rubric`, `judge`: the run's (rewards/rubric.py, rollout/judge_actor.py);
+        `seed`: the run's (the episodes' tasks); `iterations`: none is submitted beyond them;
+        `judge_timeout_s`: how long the judge's scores are waited for."""
         self.cfg, self.workers, self.restore, self.log = cfg, workers, restore, log
+        self.seed, self.iterations, self.judge_timeout_s = seed, iterations, judge_timeout_s
         self.rubric, self.judge = rubric, judge
         # iteration → [(worker index, share, min version, future)]
         self.inflight: dict[int, list] = {}
@@ -56,9 +63,9 @@ class Rollouts:
     def submit(self, iteration: int, version: int) -> None:
         """Queue an iteration's episodes on the rollout workers (split evenly; returns at once).
         Every rollout queued now runs after the loads queued before it: at least `version`."""
-        if iteration in self.inflight or iteration >= self.cfg.iterations:
+        if iteration in self.inflight or iteration >= self.iterations:
             return
-        tasks = iteration_tasks(self.cfg, iteration)
+        tasks = iteration_tasks(self.cfg, self.seed, iteration)
         shares = [tasks[i :: len(self.workers)] for i in range(len(self.workers))]
         for i, share in enumerate(shares):
             self.outstanding[i].update((t.episode_id, t) for t in share)
@@ -68,7 +75,7 @@ class Rollouts:
         ]
 
     def _call(self, i: int, share: list[EpisodeTask], min_version: int, iteration: int):
-        tokens = self.cfg.rollout.episode_tokens_at(iteration)
+        tokens = self.cfg.episode_tokens_at(iteration)
         return self.workers[i].rollout.remote(share, min_version, tokens)
 
     def collect(self, iteration: int, version: int) -> list[Trajectory]:
@@ -107,7 +114,7 @@ class Rollouts:
         # judge parts were sent to the judge as each worker finished (rank parts: now, with whole groups);
         # the rubric is applied once their scores are in
         ask_groups(self.rubric, out, self.judge)
-        self.judge_row = settle(self.rubric, out, self.cfg.reward.judge.timeout_s)
+        self.judge_row = settle(self.rubric, out, self.judge_timeout_s)
         return out
 
     def trainable(self, ended: list[Trajectory]) -> list[Trajectory]:
@@ -115,7 +122,7 @@ class Rollouts:
         (partial rollouts end a group's episodes in different iterations)."""
         pool = self.held + ended
         counts = Counter(t.group_id for t in pool)
-        ready = {g for g, n in counts.items() if n >= self.cfg.rollout.group_size}
+        ready = {g for g, n in counts.items() if n >= self.cfg.group_size}
         self.held = [t for t in pool if t.group_id not in ready]
         return [t for t in pool if t.group_id in ready]
 

@@ -15,8 +15,9 @@ generated it, and the learner's importance weights correct for whatever lag ther
 The state lives in small objects, each in its own module: the actors (rl/loop/actors.py), the episodes
 in flight and held (rl/loop/rollouts.py), the weights on their way to the engines (rl/weight_sync/driver.py),
 held-out evaluation (rl/loop/held_out.py), the metrics row's clocks and sinks (rl/loop/metrics.py), whether
-the run can learn (rl/loop/guards.py). The weights live in the learner, the engines in the workers, the
-episodes in the store (rl/store.py).
+the run can learn (rl/loop/guards.py); rl/loop/setup.py starts and stops them (a new run, a warm start,
+a resume). The weights live in the learner, the engines in the workers, the episodes in the store
+(rl/store.py).
 
 Faults: rollout and env workers are restarted by Ray (`ray.max_restarts`); a rollout worker's
 lost share of an iteration is run again once it is back on the current weights. The learner is
@@ -38,61 +39,22 @@ What it writes to the run directory:
 from __future__ import annotations
 
 import json
-import os
 import time
-from pathlib import Path
 
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from rewards.rubric import build as build_rubric
-from rl.config import RunConfig, dump_config
-from rl.faults import LearnerDied, WorkerLost, latest_checkpoint, learner_get
-from rl.learner.checkpoints import resume_point
-from rl.loop.actors import policy_path, start_actors
+from rl.faults import LearnerDied, WorkerLost
 from rl.loop.episodes import batch_metrics
-from rl.loop.guards import LearningGuard
-from rl.loop.held_out import HeldOut, eval_metrics
-from rl.loop.metrics import MetricsLog
-from rl.loop.rollouts import Rollouts
-from rl.ray_utils import init_ray
-from rl.store import TrajectoryStore
-from rl.weight_sync.driver import WeightSync
+from rl.loop.held_out import eval_metrics
+from rl.loop.metrics import progress_line, rates_line
+from rl.loop.setup import RunSetup
 from rollout.trajectory import Trajectory
 
 __all__ = ["LearnerDied", "Trainer", "WorkerLost"]
 
 
-class Trainer:
-    """The driver. With `from_store=RUN_DIR` it starts no rollout or env workers: iteration i trains
-    on the i-th trajectory shard of that run (for debugging a learner change on fixed data)."""
-
-    def __init__(
-        self,
-        cfg: RunConfig,
-        run_dir: str | Path,
-        console: Console | None = None,
-        from_store: str | Path | None = None,
-    ):
-        self.cfg = cfg
-        self.run_dir = Path(run_dir)
-        self.console = console or Console(stderr=True)
-        self.store = TrajectoryStore(self.run_dir)
-        self.source = None
-        if from_store is not None:
-            self.source = TrajectoryStore(from_store)
-            if not self.source.shards():
-                raise FileNotFoundError(f"--from-store {from_store}: no trajectory shards there")
-            bad = self.source.unreadable()
-            if bad:  # found now, not after training on the shards before it
-                raise FileNotFoundError(f"--from-store {from_store}: {bad[0]} ({len(bad)} in all)")
-        self.start_iteration = 0
-        self.actors = None
-        self.weights = self.rollouts = self.held_out = None
-        self.metrics = MetricsLog(cfg, self.run_dir, [])
-        self.guard = LearningGuard(cfg, self.run_dir)  # stops a run that cannot learn
-        self.warm = None  # the warm start phase, once run (rl/start/warm_start.py)
-        self.warm_start_summary: dict = {}
+class Trainer(RunSetup):
+    """The RL loop over the parts `RunSetup` starts (rl/loop/setup.py): `start()`, then `run()`."""
 
     # --- the loop ---
     def run(self) -> list[dict]:
@@ -247,183 +209,3 @@ class Trainer:
                 f"held-out success before RL: {initial['eval/success']:.3f} "
                 f"({initial['eval/ci95_low']:.3f}–{initial['eval/ci95_high']:.3f})"
             )
-
-    # --- set-up ---
-    def start(self, resume: bool = False, checkpoint: str | None = None) -> None:
-        """Start the actors (and, `resume`, continue from the newest checkpoint, or the one named
-        `checkpoint`; a damaged one stops the run here, before anything starts: rl/learner/checkpoints.py)."""
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        ckpt = resume_point(self.run_dir, checkpoint) if resume else None
-        if not resume and self.store.shards():
-            raise FileExistsError(
-                f"run directory {self.run_dir} already holds trajectories; pick a new --run-dir or --resume it"
-            )
-        dump_config(self.cfg, self.run_dir / "config.yaml")
-        path = self.policy_path()
-        init_ray(self.cfg.ray)
-        c = self.cfg
-        self.console.log(
-            f"starting {c.rollout.num_workers} rollout worker(s), {c.env.workers} env worker(s) "
-            f"and {c.learner.world_size} learner rank(s)"
-        )
-        rollouts = self.source is None  # training from a store needs no engines and no environments
-        rubric = build_rubric(c.reward.parts)
-        self.actors = start_actors(c, path, self.run_dir, rollouts, judged=bool(rubric.judges))
-        self.weights = WeightSync(c, self.learner, self.workers, self.run_dir, self.console.log)
-        self.held_out = HeldOut(c, self.workers, self.weights, self.run_dir, self.console.log)
-        if rollouts:
-            self.rollouts = Rollouts(
-                c, self.workers, self.weights.restore, rubric, self.judge, self.console.log
-            )
-        self.metrics = MetricsLog(c, self.run_dir, self.workers)
-        if self.weights.collective and self.workers:
-            self.weights.form_group()
-        self.learner.call("logprobs", [0, 0])
-        self.console.log(
-            f"learner malloc: {self.learner.call('allocator')} (learner.allocator: {c.learner.allocator})"
-        )
-        if ckpt is not None:
-            self._resume_from(ckpt)
-        elif c.warm_start.demos and self.source is None:
-            self.warm = self.warm_start_phase(path)
-            self.warm_start_summary = self.warm.run()
-            self.version = self.learner.call("policy_version")
-
-    def policy_path(self) -> str:
-        """The policy the run starts from (before any warm start: that runs on the learner, `start`)."""
-        return policy_path(
-            self.cfg, self.run_dir, self.source.dir if self.source is not None else None
-        )
-
-    def warm_start_phase(self, path: str):
-        """The warm start on the running learner (rl/start/warm_start.py), its rounds validated on the
-        rollout workers when `warm_start.patience` asks; the phase object (for `more`)."""
-        from transformers import AutoTokenizer
-
-        from rl.start.warm_start import Source, WarmStart
-        from rollout.chat import ChatFormat
-
-        c, r = self.cfg, self.cfg.rollout
-        # where a rebuilt context starts depends on a turn's room; in a full context an expert turn is
-        # never cut (as before contexts were managed)
-        loop = dict(
-            max_turns=r.max_turns,
-            max_episode_tokens=r.max_episode_tokens,
-            context=r.context,
-            max_model_len=r.max_model_len,
-            max_new_tokens=None if r.context.mode == "full" else r.max_new_tokens,
-        )
-        envs = c.warm_start.envs or [c.env.id]
-        sources = [Source(e, dict(c.env.kwargs) if e == c.env.id else {}, loop) for e in envs]
-        return WarmStart(
-            c.warm_start,
-            sources,
-            ChatFormat(AutoTokenizer.from_pretrained(path)),
-            self.learner,
-            publish=self.sync_now,
-            validate=self.held_out.validate if self.workers else None,
-            out=self.run_dir / "warm-start",
-            log=self.console.log,
-        )
-
-    def _resume_from(self, ckpt: Path) -> None:
-        """Learner state from the checkpoint, engines synced to it; later records set aside.
-
-        Iterations after the checkpoint are run again, so their shards move to
-        `trajectories/superseded/` (kept, never deleted) and their metrics lines are dropped."""
-        state = self._learner(
-            self.learner.load_checkpoint.remote(str(ckpt)), "loading the checkpoint"
-        )
-        self.version = state["version"]
-        self.start_iteration = state["iteration"] + 1
-        self.sync_now()
-        aside = self.store.dir / "superseded"
-        for shard in self.store.shards() + self.store.learner_shards():
-            if int(shard.stem.split("-")[1]) >= self.start_iteration:
-                aside.mkdir(exist_ok=True)
-                prefix = "learner-" if shard.parent == self.store.learner_dir else ""
-                os.replace(shard, aside / f"{prefix}{shard.stem}-{int(time.time())}.parquet")
-        metrics = self.run_dir / "metrics.jsonl"
-        if metrics.exists():
-            kept = [
-                line
-                for line in metrics.read_text().splitlines()
-                if line.strip() and json.loads(line)["iteration"] < self.start_iteration
-            ]
-            metrics.write_text("".join(line + "\n" for line in kept))
-        self.console.log(
-            f"resumed from {ckpt.name}: policy version {self.version}, next iteration {self.start_iteration}"
-        )
-
-    def close(self) -> None:
-        """Stop the actors; what the run counted (restarts, reruns) stays readable."""
-        self.metrics.close()
-        if self.actors is not None:
-            self.actors.kill()
-        self.actors = None
-        if self.weights is not None:
-            self.weights.queued, self.weights.workers = [], []
-        if self.rollouts is not None:
-            self.rollouts.inflight, self.rollouts.workers = {}, []
-
-    # --- the parts, as callers and tests see them ---
-    @property
-    def learner(self):
-        return self.actors.learner if self.actors is not None else None
-
-    @property
-    def workers(self) -> list:
-        return self.actors.workers if self.actors is not None else []
-
-    @property
-    def env_workers(self) -> list:
-        return self.actors.env_workers if self.actors is not None else []
-
-    @property
-    def judge(self):
-        return self.actors.judge if self.actors is not None else None
-
-    @property
-    def version(self) -> int:
-        """The learner's newest policy version."""
-        return self.weights.version if self.weights is not None else 0
-
-    @version.setter
-    def version(self, value: int) -> None:
-        self.weights.version = value
-
-    @property
-    def worker_restarts(self) -> int:
-        return self.weights.worker_restarts if self.weights is not None else 0
-
-    def sync_now(self) -> dict:
-        return self.weights.now()
-
-    def play_held_out(self, *args, **kwargs) -> tuple[dict, list[Trajectory]]:
-        return self.held_out.play(*args, **kwargs)
-
-    def evaluate(self) -> dict:
-        return self.held_out.evaluate()
-
-    def latest_checkpoint(self) -> Path | None:
-        return latest_checkpoint(self.run_dir)
-
-    def _learner(self, refs, during: str):
-        return learner_get(self.run_dir, refs, during)
-
-
-def progress_line(row: dict) -> str:
-    loss = f"loss {row['loss']:+.4f}" if "loss" in row else "no usable episodes"
-    sync = f"  sync {row['sync_s'] * 1e3:.0f} ms" if "sync_s" in row else ""
-    status = f"reward {row['mean_reward']:.3f}  {loss}  v{row['policy_version']}{sync}"
-    if row.get("infra_errors"):
-        status += f"  infra errors {row['infra_errors']}"
-    return status
-
-
-def rates_line(row: dict) -> str:
-    busy = f"  engine busy {row['engine_busy']:.0%}" if "engine_busy" in row else ""
-    return (
-        f"{row['episodes_per_s']:.2f} episodes/s  gen {row['gen_tokens_per_s']:.0f} tok/s  "
-        f"staleness {row['staleness_max']}{busy}"
-    )

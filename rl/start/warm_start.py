@@ -46,6 +46,22 @@ class Source:
     """`demonstrations` keywords: max_turns, max_episode_tokens, context, max_model_len, max_new_tokens."""
 
 
+def run_sources(env_ids: list[str], env, rollout) -> list[Source]:
+    """The demonstrations' sources of a run: each of `env_ids` (the training environment, `env`,
+    with its kwargs; another with none), played under the rollouts' turn and token limits and
+    context management (`rollout`, a RolloutConfig)."""
+    # where a rebuilt context starts depends on a turn's room; in a full context an expert turn is
+    # never cut (as before contexts were managed)
+    loop = dict(
+        max_turns=rollout.max_turns,
+        max_episode_tokens=rollout.max_episode_tokens,
+        context=rollout.context,
+        max_model_len=rollout.max_model_len,
+        max_new_tokens=None if rollout.context.mode == "full" else rollout.max_new_tokens,
+    )
+    return [Source(e, dict(env.kwargs) if e == env.id else {}, loop) for e in env_ids]
+
+
 def better(a: dict | None, b: dict | None) -> bool:
     """Whether validation result `a` beats `b`: higher success, then higher mean reward."""
     if a is None:

@@ -20,15 +20,27 @@ from pathlib import Path
 
 import ray
 
-from rl.config import RunConfig
+from rl.config import SyncConfig
 from rl.faults import WorkerLost, learner_alive
 from rl.weight_sync.transport import PendingSync, form_group, start_collective_sync, start_sync
 
 
 class WeightSync:
     def __init__(
-        self, cfg: RunConfig, learner, workers: list, run_dir: Path, log: Callable[[str], None]
+        self,
+        cfg: SyncConfig,
+        learner,
+        workers: list,
+        run_dir: Path,
+        log: Callable[[str], None],
+        *,
+        backend: str = "gloo",
+        stream: bool = False,
+        max_restarts: int = 3,
     ):
+        """`backend` and `stream`: `sync.backend` and `sync.publish` as the run resolved them
+        (they depend on where the learner and the engines run: `RunConfig.sync_backend`,
+        `sync_streams`); `max_restarts`: Ray's, named when a worker does not come back."""
         self.cfg, self.learner, self.workers, self.run_dir, self.log = (
             cfg,
             learner,
@@ -36,6 +48,7 @@ class WeightSync:
             run_dir,
             log,
         )
+        self.backend, self.stream, self.max_restarts = backend, stream, max_restarts
         self.version = 0  # the learner's newest version: what the engines must reach
         # (last iteration submitted before it, sync)
         self.queued: list[tuple[int, PendingSync]] = []
@@ -43,21 +56,21 @@ class WeightSync:
 
     @property
     def collective(self) -> bool:
-        return self.cfg.sync.transport == "collective"
+        return self.cfg.transport == "collective"
 
     def form_group(self) -> None:
         with learner_alive(self.run_dir, "forming the weight-sync group"):
-            form_group(self.learner, self.workers, self.cfg.sync_backend(), self.cfg.sync.timeout_s)
+            form_group(self.learner, self.workers, self.backend, self.cfg.timeout_s)
 
     def _publish(self, workers: list, indices: list[int] | None = None) -> PendingSync:
         with learner_alive(self.run_dir, "publishing weights"):
             return start_sync(
                 self.learner,
                 workers,
-                self.cfg.sync.bucket_mb,
+                self.cfg.bucket_mb,
                 indices,
-                stream=self.cfg.sync_streams(),
-                shared=self.cfg.sync.shared_memory,
+                stream=self.stream,
+                shared=self.cfg.shared_memory,
             )
 
     def now(self) -> dict:
@@ -70,12 +83,12 @@ class WeightSync:
         if self.collective:  # the learner broadcasts: it is busy until every worker has loaded
             with learner_alive(self.run_dir, "broadcasting weights"):
                 pending = start_collective_sync(
-                    self.learner, self.workers, self.cfg.sync.bucket_mb, self.version
+                    self.learner, self.workers, self.cfg.bucket_mb, self.version
                 )
-                out = pending.finish(self.cfg.sync.timeout_s)
+                out = pending.finish(self.cfg.timeout_s)
         else:
             pending = self._publish(self.workers)
-            out = pending.finish(self.cfg.sync.timeout_s)
+            out = pending.finish(self.cfg.timeout_s)
         for i in pending.lost:
             self.restore(i, pending.version)
         return out
@@ -91,7 +104,7 @@ class WeightSync:
         out = {}
         while self.queued and self.queued[0][0] <= collected:
             pending = self.queued.pop(0)[1]
-            out = pending.finish(self.cfg.sync.timeout_s)
+            out = pending.finish(self.cfg.timeout_s)
             # a worker that died before this load: its queued rollouts fail and are rerun on collection;
             # syncing it now keeps rollouts submitted later from meeting an unsynced worker
             for i in pending.lost:
@@ -110,7 +123,7 @@ class WeightSync:
         weights if it holds an older version than `min_version` (collective transport: the sync
         group is formed again with it and every worker is synced)."""
         self.worker_restarts += 1
-        w, timeout = self.workers[i], self.cfg.sync.timeout_s
+        w, timeout = self.workers[i], self.cfg.timeout_s
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -120,7 +133,7 @@ class WeightSync:
                 if time.monotonic() > deadline:
                     raise WorkerLost(
                         f"rollout worker {i} did not come back within sync.timeout_s={timeout:.0f}s (Ray restarts "
-                        f"it at most ray.max_restarts={self.cfg.ray.max_restarts} times; last error: "
+                        f"it at most ray.max_restarts={self.max_restarts} times; last error: "
                         f"{type(exc).__name__}: {exc})"
                     ) from None
                 time.sleep(1.0)
