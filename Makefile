@@ -51,9 +51,10 @@ system-deps:
 	else echo "note: not installed (needs root and apt-get):$$missing; the browser, docker and gVisor tests will skip"; fi
 
 # The quickstart that learns (issues 9, 19), under an hour on 2 cores: the real policy (SmolLM2
-# upcycled into a sparse MoE) on configs/demo/calculator.yaml and shell.yaml, each a short supervised
-# warm start on the scripted expert, GRPO through the whole loop, held-out evaluation before and after
-# RL; runs/demo/eval.json, results.md and curve.png, and each environment's run with its viewer page.
+# upcycled into a sparse MoE) on configs/demo/calculator.yaml and shell.yaml, each a supervised warm
+# start on the scripted expert as long as validation success improves, GRPO through the whole loop,
+# and the warm start continued for RL's wall time; the three on test seeds (longhorizon/demo.py);
+# runs/demo/eval.json, results.md and curve.png, and each environment's run with its viewer page.
 demo: install
 	rm -rf $(DEMO)
 	$(VENV)/bin/longhorizon demo --out $(DEMO)
