@@ -158,6 +158,29 @@ def test_every_bound_declared_with_a_field_is_enforced_at_load():
         load_config(QUICKSTART, [override])
 
 
+def test_the_policy_flavours_bounds_are_enforced_on_load(tmp_path):
+    """The same for a `policy/` flavour file (configs/policy/*.yaml): each bounded size or switch
+    just outside its bounds is refused naming the file and the key."""
+    import yaml
+
+    from policy.args import ModelArgs, load_model_args
+
+    flavour = yaml.safe_load((REPO / "configs" / "policy" / "debug.yaml").read_text())
+    fields = list(_bounded_fields(ModelArgs))
+    assert len(fields) > 30
+    for key, rule, tp in fields:
+        raw = yaml.safe_load(yaml.safe_dump(flavour))
+        *sections, name = key.split(".")
+        node = raw
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[name] = _outside(rule, tp)
+        path = tmp_path / "flavour.yaml"
+        path.write_text(yaml.safe_dump(raw))
+        with pytest.raises(ConfigError, match=rf"^{path}: {key} must be "):
+            load_model_args(path)
+
+
 def test_a_key_that_moved_section_is_named_with_its_new_home(tmp_path):
     with pytest.raises(
         ConfigError, match=r"override 'algo.threads=1'.*'algo.threads' is now learner.threads"
