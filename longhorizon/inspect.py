@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -326,25 +327,46 @@ def compare_group(eps: list, advantages: dict) -> tuple[str, list[dict]]:
     return best.episode_id, rows
 
 
-def group_view(run_dir: str | Path, group_id: int) -> dict:
+GROUP_NAME = re.compile(r"i\d+-g\d+")
+"""A group as episode ids print it: `i1-g2` is iteration 1's group 2 (its episodes `i1-g2-e0`, ...)."""
+
+
+def parse_group(text: str) -> int | str:
+    """`--group`'s value: a group as the episode ids print it (`i1-g2`), or the run-wide group
+    number the store records (`7`). Anything else is a ValueError naming both forms."""
+    text = text.strip()
+    if GROUP_NAME.fullmatch(text):
+        return text
+    if text.isdigit():
+        return int(text)
+    raise ValueError(
+        f"--group takes a group as the episode ids print it (i1-g2: iteration 1's group 2) or the "
+        f"run-wide group number (7), got {text[:40]!r}"
+    )
+
+
+def group_view(run_dir: str | Path, group: int | str) -> dict:
     """One GRPO group side by side (`inspect --group ID`): its task, and each episode with its
     reward, the advantage the learner gave it, how it ended, the tools it called turn by turn, and
-    the turn where its generated tokens first differ from the group's best episode."""
+    the turn where its generated tokens first differ from the group's best episode. `group`: as
+    `parse_group` reads it."""
     store = TrajectoryStore(run_dir)
-    ids = [
-        r["episode_id"]
-        for r in store.rows(["episode_id", "group_id"], strict=False)
-        if r["group_id"] == group_id
-    ]
+    rows = store.rows(["episode_id", "group_id"], strict=False)
+    if isinstance(group, str):
+        ids = [r["episode_id"] for r in rows if r["episode_id"].startswith(group + "-e")]
+    else:
+        ids = [r["episode_id"] for r in rows if r["group_id"] == group]
     if not ids:
-        raise KeyError(f"no group {group_id} in {run_dir}")
+        raise KeyError(f"no group {group} in {run_dir}")
     eps = list(store.episodes(ids))
     best_id, rows = compare_group(
         eps, {t.episode_id: mean_advantage(t, store.learner_record(t.episode_id)) for t in eps}
     )
     best = next(t for t in eps if t.episode_id == best_id)
+    name = GROUP_NAME.match(best_id)
     return {
-        "group_id": group_id,
+        "group_id": best.group_id,
+        "group": name.group(0) if name else None,
         "iteration": best.iteration,
         "env_id": best.env_id,
         "seed": best.seed,
@@ -357,7 +379,7 @@ def group_view(run_dir: str | Path, group_id: int) -> dict:
 def print_group(view: dict, console: Console) -> None:
     console.print(
         Text(
-            f"group {view['group_id']} · iteration {view['iteration']} · {view['env_id']} seed "
+            f"group {view['group'] or view['group_id']} (run-wide {view['group_id']}) · iteration {view['iteration']} · {view['env_id']} seed "
             f"{view['seed']} · best {view['best']}",
             style="bold",
         )

@@ -110,6 +110,8 @@ def test_the_group_side_by_side(group_run):
     text = cli("inspect", str(run_dir), "--group", "3").stdout
     assert "e-expert" in text and "(best)" in text and "turn 1" in text and "+1.200" in text
     assert "no group 7" in cli("inspect", str(run_dir), "--group", "7").stderr
+    bad = cli("inspect", str(run_dir), "--group", "g3")
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "i1-g2" in bad.stderr
     # a turn without a tool call says so in the terminal too (it counts no tool error)
     episode = cli("inspect", str(run_dir), "--episode", "e-chat").stdout
     assert (
@@ -181,3 +183,31 @@ def test_the_viewer_explains_a_failed_episode_by_its_group(group_run, tmp_path):
         and 'class="episode-row' in only
         and 'data-id="e-expert"' not in only.split('id="eplist"')[1].split("</table>")[0]
     )
+
+
+def test_the_group_as_episode_ids_print_it(group_run, tmp_path):
+    """`--group i2-g1` names the group whose episodes print as i2-g1-e0, i2-g1-e1, ...: the same
+    group the run-wide number names, and never another iteration's group of the same index."""
+    import dataclasses
+
+    _, trajs = group_run
+    store = TrajectoryStore(tmp_path)
+    renamed = [
+        dataclasses.replace(t, episode_id=f"i2-g1-e{k}", group_id=7, iteration=2)
+        for k, t in enumerate(trajs.values())
+    ]
+    other = [  # iteration 0's group 1: the same index in another iteration
+        dataclasses.replace(t, episode_id=f"i0-g1-e{k}", group_id=1, iteration=0)
+        for k, t in enumerate(trajs.values())
+    ]
+    store.write("iter-000000", other)
+    store.write("iter-000002", renamed)
+    by_name = json.loads(cli("inspect", str(tmp_path), "--group", "i2-g1", "--json").stdout)
+    by_number = json.loads(cli("inspect", str(tmp_path), "--group", "7", "--json").stdout)
+    assert by_name == by_number
+    assert by_name["group"] == "i2-g1" and by_name["group_id"] == 7 and by_name["iteration"] == 2
+    assert {e["episode_id"] for e in by_name["episodes"]} == {"i2-g1-e0", "i2-g1-e1", "i2-g1-e2"}
+    text = cli("inspect", str(tmp_path), "--group", "i2-g1").stdout
+    assert "group i2-g1 (run-wide 7)" in text
+    missing = cli("inspect", str(tmp_path), "--group", "i2-g5")
+    assert missing.returncode == 2 and "no group i2-g5" in missing.stderr

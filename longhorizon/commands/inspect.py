@@ -16,7 +16,7 @@ def run(args) -> int:
     console = SafeConsole() if sys.stdout.isatty() else SafeConsole(width=400)
     try:
         if args.group is not None:
-            view = insp.group_view(args.run_dir, args.group)
+            view = insp.group_view(args.run_dir, insp.parse_group(args.group))
             if args.json:
                 print(json.dumps(view, indent=2))
             else:
@@ -86,9 +86,9 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--group",
-        type=int,
         help="one GRPO group side by side: rewards, advantages, failures, "
-        "tools per turn, where each departs from the best",
+        "tools per turn, where each departs from the best; the group as episode ids print it "
+        "(i1-g2: iteration 1's group 2) or its run-wide number",
     )
     p.add_argument("--limit", type=int, default=50, help="rows shown (default 50)")
     p.add_argument("--tokens", action="store_true", help="with --episode: a page of its tokens")
