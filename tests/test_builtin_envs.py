@@ -295,6 +295,24 @@ def test_plugin_package_is_found_by_entry_point_and_imported_lazily(tmp_path):
         "entry_point": "lh_demo_plugin.echo:EchoEnv",
         "kwargs": {},
     } in listing
+    # a plugin's own check of its argument values (kwargs_problem), as docs/environments.md shows:
+    # `envs check` with the run's values, then a run whose config has a bad one stops at load
+    assert cli("envs", "check", "demo/words-v0", "words=rivers", env=env).returncode == 0
+    bad = cli("envs", "check", "demo/words-v0", "words=fruits", env=env)
+    assert bad.returncode == 2 and "words must be one of fruit, rivers, not 'fruits'" in bad.stderr
+    run_dir = tmp_path / "run"
+    train = cli(
+        "train",
+        str(REPO / "configs" / "quickstart.yaml"),
+        "--run-dir",
+        str(run_dir),
+        "env.id=demo/words-v0",
+        "env.kwargs={words: fruits}",
+        env=env,
+    )
+    assert train.returncode == 2 and train.stderr.count("\n") == 1, train.stderr
+    assert "env.kwargs is wrong: environment 'demo/words-v0': words must be one of" in train.stderr
+    assert not run_dir.exists()  # stopped before anything started or was written
 
 
 def test_cli_sandbox_run_and_envs_commands(tmp_path):

@@ -63,6 +63,10 @@ def test_the_plugin_example_is_the_tested_plugin():
         )
         shown = text[start : text.index("```\n", start)]
         assert source.split('"""', 2)[2].lstrip("\n") == shown, page
+    # the argument-check hook the environments page shows is the plugin's own
+    words = (REPO / "tests/plugins/lh_demo_plugin/lh_demo_plugin/words.py").read_text()
+    hook = words[words.index("    @classmethod\n") : words.index("\n\n    def _reset_task")] + "\n"
+    assert f"```python\n{hook}```" in (REPO / "docs" / "environments.md").read_text()
 
 
 def test_the_readme_is_short_and_the_site_builds_strictly(tmp_path):
