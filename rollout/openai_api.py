@@ -103,6 +103,12 @@ class CallRecord:
     """`stop` (end of turn or a stop string), `length` (max_tokens)."""
     seed: int
     created: float = field(default_factory=time.time)
+    messages: list[dict] = field(default_factory=list)
+    """The request's messages as the template read them (`render_messages`): what the agent sent,
+    so an episode shows the tool results it received as text, not as template tokens."""
+    tool_names: list[str] | None = None
+    """The tools the request offered (None: it offered none), to tell a call to a tool the agent
+    does not have (`unknown_tool`)."""
 
 
 class RequestError(ValueError):
@@ -471,6 +477,10 @@ class OpenAIServer:
                     version,
                     finish,
                     seeds[i],
+                    messages=messages,
+                    tool_names=[t["function"]["name"] for t in tools if "function" in t]
+                    if tools
+                    else None,
                 )
             )
             choice = self._choice(i, gen, finish, s["stop"], bool(req.logprobs))

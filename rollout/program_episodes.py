@@ -15,12 +15,24 @@ after another (`Trajectory.sample_starts`), each trained as a sample of its own 
 advantage, so nothing is ever trained on tokens the policy did not see. The turn before such a
 break shows as its observation what the next call's prompt holds from where it departs from the
 earlier sequence. Per-session limits on calls and tokens are the agent's own business.
+
+What an episode shows reads like a native one: a turn's observation is what the agent sent back
+after it, as text (tool results as their content, other messages with their role), taken from the
+requests' messages rather than decoded template tokens; a call to a tool the request did not offer
+is an `unknown_tool` turn, a malformed block a `malformed_call` one; an unsolved episode whose last
+call still called a tool ran out of requests (`out_of_turns`, or the failure most of its turns
+had), one whose last completion hit max_tokens `out_of_tokens`, the rest `wrong_answer`. The task
+is the agent's own record, else its first request's first user message, so a crashed agent's
+episode still shows what it was asked; its crash names the file, line and function it came from.
 """
 
 from __future__ import annotations
 
+import sysconfig
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import envs
 from envs.agent_program import AgentResult, AgentTask, run_program
@@ -29,6 +41,8 @@ from rewards.milestones import solved
 from rollout.chat import ChatFormat
 from rollout.openai_api import CallRecord
 from rollout.trajectory import EpisodeTask, Trajectory, Turn, failure_kind, first_difference
+
+RUNNER = Path(envs.agent_program.__file__)
 
 
 def extends(prev: CallRecord, rec: CallRecord) -> bool:
@@ -46,6 +60,48 @@ def chains(records: list[CallRecord]) -> list[list[CallRecord]]:
         else:
             out.append([rec])
     return out
+
+
+def shown(before: list[dict], after: list[dict]) -> list[dict]:
+    """The messages of a request (`after`) that the request before it (`before`) did not hold,
+    without the assistant's reply between them: what the agent was given since its last call."""
+    p = 0
+    while p < min(len(before), len(after)) and before[p] == after[p]:
+        p += 1
+    new = after[p:]
+    while new and new[0]["role"] == "assistant":
+        new = new[1:]
+    return new
+
+
+def as_text(messages: list[dict]) -> str:
+    """Tool results as their content, other messages as `role: content`."""
+    return "\n".join(
+        m["content"] if m["role"] == "tool" else f"{m['role']}: {m['content']}" for m in messages
+    )
+
+
+def first_user_message(records: list[CallRecord]) -> str:
+    """The first request's first user message: the task as the agent posed it."""
+    messages = records[0].messages if records else []
+    return next((m["content"] for m in messages if m["role"] == "user"), "")
+
+
+def crash_line(exc: BaseException) -> str:
+    """An agent program's exception as one line, with the file, line and function it came from:
+    the last frame of the agent's own code (not of a library it called, nor of what runs it here),
+    else the last frame."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    libraries = (sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["purelib"])
+    runners = {str(RUNNER), __file__}
+    own = [
+        f for f in frames if not f.filename.startswith(libraries) and f.filename not in runners
+    ] or frames[-1:]
+    where = ""
+    if own:
+        last = own[-1]
+        where = f" (at {Path(last.filename).name}:{last.lineno} in {last.name})"
+    return f"agent program: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}{where}"
 
 
 def assemble(
@@ -68,7 +124,7 @@ def assemble(
         [],
         [],
         [],
-        task=result.task if result else "",
+        task=(result.task if result else "") or first_user_message(records),
         timings={"agent_s": seconds},
     )
     if not records and not error:
@@ -90,14 +146,20 @@ def assemble(
             t.loss_mask[start:end] = [1] * (end - start)
             t.rollout_logprobs[start:end] = rec.logprobs
             obs_end = offset + len(chain[k + 1].prompt_ids) if k + 1 < len(chain) else end
-            observation = chat.tok.decode(t.token_ids[end:obs_end])
-            if id(rec) in following:  # what the next call was prompted with, from where it departs
-                nxt = following[id(rec)].prompt_ids
+            nxt = chain[k + 1] if k + 1 < len(chain) else following.get(id(rec))
+            if nxt is not None and rec.messages and nxt.messages:
+                observation = as_text(shown(rec.messages, nxt.messages))
+            elif id(rec) in following:  # the next call's prompt, from where it departs
+                ids = following[id(rec)].prompt_ids
                 observation = chat.tok.decode(
-                    nxt[first_difference(rec.prompt_ids + rec.completion_ids, nxt) :]
+                    ids[first_difference(rec.prompt_ids + rec.completion_ids, ids) :]
                 )
+            else:
+                observation = chat.tok.decode(t.token_ids[end:obs_end])
             text = chat.decode(rec.completion_ids)
             calls, bad = parse_tool_calls(text)
+            offered = rec.tool_names
+            unknown = [c for c in calls if offered is not None and c.name not in offered]
             t.turns.append(
                 Turn(
                     start,
@@ -106,11 +168,11 @@ def assemble(
                     text,
                     observation,
                     len(calls),
-                    len(bad),
+                    len(bad) + len(unknown),
                     rec.policy_version,
                     rec.seed,
                     rec.finish_reason,
-                    failures=["malformed_call"] * len(bad),
+                    failures=["malformed_call"] * len(bad) + ["unknown_tool"] * len(unknown),
                 )
             )
     t.prompt_len = len(records[0].prompt_ids) if records else 0
@@ -123,7 +185,13 @@ def assemble(
         for m in result.milestones
     ]
     t.reward, t.stop_reason = result.total(), "terminated"
-    t.failure = failure_kind("terminated", t.turns, solved(t.milestones))
+    last = t.turns[-1]
+    if last.tool_calls:  # it stopped while still acting: out of requests
+        t.failure = failure_kind("max_turns", t.turns, solved(t.milestones))
+    elif last.finish_reason == "length":
+        t.failure = failure_kind("max_tokens", t.turns, solved(t.milestones))
+    else:
+        t.failure = failure_kind("terminated", t.turns, solved(t.milestones))
     return t
 
 
@@ -150,7 +218,7 @@ def run_agent_episodes(
                 kwargs,
             )
         except Exception as exc:  # noqa: BLE001  (user code: its failure is the episode's, named)
-            error = f"agent program: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+            error = crash_line(exc)
         return assemble(
             task,
             env_id,

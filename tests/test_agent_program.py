@@ -136,6 +136,89 @@ def test_a_failed_agent_is_an_infrastructure_error(tokenizer):
     )
 
 
+def _call(chat, messages, text, tools=("add",), seed=0, finish="stop"):
+    """A recorded call: its request's messages, the prompt the template renders, `text` sampled."""
+    prompt = chat.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    completion = chat.tok.encode(text, add_special_tokens=False) + [chat.eot_id]
+    return CallRecord(
+        "s",
+        list(prompt),
+        completion,
+        [-0.1] * len(completion),
+        0,
+        finish,
+        seed,
+        messages=messages,
+        tool_names=list(tools) if tools is not None else None,
+    )
+
+
+def test_an_agent_episode_reads_like_a_native_one(tokenizer):
+    """Observations are the tool text the agent sent back (not template tokens); a call to a tool
+    the request did not offer is unknown_tool; an agent that stopped while still calling tools ran
+    out of requests; the task is the first user message when the agent recorded none."""
+    from envs.tool_calls import format_tool_call
+
+    chat = ChatFormat(tokenizer)
+    task = [{"role": "user", "content": "Add 2 and 3, then submit."}]
+    first = _call(chat, task, format_tool_call("mul", a=2, b=3))
+    sent = [
+        *task,
+        {"role": "assistant", "content": "", "tool_calls": []},
+        {"role": "tool", "content": "error: no tool mul"},
+    ]
+    second = _call(chat, sent, format_tool_call("add", a=2, b=3), seed=1)
+    t = assemble(TASK, "agents/echo-v0", [first, second], AgentResult(reward=0.0), "", chat)
+    assert t.task == "Add 2 and 3, then submit."
+    assert t.turns[0].observation == "error: no tool mul"  # no <|im_start|>, no <tool_response>
+    assert t.turns[0].failures == ["unknown_tool"] and t.turns[1].failures == []
+    # it stopped while still calling tools: out of requests, put down (as a native episode out of
+    # turns is) to the failure of at least half its turns
+    assert t.failure == "unknown_tool"
+    more = [*sent, {"role": "assistant", "content": ""}, {"role": "tool", "content": "5"}]
+    third = _call(chat, more, format_tool_call("add", a=5, b=0), seed=2)
+    t = assemble(TASK, "agents/echo-v0", [first, second, third], AgentResult(reward=0.0), "", chat)
+    assert t.failure == "out_of_turns" and t.turns[1].observation == "5"
+    # the same episode, the agent's last call a plain answer: it answered wrong
+    answered = _call(chat, sent, "It is 6.", seed=1)
+    wrong = assemble(TASK, "agents/echo-v0", [first, answered], AgentResult(reward=0.0), "", chat)
+    assert wrong.failure == "wrong_answer"
+    # its last completion cut by max_tokens: out of tokens
+    cut = _call(chat, more, "It is", seed=2, finish="length")
+    t = assemble(TASK, "agents/echo-v0", [first, second, cut], AgentResult(reward=0.0), "", chat)
+    assert t.failure == "out_of_tokens"
+    # offered no tools (tool_names None): a call is not held against it
+    free = _call(chat, task, format_tool_call("mul", a=2, b=3), tools=None)
+    assert (
+        assemble(TASK, "agents/echo-v0", [free], AgentResult(reward=1.0), "", chat)
+        .turns[0]
+        .failures
+        == []
+    )
+
+
+def _crashing_agent(task):
+    return {"answer": 1}["missing"]
+
+
+def test_a_crashed_agent_is_named_with_its_line_and_keeps_its_task(tokenizer):
+    from rollout.program_episodes import crash_line
+
+    chat = ChatFormat(tokenizer)
+    try:
+        run_program(_crashing_agent, AgentTask("e", 0, "http://x", "m"), {})
+    except KeyError as exc:
+        line = crash_line(exc)
+    code = _crashing_agent.__code__
+    assert line == (
+        f"agent program: KeyError: 'missing' (at test_agent_program.py:{code.co_firstlineno + 1} "
+        "in _crashing_agent)"
+    )
+    task = [{"role": "user", "content": "Add 2 and 3."}]
+    t = assemble(TASK, "agents/echo-v0", [_call(chat, task, "Hm")], None, line, chat)
+    assert t.infra_error == line and t.task == "Add 2 and 3."
+
+
 def _split_batch(learner, tokenizer) -> list:
     """Group 0: a split episode (two calls whose second prompt re-renders the first: one sample
     each) beside a plain one; group 1: two plain ones. Engine log-probs are the learner's own."""
