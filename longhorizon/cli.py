@@ -10,8 +10,9 @@ longhorizon export DIR [--out FILE] [--format jsonl|datasets]
 longhorizon plot DIR [--out DIR]
 longhorizon eval RUN_DIR|CHECKPOINT --env ID --episodes N [--k K] [--json]   (rl/loop/evaluate.py)
 longhorizon demo [--out runs/demo] [--config C ...] [key=value ...]          (longhorizon/demo.py)
-longhorizon submit CONFIG --address http://HEAD:8265 [--wait] [key=value ...]   (longhorizon/jobs.py)
-longhorizon jobs status|logs|stop ID --address http://HEAD:8265
+longhorizon cluster up|down [--host H --port P --dashboard-port D]   # a Ray head (longhorizon/cluster.py)
+longhorizon submit CONFIG --address http://HEAD:8265 [--token T] [--wait] [key=value ...]   (longhorizon/jobs.py)
+longhorizon jobs status|logs|stop ID --address http://HEAD:8265 [--token T]
 longhorizon policy info CONFIG [--json]
 longhorizon policy upcycle SRC --experts E [--top-k K] --out DIR [--json]   (rl/start/pretrained.py)
 longhorizon policy pretrained NAME [--experts E --top-k K]   # into the local cache; prints the path

@@ -1,7 +1,7 @@
 """Training jobs on a Ray cluster through the Ray Jobs API.
 
-    longhorizon submit CONFIG --address http://HEAD:8265 [--run-dir DIR] [--python PY] [--wait] [key=value ...]
-    longhorizon jobs status|logs|stop JOB_ID --address http://HEAD:8265
+    longhorizon submit CONFIG --address http://HEAD:8265 [--token T] [--run-dir DIR] [--python PY] [--wait] [key=value ...]
+    longhorizon jobs status|logs|stop JOB_ID --address http://HEAD:8265 [--token T]
 
 `submit` ships the project's packages and the (validated) config as the job's `working_dir`
 runtime environment and runs `PY -m longhorizon.cli train job.yaml --run-dir DIR ray.address=auto` on the
@@ -12,8 +12,12 @@ supervisor (its parent process) loaded Ray from, in `/proc/$PPID/maps`, so a hea
 virtualenv runs the job in that virtualenv whatever the head's PATH says (Linux heads). The run directory is a path on the head (shared
 storage in a real cluster); its default is `~/longhorizon-runs/NAME-TIME` there.
 
-Not covered: building a cluster image (install the project there), authentication of the jobs
-endpoint (Ray's token auth or a network policy: the operator's).
+Every request carries the cluster's Ray token as its bearer (`--token`, else the token Ray itself
+would read: `RAY_AUTH_TOKEN`, `RAY_AUTH_TOKEN_PATH`, `~/.ray/auth_token`; longhorizon/cluster.py),
+whatever `RAY_AUTH_MODE` this shell has. What the endpoint refuses is one line naming why: no or a
+wrong token, nothing listening, no job agent on the head.
+
+Not covered: building a cluster image (install the project there), TLS.
 """
 
 from __future__ import annotations
@@ -39,13 +43,44 @@ FIND_HEAD_PYTHON = (
 )
 
 
-def _client(address: str):
-    from ray.job_submission import JobSubmissionClient
+class JobsRefused(ConnectionError):
+    """The jobs endpoint would not do what was asked; the message says why, in one line."""
+
+
+def explain(address: str, exc: Exception) -> JobsRefused:
+    """Ray's exception from the jobs endpoint as one line naming the cause."""
+    text = " ".join(str(exc).split())
+    if type(exc).__name__ == "AuthenticationError" or "Authentication" in text:
+        return JobsRefused(
+            f"the cluster at {address} refused the request: "
+            f"{'a wrong token' if 'failed' in text.lower() else 'no token'} for its token "
+            "authentication; pass --token, or set RAY_AUTH_TOKEN (longhorizon cluster up prints it)"
+        )
+    if "No available agent" in text:
+        return JobsRefused(
+            f"the head at {address} has no job agent running (still starting, or it could not "
+            "bind its port: start the head with longhorizon cluster up, which names every port)"
+        )
+    if isinstance(exc, ConnectionError) or "connect" in text.lower():
+        return JobsRefused(f"no Ray jobs endpoint at {address}: {text[:300]}")
+    return JobsRefused(f"the Ray jobs endpoint at {address}: {text[:300]}")
+
+
+def _client(address: str, token: str | None = None):
+    from longhorizon.cluster import client_for
 
     try:
-        return JobSubmissionClient(address)
-    except Exception as exc:  # ConnectionError and friends, with Ray's own wording
-        raise ConnectionError(f"no Ray jobs endpoint at {address}: {exc}") from None
+        return client_for(address, token)
+    except Exception as exc:  # noqa: BLE001  (ConnectionError and friends, Ray's wording)
+        raise explain(address, exc) from None
+
+
+def _asking(address: str, call):
+    """`call()`'s answer; what the endpoint refuses, as `JobsRefused`."""
+    try:
+        return call()
+    except Exception as exc:  # noqa: BLE001  (RuntimeError, AuthenticationError, ...: Ray's wording)
+        raise explain(address, exc) from None
 
 
 def stage(cfg) -> Path:
@@ -69,6 +104,7 @@ def submit(
     overrides: list[str] | None = None,
     run_dir: str | None = None,
     python: str | None = None,
+    token: str | None = None,
 ) -> tuple[str, str]:
     """Submit a training job; returns (job id, run directory on the head)."""
     from rl.config import load_config
@@ -77,39 +113,47 @@ def submit(
     run_dir = run_dir or f"~/longhorizon-runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     # a bad config fails before anything ships
     cfg = load_config(config_path, list(overrides or []))
-    client = _client(address)
+    client = _client(address, token)
     staged = stage(cfg)
     try:
         prefix, py = ("", shlex.quote(python)) if python else (FIND_HEAD_PYTHON, '"$PY"')
         entrypoint = (
             f"{prefix}{py} -m longhorizon.cli train job.yaml --run-dir {run_dir} ray.address=auto"
         )
-        job_id = client.submit_job(
-            entrypoint=entrypoint,
-            runtime_env={"working_dir": str(staged)},
-            submission_id=f"longhorizon-{name}-{time.strftime('%Y%m%d-%H%M%S')}",
-            metadata={"longhorizon_config": name, "run_dir": run_dir},
+        job_id = _asking(
+            address,
+            lambda: client.submit_job(
+                entrypoint=entrypoint,
+                runtime_env={"working_dir": str(staged)},
+                submission_id=f"longhorizon-{name}-{time.strftime('%Y%m%d-%H%M%S')}",
+                metadata={"longhorizon_config": name, "run_dir": run_dir},
+            ),
         )
     finally:
         shutil.rmtree(staged, ignore_errors=True)  # uploaded by now
     return job_id, run_dir
 
 
-def status(address: str, job_id: str) -> str:
-    return str(_client(address).get_job_status(job_id).value)
+def status(address: str, job_id: str, token: str | None = None) -> str:
+    client = _client(address, token)
+    return str(_asking(address, lambda: client.get_job_status(job_id)).value)
 
 
-def logs(address: str, job_id: str) -> str:
-    return _client(address).get_job_logs(job_id)
+def logs(address: str, job_id: str, token: str | None = None) -> str:
+    client = _client(address, token)
+    return _asking(address, lambda: client.get_job_logs(job_id))
 
 
-def stop(address: str, job_id: str) -> bool:
-    return bool(_client(address).stop_job(job_id))
+def stop(address: str, job_id: str, token: str | None = None) -> bool:
+    client = _client(address, token)
+    return bool(_asking(address, lambda: client.stop_job(job_id)))
 
 
-def wait(address: str, job_id: str, timeout_s: float = 3600, out=sys.stdout) -> str:
+def wait(
+    address: str, job_id: str, timeout_s: float = 3600, out=sys.stdout, token: str | None = None
+) -> str:
     """Follow a job until it ends, echoing its new log lines; returns its final status."""
-    client = _client(address)
+    client = _client(address, token)
     seen = 0
     deadline = time.monotonic() + timeout_s
     while True:

@@ -1,7 +1,9 @@
-"""`longhorizon submit` and `longhorizon jobs`: a training job on a Ray cluster (longhorizon/jobs.py)."""
+"""`longhorizon cluster up|down` (a Ray head to submit to: longhorizon/cluster.py), `longhorizon
+submit` and `longhorizon jobs` (a training job on a Ray cluster: longhorizon/jobs.py)."""
 
 from __future__ import annotations
 
+import json
 import sys
 
 from longhorizon.errors import message
@@ -18,6 +20,7 @@ def _submit(args) -> int:
             overrides=args.overrides,
             run_dir=args.run_dir,
             python=args.python,
+            token=args.token,
         )
     except (ConfigError, ConnectionError, FileNotFoundError) as exc:
         print(f"error: {message(exc)}", file=sys.stderr)
@@ -34,7 +37,7 @@ def _submit(args) -> int:
         print(f"follow it: longhorizon jobs logs {job_id} --address {args.address}")
         return 0
     try:
-        state = jobs.wait(args.address, job_id, timeout_s=args.timeout)
+        state = jobs.wait(args.address, job_id, timeout_s=args.timeout, token=args.token)
     except (ConnectionError, RuntimeError) as exc:
         print(f"error: following job {job_id}: {message(exc)}", file=sys.stderr)
         return 1
@@ -47,11 +50,11 @@ def _jobs(args) -> int:
 
     try:
         if args.action == "status":
-            print(jobs.status(args.address, args.job_id))
+            print(jobs.status(args.address, args.job_id, args.token))
         elif args.action == "logs":
-            print(jobs.logs(args.address, args.job_id), end="")
+            print(jobs.logs(args.address, args.job_id, args.token), end="")
         else:
-            print("stopped" if jobs.stop(args.address, args.job_id) else "not running")
+            print("stopped" if jobs.stop(args.address, args.job_id, args.token) else "not running")
     except (
         ConnectionError,
         RuntimeError,
@@ -61,7 +64,62 @@ def _jobs(args) -> int:
     return 0
 
 
+def _cluster(args) -> int:
+    from longhorizon import cluster
+
+    if args.action == "down":
+        n = cluster.down(args.port)
+        print(f"stopped {n} process(es) of the head on port {args.port}")
+        return 0
+    try:
+        resources = json.loads(args.resources) if args.resources else None
+        if resources is not None and not isinstance(resources, dict):
+            raise ValueError("--resources must be a JSON object, e.g. '{\"learner\": 1}'")
+        head = cluster.up(
+            args.host, args.port, args.dashboard_port, args.num_cpus, resources, args.timeout
+        )
+    except (RuntimeError, ValueError, OSError) as exc:
+        print(f"error: {message(exc)}", file=sys.stderr)
+        return 2
+    where = f" (in {head['token_file']})" if head["token_file"] else " (RAY_AUTH_TOKEN)"
+    print(
+        f"Ray head up on {head['host']}, token authentication on\n"
+        f"  cluster address  {head['address']}   (longhorizon train --address, ray.address)\n"
+        f"  jobs endpoint    {head['jobs']}   (longhorizon submit/jobs --address)\n"
+        f"  token            {head['token']}{where}\n"
+        f"  a node joins     RAY_AUTH_MODE=token RAY_AUTH_TOKEN=<token> ray start --address "
+        f"{head['address']}\n"
+        f"  submit           longhorizon submit configs/quickstart.yaml --address {head['jobs']}\n"
+        f"  stop it          longhorizon cluster down --port {head['port']}"
+    )
+    return 0
+
+
+TOKEN_HELP = (
+    "the cluster's Ray token (default: what Ray reads: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH, "
+    "~/.ray/auth_token)"
+)
+
+
 def add_parser(sub) -> None:
+    p = sub.add_parser("cluster", help="start or stop a Ray head to submit jobs to")
+    p.add_argument("action", choices=["up", "down"])
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the head's address (default 127.0.0.1: this machine only; a LAN address for nodes to join)",
+    )
+    p.add_argument("--port", type=int, default=6379, help="the cluster (GCS) port (default 6379)")
+    p.add_argument(
+        "--dashboard-port", type=int, default=8265, help="the jobs endpoint's port (default 8265)"
+    )
+    p.add_argument("--num-cpus", type=int, default=None, help="CPUs the head offers (default: all)")
+    p.add_argument("--resources", help="custom resources the head offers, as JSON")
+    p.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds for the head and its jobs endpoint"
+    )
+    p.set_defaults(fn=_cluster)
+
     p = sub.add_parser("submit", help="run a training job on a Ray cluster (Ray Jobs API)")
     p.add_argument("config")
     p.add_argument(
@@ -86,6 +144,7 @@ def add_parser(sub) -> None:
         default=24 * 3600,
         help="with --wait: give up after this many seconds",
     )
+    p.add_argument("--token", help=TOKEN_HELP)
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
     p.set_defaults(fn=_submit)
 
@@ -95,4 +154,5 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--address", required=True, help="the cluster's jobs endpoint, e.g. http://HEAD:8265"
     )
+    p.add_argument("--token", help=TOKEN_HELP)
     p.set_defaults(fn=_jobs)
