@@ -9,6 +9,7 @@ started it, even one killed with SIGKILL (rl/ray_reaper.py). A real cluster is j
 
 from __future__ import annotations
 
+import logging
 import os
 
 import ray
@@ -31,6 +32,11 @@ def init_ray(cfg: RayConfig) -> bool:
     if cfg.address:
         ray.init(address=cfg.address, log_to_driver=cfg.log_to_driver)
     else:
+        # Ray 2.60 turns token authentication on for a new local cluster and says so at every start;
+        # the run keeps that default (docs/scaling.md) without printing it each time
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(
+            logging.ERROR
+        )
         ray.init(
             num_cpus=cfg.num_cpus,
             include_dashboard=False,

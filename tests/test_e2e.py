@@ -2,6 +2,7 @@
 with vLLM rollout workers, a GRPO learner, weight sync and the Parquet store."""
 
 import json
+import os
 import subprocess
 import sys
 from ipaddress import ip_address
@@ -282,9 +283,12 @@ def test_cli_train_then_inspect(tmp_path):
         "rollout.group_size=2",
         "rollout.max_turns=2",
     ]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
+    # Ray's own default authentication (token), as a user's shell has it: the run keeps it, silently
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "done" in out.stderr and str(run_dir.resolve()) in out.stderr
+    assert "Token authentication" not in out.stderr and "Warning" not in out.stderr
     assert (run_dir / "policy-init" / "tokenizer.json").exists()  # made locally, nothing downloaded
     summary = json.loads(
         subprocess.run(
