@@ -28,6 +28,7 @@ file), TLS.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -221,6 +222,10 @@ def client_for(address: str, token: str | None = None):
     bearer, whatever RAY_AUTH_MODE this process has."""
     from ray.job_submission import JobSubmissionClient
 
+    # a missing or refused token is reported as one line by longhorizon/jobs.py, not by Ray's logger
+    logging.getLogger("ray._private.authentication.http_token_authentication").setLevel(
+        logging.ERROR
+    )
     token = read_token() if token is None else token
     headers = {"Authorization": f"Bearer {token}"} if token else None
     return JobSubmissionClient(address, headers=headers)
