@@ -13,6 +13,10 @@ configs/demo/oncall.yaml), in one run (one Ray start, one set of engines):
    (iterations without their validation evaluations), on test seeds (stage `warm_start_more`): what
    RL adds over more supervised training for the same time.
 
+An RL phase that cannot learn stops as any run does (rl/loop/guards.py: e.g. a warm start that
+solves every training episode leaves no group a learning signal); the demo records why it stopped
+in results.md and goes on with the weights it has, so the comparison is still made and shown.
+
 What is tested is the config's `eval.test` cells (each a set of environment kwargs, a context mode,
 episodes and the stages it is played at); the default is one cell, the run's environment, every
 stage. Nothing is tuned on test seeds: the warm start's length is chosen on validation seeds, the
@@ -108,6 +112,7 @@ def run_demo(
     from rich.console import Console
 
     from rl.config import load_config
+    from rl.loop.guards import CannotLearn
     from rl.loop.trainer import Trainer
 
     console = console or Console(stderr=True)
@@ -126,7 +131,17 @@ def run_demo(
             trainer.start()
             warm_s = time.perf_counter() - t0
             rows += test_rows(trainer, "warm_start", console.log)
-            rl_rows = trainer.run()
+            stopped = ""
+            try:
+                rl_rows = trainer.run()
+            except CannotLearn as exc:  # recorded, and the comparison still made
+                stopped = str(exc).split(". What was written")[0]
+                console.log(f"RL stopped: {stopped}")
+                rl_rows = [
+                    json.loads(line)
+                    for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+                    if line.strip()
+                ]
             rows += test_rows(trainer, "rl", console.log)
             # the RL phase's wall time, without the validation evaluations it made along the way
             rl_s = sum(r["iteration_s"] - r.get("eval/s", 0.0) for r in rl_rows)
@@ -151,6 +166,7 @@ def run_demo(
                 "warm_start_min": warm_s / 60,
                 "more_min": more.get("seconds", 0.0) / 60,
                 "run_min": (time.perf_counter() - t0) / 60,
+                "stopped": stopped,
             }
         )
         # after each run: nothing is lost
@@ -205,10 +221,15 @@ def results_table(rows: list[dict], runs: list[dict], total_min: float) -> str:
             if w
             else "none"
         )
+        rl = f"{run['iterations']} iterations, {run['rl_min']:.1f} min"
+        if run.get("stopped"):
+            rl += " (stopped: no learning signal)" if "no group" in run["stopped"] else " (stopped)"
         lines.append(
-            f"| `{run['env_id']}` | {ws} | {run['iterations']} iterations, {run['rl_min']:.1f} min | "
-            f"{run['more_min']:.1f} min | {run['run_min']:.1f} min |"
+            f"| `{run['env_id']}` | {ws} | {rl} | {run['more_min']:.1f} min | {run['run_min']:.1f} min |"
         )
+    for run in runs:
+        if run.get("stopped"):
+            lines.append(f"\nRL on `{run['env_id']}` stopped: {run['stopped']}.")
     lines.append(
         f"\nAll runs together: {total_min:.1f} min. Test seeds only; the warm start's length was chosen "
         "on validation seeds.\n"
