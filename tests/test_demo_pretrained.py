@@ -78,3 +78,34 @@ def test_shortened_real_model_demo_raises_held_out_success(ray_cluster, tmp_path
     assert rows[-1]["eval/policy_version"] == first + 1
     table = (tmp_path / "demo" / "results.md").read_text()
     assert "| `tools/calculator-v0` |" in table and "2 iterations" in table
+
+
+def test_a_demo_whose_rl_cannot_learn_records_why_and_still_compares(ray_cluster, tmp_path):
+    """The tiny random policy earns nothing on the calculator, so no group has a learning signal and
+    the guard stops RL after one iteration (stop_after_flat=1): the demo records that in results.md,
+    still tests the weights it has at stage rl, and ends (green) with its comparison written."""
+    from longhorizon.demo import run_demo
+
+    overrides = [
+        "iterations=3",
+        "stop_after_flat=1",
+        "eval.every=3",
+        "eval.episodes=4",
+        "eval.test_episodes=4",
+        "rollout.num_workers=1",
+        "rollout.groups_per_iteration=2",
+        "rollout.group_size=2",
+        "rollout.max_turns=2",
+    ]
+    rows = run_demo(tmp_path / "demo", [str(REPO / "configs" / "quickstart.yaml")], overrides)
+    assert [r["stage"] for r in rows] == ["warm_start", "rl"] and all(
+        r["episodes"] == 4 for r in rows
+    )
+    metrics = (tmp_path / "demo" / "quickstart" / "metrics.jsonl").read_text().splitlines()
+    assert len(metrics) == 1  # stopped after its first flat iteration, not run to 3
+    table = (tmp_path / "demo" / "results.md").read_text()
+    assert "1 iterations" in table and "(stopped: no learning signal)" in table
+    assert (
+        "RL on `tools/calculator-v0` stopped: the run cannot learn: 1 iterations in a row" in table
+    )
+    assert json.loads((tmp_path / "demo" / "eval.json").read_text()) == rows
