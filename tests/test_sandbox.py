@@ -243,3 +243,27 @@ def test_none_backend_limits_time_and_output_but_is_not_isolated(tmp_path):
 def test_result_observation_names_the_limit():
     r = SandboxResult(exit_code=1, stderr="MemoryError", resource="memory", backend="bwrap")
     assert r.observation().startswith("exit code 1; stopped: memory limit reached")
+
+
+def test_a_sandbox_answers_when_the_worker_holds_more_than_1024_descriptors():
+    """A rollout worker playing a 200-episode evaluation holds hundreds of sandboxes' pipes, so a new
+    sandbox's descriptors lie past select()'s FD_SETSIZE (1024). Its calls must still be answered
+    (they were refused with "filedescriptor out of range in select()", which the environment
+    counted as the policy's tool error), and a plumbing failure is the sandbox's, not the policy's."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 2048:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(4096, hard), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        with open_sandbox("bwrap", limits=LIMITS) as sb:
+            r = sb.run("echo past-1024")
+            assert r.exit_code == 0 and r.stdout == "past-1024\n", r
+            session = sb._session  # the per-episode helper (as root): its pipe is where it bit
+            if session is not None:
+                assert session.proc.stdout.fileno() > 1024
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -321,11 +321,19 @@ class _Session:
             raise SandboxError(f"the episode's sandbox is gone: {self._why()}") from None
         deadline = time.monotonic() + timeout_s
         fd = self.proc.stdout.fileno()
+        # poll, not select: select() refuses descriptors past FD_SETSIZE (1024), which a worker
+        # holding a few hundred sandboxes' pipes (a 200-episode evaluation) reaches
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
         while b"\n" not in self._buf:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            try:
+                ready = left > 0 and poller.poll(left * 1000)
+                chunk = os.read(fd, 1 << 20) if ready else None
+            except (OSError, ValueError) as exc:  # the plumbing's failure, never the policy's
+                raise SandboxError(f"reading the episode's sandbox failed: {exc}") from None
+            if chunk is None:
                 raise SandboxError(f"the episode's sandbox did not answer within {timeout_s:g}s")
-            chunk = os.read(fd, 1 << 20)
             if not chunk:
                 raise SandboxError(f"the episode's sandbox ended mid-call: {self._why()}")
             self._buf += chunk
