@@ -50,7 +50,7 @@ system-deps:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
 	else echo "note: not installed (needs root and apt-get):$$missing; the browser, docker and gVisor tests will skip"; fi
 
-# The quickstart that learns (issues 9, 19), under an hour on 2 cores: the real policy (SmolLM2
+# The quickstart that learns (issues 9, 19, 46), about an hour on 2 cores: the real policy (SmolLM2
 # upcycled into a sparse MoE) on configs/demo/calculator.yaml and shell.yaml, each a supervised warm
 # start on the scripted expert as long as validation success improves, GRPO through the whole loop,
 # and the warm start continued for RL's wall time; the three on test seeds (longhorizon/demo.py);
