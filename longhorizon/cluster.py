@@ -222,10 +222,13 @@ def client_for(address: str, token: str | None = None):
     bearer, whatever RAY_AUTH_MODE this process has."""
     from ray.job_submission import JobSubmissionClient
 
-    # a missing or refused token is reported as one line by longhorizon/jobs.py, not by Ray's logger
+    # a missing or refused token is reported as one line by longhorizon/jobs.py, not by Ray's
+    # logger; nor is the jobs SDK's chatter ("Uploading package ...") printed beside it
     logging.getLogger("ray._private.authentication.http_token_authentication").setLevel(
         logging.ERROR
     )
+    for name in ("ray.dashboard.modules", "ray._private.runtime_env.packaging"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     token = read_token() if token is None else token
     headers = {"Authorization": f"Bearer {token}"} if token else None
     return JobSubmissionClient(address, headers=headers)
