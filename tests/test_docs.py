@@ -22,9 +22,9 @@ def test_the_readme_demo_table_is_the_recorded_runs():
     recorded = (REPO / "docs" / "demo.md").read_text().splitlines()
     assert len(readme) >= 3, "the README's demo table has no rows"
     assert all(line in recorded for line in readme), "README demo table differs from docs/demo.md"
-    # the rows are the demo's environments (the shell's awaits a rerun under the protocol: its last
-    # run's test numbers met a sandbox bug, docs/demo.md), and the curve they come with is there
+    # the rows are the demo's environments, and the curve they come with is there
     assert any("`tools/calculator-v0`" in line for line in readme)
+    assert any("`tools/shell-v0`" in line for line in readme)
     assert (REPO / "docs" / "demo-curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
