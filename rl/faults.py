@@ -28,7 +28,9 @@ class LearnerDied(RuntimeError):
             else "no checkpoint was written yet"
         )
         super().__init__(
-            f"the learner died during {during} ({type(exc).__name__}); the run stops here. Trajectories "
+            f"the learner died during {during} ({type(exc).__name__}"
+            f"{': killed for memory' if isinstance(exc, ray.exceptions.OutOfMemoryError) else ''}); "
+            "the run stops here. Trajectories "
             f"and metrics written so far are kept in {run_dir} and {where}; continue with: "
             f"longhorizon train --resume {run_dir}"
         )
@@ -41,10 +43,12 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 @contextmanager
 def learner_alive(run_dir: Path, during: str):
-    """Turns the learner actor's death into `LearnerDied` (the only actor the calls inside reach)."""
+    """Turns the learner actor's death into `LearnerDied` (the only actor the calls inside reach),
+    also when Ray's memory monitor killed it (`OutOfMemoryError`: seen in make demo, where it came out
+    as a raw traceback)."""
     try:
         yield
-    except ray.exceptions.RayActorError as exc:
+    except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as exc:
         raise LearnerDied(run_dir, latest_checkpoint(run_dir), during, exc) from None
 
 

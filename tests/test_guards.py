@@ -181,3 +181,18 @@ def test_rollout_workers_the_cluster_cannot_place_stop_the_start_naming_what_the
             trainer.start()
     finally:
         trainer.close()
+
+
+def test_a_learner_killed_for_memory_stops_the_run_in_one_line(tmp_path):
+    """Ray's memory monitor killing the learner mid-call (an `OutOfMemoryError` from `ray.get`, seen
+    in make demo) is the learner's death, with the resume hint, not a raw traceback."""
+    import ray
+
+    from rl.faults import LearnerDied, learner_alive
+
+    with pytest.raises(LearnerDied) as err:
+        with learner_alive(tmp_path, "publishing weights"):
+            raise ray.exceptions.OutOfMemoryError("1 worker was killed: the node ran low on memory")
+    text = str(err.value)
+    assert "\n" not in text and "killed for memory" in text and "publishing weights" in text
+    assert f"longhorizon train --resume {tmp_path}" in text
