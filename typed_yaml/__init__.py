@@ -114,6 +114,12 @@ class Bounds:
             rule = f"{high[1]} {high[2]:g}"
         return f"0 or {rule}" if self.zero_off else rule
 
+    def describe(self) -> str:
+        """The rule with what its special value means (`0 or > 1 (0: off)`): the error line's and
+        the config reference's wording."""
+        note = self.note or ("0: off" if self.zero_off else "")
+        return f"{self.text()} ({note})" if note else self.text()
+
 
 def bounded(
     default,
@@ -146,9 +152,7 @@ def bound_problems(obj, prefix: str = "") -> list[tuple[str, bool, str]]:
         if dataclasses.is_dataclass(value):
             checks += bound_problems(value, key + ".")
         elif (rule := bounds_of(f)) is not None:
-            note = rule.note or ("0: off" if rule.zero_off else "")
-            note = f" ({note})" if note else ""
-            checks.append((key, rule.holds(value), f"must be {rule.text()}{note}"))
+            checks.append((key, rule.holds(value), f"must be {rule.describe()}"))
     return checks
 
 

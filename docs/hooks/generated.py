@@ -60,9 +60,7 @@ def config_reference() -> str:
 
     def bounds(f) -> str:
         rule = bounds_of(f)
-        if rule is None:
-            return ""
-        return f"{rule.text()}" + (f" ({rule.note})" if rule.note else "")
+        return rule.describe() if rule is not None else ""
 
     def table(cls) -> list[str]:
         hints, docs = typing.get_type_hints(cls), field_docs(cls)
