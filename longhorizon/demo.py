@@ -111,6 +111,7 @@ def run_demo(
 ) -> list[dict]:
     from rich.console import Console
 
+    from longhorizon.inspect import load_metrics
     from rl.config import load_config
     from rl.loop.guards import CannotLearn
     from rl.loop.trainer import Trainer
@@ -131,17 +132,13 @@ def run_demo(
             trainer.start()
             warm_s = time.perf_counter() - t0
             rows += test_rows(trainer, "warm_start", console.log)
-            stopped = ""
+            stopped, flat = "", False
             try:
                 rl_rows = trainer.run()
             except CannotLearn as exc:  # recorded, and the comparison still made
-                stopped = str(exc).split(". What was written")[0]
+                stopped, flat = exc.reason, exc.flat
                 console.log(f"RL stopped: {stopped}")
-                rl_rows = [
-                    json.loads(line)
-                    for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-                    if line.strip()
-                ]
+                rl_rows = load_metrics(run_dir)
             rows += test_rows(trainer, "rl", console.log)
             # the RL phase's wall time, without the validation evaluations it made along the way
             rl_s = sum(r["iteration_s"] - r.get("eval/s", 0.0) for r in rl_rows)
@@ -167,6 +164,7 @@ def run_demo(
                 "more_min": more.get("seconds", 0.0) / 60,
                 "run_min": (time.perf_counter() - t0) / 60,
                 "stopped": stopped,
+                "no_signal": flat,
             }
         )
         # after each run: nothing is lost
@@ -223,7 +221,7 @@ def results_table(rows: list[dict], runs: list[dict], total_min: float) -> str:
         )
         rl = f"{run['iterations']} iterations, {run['rl_min']:.1f} min"
         if run.get("stopped"):
-            rl += " (stopped: no learning signal)" if "no group" in run["stopped"] else " (stopped)"
+            rl += " (stopped: no learning signal)" if run.get("no_signal") else " (stopped)"
         lines.append(
             f"| `{run['env_id']}` | {ws} | {rl} | {run['more_min']:.1f} min | {run['run_min']:.1f} min |"
         )

@@ -14,8 +14,13 @@ from rollout.trajectory import Trajectory
 
 
 class CannotLearn(RuntimeError):
-    """Iteration after iteration the episodes failed for reasons outside the policy; metrics,
-    trajectories and checkpoints written so far are kept."""
+    """Iteration after iteration the episodes failed for reasons outside the policy, or gave no
+    learning signal (`flat`); metrics, trajectories and checkpoints written so far are kept.
+    `reason`: why, without where the run's files are (what a report quotes)."""
+
+    def __init__(self, reason: str, run_dir: Path, flat: bool = False):
+        super().__init__(f"{reason}. What was written is kept in {run_dir}")
+        self.reason, self.flat = reason, flat
 
 
 class LearningGuard:
@@ -55,8 +60,8 @@ class LearningGuard:
             )
         if self.stop_after_failed and self._failed_in_a_row >= self.stop_after_failed:
             raise CannotLearn(
-                f"the run cannot learn: {self._failed_in_a_row} failed iterations in a row; {self._why}. "
-                f"What was written is kept in {self.run_dir}"
+                f"the run cannot learn: {self._failed_in_a_row} failed iterations in a row; {self._why}",
+                self.run_dir,
             )
         if failed:
             return
@@ -78,7 +83,9 @@ class LearningGuard:
                 f"(rewards of iteration {it}: {', '.join(map(str, rewards[:5]))}), so every advantage is zero; "
                 f"a policy that never reaches a milestone needs a warm start (warm_start.demos) or an easier task, one that "
                 f"always does a harder one "
-                f"(stop_after_flat=0 lets such a run go on). What was written is kept in {self.run_dir}"
+                f"(stop_after_flat=0 lets such a run go on)",
+                self.run_dir,
+                flat=True,
             )
 
     def finish(self) -> None:
@@ -86,6 +93,6 @@ class LearningGuard:
         could not learn never ends green."""
         if self._failed_in_a_row:
             raise CannotLearn(
-                f"the run cannot learn: its last {self._failed_in_a_row} iteration(s) failed; {self._why}. "
-                f"What was written is kept in {self.run_dir}"
+                f"the run cannot learn: its last {self._failed_in_a_row} iteration(s) failed; {self._why}",
+                self.run_dir,
             )
