@@ -102,9 +102,8 @@ class Learner(WeightSource):
         torch.manual_seed(seed)
         self.device = devices.resolve(device)
         self.precision = system.precision
-        devices.autocast(
-            self.device, self.precision
-        )  # an unknown precision fails here, not mid-step
+        # an unknown precision fails here, not mid-step
+        devices.autocast(self.device, self.precision)
         self.cfg = algo
         self.temperature = temperature
         self.dtype = getattr(torch, dtype)
