@@ -45,6 +45,18 @@ FAST_HEALTH_CHECKS = {
 }
 
 
+SMALL_JOB = [
+    "iterations=1",
+    "rollout.num_workers=1",
+    "rollout.groups_per_iteration=2",
+    "rollout.group_size=2",
+    "rollout.max_new_tokens=16",
+    "rollout.cpus_per_worker=0.5",
+]
+"""Overrides that make configs/quickstart.yaml a one-iteration job small enough for a test cluster
+(tests/test_jobs.py, tests/test_cluster.py)."""
+
+
 def free_ports(n: int) -> list[int]:
     socks = [socket.socket() for _ in range(n)]
     for s in socks:

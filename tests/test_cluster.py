@@ -12,20 +12,12 @@ from pathlib import Path
 
 import psutil
 import pytest
+from local_cluster import SMALL_JOB as SMALL
 from local_cluster import free_ports
 
 from conftest import REPO
 
 pytestmark = pytest.mark.slow
-
-SMALL = [
-    "iterations=1",
-    "rollout.num_workers=1",
-    "rollout.groups_per_iteration=2",
-    "rollout.group_size=2",
-    "rollout.max_new_tokens=16",
-    "rollout.cpus_per_worker=0.5",
-]
 
 
 def cli(*args, home: Path, timeout=900, **env):

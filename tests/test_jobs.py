@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from local_cluster import SMALL_JOB as SMALL
 from local_cluster import free_ports as _free_ports
 from local_cluster import pids_with as _pids_under
 
@@ -95,16 +96,6 @@ def cli(*args, timeout=900):
         text=True,
         timeout=timeout,
     )
-
-
-SMALL = [
-    "iterations=1",
-    "rollout.num_workers=1",
-    "rollout.groups_per_iteration=2",
-    "rollout.group_size=2",
-    "rollout.max_new_tokens=16",
-    "rollout.cpus_per_worker=0.5",
-]
 
 
 PLACED = [
