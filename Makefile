@@ -5,13 +5,15 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.longhorizon-installed
+VF_VENV  := .venv-verifiers
+VF_STAMP := $(VF_VENV)/.installed
 RUN    ?= runs/quickstart
 DEMO   ?= runs/demo
 DEMO_LONG ?= runs/demo-long
 
 .PHONY: install malloc-dep system-deps demo demo-long quickstart lint docs test test-fast bench clean
 
-install: $(STAMP) malloc-dep
+install: $(STAMP) $(VF_STAMP) malloc-dep
 	$(VENV)/bin/longhorizon policy pretrained smollm2-135m-instruct >/dev/null
 
 # tcmalloc for the learner processes (rl/learner/allocator.py says why). Optional: without it the learner
@@ -38,6 +40,18 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	$(PY) -c "import vllm, ray, trl, torch; print('installed: torch', torch.__version__, '| vllm', vllm.__version__, '| ray', ray.__version__, '| trl', trl.__version__)"
 	touch $(STAMP)
+
+# verifiers environments (envs/verifiers_env.py) run in an interpreter of their own: verifiers 0.4
+# pins openai<3, the project's environment has openai>=3 (openai-agents). uv is in it because
+# verifiers' harnesses prepare their chat program with uv (found on PATH; otherwise verifiers
+# installs it into ~/.local with pip). The example tasksets (examples/verifiers/) are installed
+# into it, as a user installs theirs.
+$(VF_STAMP): Makefile examples/verifiers/*/pyproject.toml
+	test -x $(VF_VENV)/bin/python || $(PYTHON) -m venv $(VF_VENV)
+	$(VF_VENV)/bin/python -m pip install --quiet --upgrade "pip>=24"
+	$(VF_VENV)/bin/python -m pip install --quiet "verifiers==0.4.0" "uv==0.13.10"
+	$(VF_VENV)/bin/python -m pip install --quiet --no-deps $(addprefix -e ,$(wildcard examples/verifiers/*/))
+	touch $(VF_STAMP)
 
 # Debian's chromium, for the test that renders the HTML viewer in a headless browser; docker.io,
 # whose dockerd the docker sandbox tests start on a private socket (no engine runs here by default);
@@ -100,4 +114,4 @@ bench: install system-deps
 	$(PY) bench/run_all.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache site
+	rm -rf $(VENV) $(VF_VENV) runs .pytest_cache site

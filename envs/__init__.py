@@ -135,6 +135,7 @@ register("agents/calculator-openai-v0", "envs.calculator_agent:calculator_agent"
 register("agents/calculator-agents-sdk-v0", "envs.calculator_agents_sdk:calculator_agents_sdk")
 register("agents/command-v0", "envs.agent_command:command_agent")
 register("agents/calculator-command-v0", "envs.agent_command:calculator_command")
+register("verifiers/env-v0", "envs.verifiers_env:verifiers_env")
 
 
 def succeeded(env_id: str, milestones: list[dict], reward: float) -> bool:
