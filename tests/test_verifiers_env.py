@@ -223,3 +223,11 @@ def test_a_run_trains_a_verifiers_environment(ray_cluster, tiny_policy, tmp_path
 def test_registered_and_described():
     assert envs.is_agent_program(envs.env_class("verifiers/env-v0"))
     assert envs.config_problem("verifiers/env-v0", {"taskset": "lh-addition"}) is None
+    r = subprocess.run(
+        [sys.executable, "-m", "longhorizon.cli", "envs", "show", "verifiers/env-v0", "--json"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    shown = json.loads(r.stdout)
+    # a required argument is shown by its name, not with a default it does not have
+    assert shown["kwargs"][:2] == ["taskset", "config=None"]
+    assert "verifiers environment, unchanged" in shown["description"]

@@ -72,7 +72,8 @@ def _show_program(args) -> int:
 
     fn = envs.env_class(args.env_id)
     params = [
-        f"{p.name}={p.default!r}" for p in list(inspect.signature(fn).parameters.values())[1:]
+        p.name if p.default is p.empty else f"{p.name}={p.default!r}"  # a required one: its name
+        for p in list(inspect.signature(fn).parameters.values())[1:]
     ]
     info = {
         "id": args.env_id,
