@@ -36,11 +36,13 @@ from typed_yaml import (
 @dataclass
 class UpcycleConfig:
     experts: int = bounded(4, zero_off=True, ge=2, note="0: keep the model dense")
-    """Experts per MoE layer, each a copy of the dense MLP (0: keep the model dense)."""
+    """Experts per MoE layer, each a copy of the dense MLP or a slice of it (`mode`; 0: keep the model dense)."""
     top_k: int = bounded(1, ge=1)
     """Experts each token is routed to; their weights are renormalised, so the upcycled model equals the dense one at the start."""
     seed: int = 0
-    """Seeds the new routers."""
+    """Seeds the new routers (copy) or the neuron grouping (split)."""
+    mode: Literal["copy", "split"] = "copy"
+    """copy: every expert a copy of the dense MLP (top-1 computes the dense model; the experts differ only as training moves them). split: the experts share the MLP's neurons out, each a different slice of F/experts (rl/start/pretrained.py): top_k = experts is the dense model, top_k < experts a sparse one with top_k/experts of the MLP active."""
 
 
 @dataclass

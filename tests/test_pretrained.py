@@ -68,6 +68,82 @@ def test_upcycled_model_computes_the_dense_model(tiny_llama, tmp_path, experts, 
     assert up.total_params - up.active_params == per_expert * (experts - top_k)
 
 
+def test_split_upcycling_shares_the_neurons_out_and_computes_the_dense_model(tiny_llama, tmp_path):
+    """mode=split: each expert is a different slice of the dense MLP's neurons, all of them used
+    once; with top_k = experts the model is the dense one."""
+    from transformers import AutoModelForCausalLM
+
+    up = pretrained.upcycle(tiny_llama, tmp_path / "split", 4, 4, mode="split")
+    ids = torch.randint(0, 500, (2, 24))
+    assert (_logits(tiny_llama, ids) - _logits(up.path, ids)).abs().max() < 1e-4
+    dense = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    moe = AutoModelForCausalLM.from_pretrained(up.path)
+    assert moe.config.intermediate_size == 96 // 4
+    for d_layer, m_layer in zip(dense.model.layers, moe.model.layers):
+        gate_FD = d_layer.mlp.gate_proj.weight
+        expert_gates = m_layer.mlp.experts.gate_up_proj[
+            :, :24
+        ]  # E × F/E × D: each expert's gate rows
+        # a naive reference: every dense neuron's gate row is in exactly one expert
+        owners = [
+            [e for e in range(4) if (expert_gates[e] == row).all(-1).any()] for row in gate_FD
+        ]
+        assert all(len(o) == 1 for o in owners)
+        assert sorted(o[0] for o in owners) == [e for e in range(4) for _ in range(24)]
+    # the experts differ: no two compute the same function
+    h = torch.randn(16, 64)
+    experts = moe.model.layers[0].mlp.experts
+    with torch.no_grad():
+        outs = [
+            torch.nn.functional.silu(h @ experts.gate_up_proj[e, :24].T)
+            * (h @ experts.gate_up_proj[e, 24:].T)
+            @ experts.down_proj[e].T
+            for e in range(4)
+        ]
+    assert min((a - b).abs().max() for i, a in enumerate(outs) for b in outs[i + 1 :]) > 1e-3
+
+
+def test_a_sparse_split_is_sparse_and_its_router_not_collapsed(tiny_llama, tmp_path):
+    """top_k < experts: the active parameters are top_k/experts of the MLP, and the router spreads
+    the tokens over the experts (a router that ties, like a zero one, sends every token to the same
+    two: max/mean load 2.0)."""
+    from transformers import AutoModelForCausalLM
+
+    up = pretrained.upcycle(tiny_llama, tmp_path / "split2", 4, 2, mode="split")
+    per_expert = 2 * (3 * 64 * 24)
+    assert up.total_params - up.active_params == per_expert * 2
+    moe = AutoModelForCausalLM.from_pretrained(up.path)
+    h_ND = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
+    for layer in moe.model.layers:
+        chosen = (h_ND @ layer.mlp.gate.weight.T).topk(2, dim=-1).indices
+        load = chosen.flatten().bincount(minlength=4).float()
+        assert load.min() > 0 and load.max() / load.mean() < 1.5
+        # and the weights are uniform: each chosen expert counts 1/2
+        weights = torch.softmax(h_ND @ layer.mlp.gate.weight.T, -1).topk(2, -1).values
+        assert (weights / weights.sum(-1, keepdim=True) - 0.5).abs().max() < 1e-5
+
+
+def test_split_neurons_groups_similar_neurons():
+    """The grouping is balanced and covers every neuron once, and its groups are tighter (mean cosine
+    of a neuron's gate row to its group's mean) than a random partition's."""
+    gen = torch.Generator().manual_seed(0)
+    centers = torch.randn(4, 32, generator=gen)
+    rows = centers.repeat_interleave(24, 0) + 0.5 * torch.randn(96, 32, generator=gen)
+    rows = rows[torch.randperm(96, generator=gen)]
+    groups = pretrained.split_neurons(rows, 4, seed=1)
+    assert sorted(torch.cat(groups).tolist()) == list(range(96))
+    assert [len(g) for g in groups] == [24] * 4
+
+    def tightness(gs):
+        x = torch.nn.functional.normalize(rows, dim=-1)
+        return float(
+            sum((x[g] @ torch.nn.functional.normalize(x[g].mean(0), dim=0)).sum() for g in gs) / 96
+        )
+
+    random_groups = list(torch.randperm(96, generator=gen).split(24))
+    assert tightness(groups) > tightness(random_groups) + 0.2
+
+
 def test_upcycle_refuses_what_mixtral_cannot_hold(tmp_path, tokenizer):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -251,6 +327,13 @@ def test_real_smollm2_converts_and_upcycles_to_the_same_logits(tmp_path, monkeyp
     a, b = _logits(dense, ids), _logits(moe, ids)
     assert (a - b).abs().max() < 1e-3
     assert a[0, -1].argmax() == b[0, -1].argmax()
+    # split: all four slices are the dense MLP again; two of them are a sparse model, which
+    # untrained is far from the dense one (docs/policy.md has its numbers)
+    split = pretrained.policy("smollm2-135m-instruct", 4, 4, mode="split")
+    assert split.name == "smollm2-135m-instruct-e4-k4-s0-split"
+    assert (a - _logits(split, ids)).abs().max() < 1e-3
+    half = _logits(pretrained.policy("smollm2-135m-instruct", 4, 2, mode="split"), ids)
+    assert (a - half).abs().max() > 1e-1
 
 
 def test_upcycle_command_line(tiny_llama, tmp_path):

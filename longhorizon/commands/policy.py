@@ -53,7 +53,7 @@ def _policy_upcycle(args) -> int:
         if out.exists():
             raise PretrainedError(f"--out {out} already exists (choose a new directory)")
         src = dense(args.src) if args.src in PRETRAINED else Path(args.src)
-        result = upcycle(src, out, args.experts, args.top_k, seed=args.seed)
+        result = upcycle(src, out, args.experts, args.top_k, seed=args.seed, mode=args.mode)
     except (PretrainedError, OSError) as exc:
         print(f"error: {message(exc)}", file=sys.stderr)
         return 2
@@ -62,6 +62,7 @@ def _policy_upcycle(args) -> int:
         "source": str(src),
         "experts": args.experts,
         "top_k": args.top_k,
+        "mode": args.mode,
         "total_params": result.total_params,
         "active_params": result.active_params,
     }
@@ -69,7 +70,7 @@ def _policy_upcycle(args) -> int:
         print(json.dumps(summary))
     else:
         print(
-            f"wrote {result.path}: {args.experts} experts, top-{args.top_k}, "
+            f"wrote {result.path}: {args.experts} experts ({args.mode}), top-{args.top_k}, "
             f"{result.total_params / 1e6:.1f}M total / {result.active_params / 1e6:.1f}M active parameters"
         )
     return 0
@@ -99,8 +100,8 @@ def add_parser(sub) -> None:
     pi.set_defaults(fn=_policy_info)
     pu = psub.add_parser(
         "upcycle",
-        help="a dense Llama-family checkpoint as a sparse MoE (Mixtral) that computes "
-        "the same function: every MLP copied into experts behind a new router",
+        help="a dense Llama-family checkpoint as a sparse MoE (Mixtral): every MLP copied into "
+        "experts behind a new router (--mode copy), or its neurons shared out among them (split)",
     )
     pu.add_argument(
         "src", help="checkpoint directory, or a packaged model's name (smollm2-135m-instruct)"
@@ -108,6 +109,13 @@ def add_parser(sub) -> None:
     pu.add_argument("--experts", type=int, required=True)
     pu.add_argument("--top-k", type=int, default=1)
     pu.add_argument("--seed", type=int, default=0, help="seeds the new routers")
+    pu.add_argument(
+        "--mode",
+        choices=["copy", "split"],
+        default="copy",
+        help="copy: identical experts (top-1 is the dense model); split: each expert a slice of "
+        "the MLP's neurons (top-k = experts is the dense model, fewer is sparse)",
+    )
     pu.add_argument("--out", required=True, help="new directory for the upcycled checkpoint")
     pu.add_argument("--json", action="store_true")
     pu.set_defaults(fn=_policy_upcycle)

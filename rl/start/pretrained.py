@@ -13,7 +13,11 @@ tokens: rl/chat_template_compact.jinja).
 dense Llama-family checkpoint is copied into `experts` identical experts behind a new router, as a
 Mixtral checkpoint (what vLLM and transformers both serve). The top-k routing weights are
 renormalised, so with identical experts the upcycled model computes exactly the dense one at
-initialisation whatever the router says; the experts diverge as RL trains them.
+initialisation whatever the router says; the experts diverge as RL trains them. Identical experts
+make top-1 routing compute the dense model: nothing the MoE does changes the output until training
+pulls the copies apart. `mode="split"` instead shares the MLP's neurons out among the experts (each
+expert a different slice, grouped by similar gate rows), so top-k < experts is a genuinely sparse
+model with k/experts of the MLP active, and top_k = experts is the dense model.
 
 `policy(name, experts, top_k)` is both, cached: what `policy.pretrained` in a run config resolves to.
 The cache is `$LONGHORIZON_CACHE` or `~/.cache/longhorizon`; every entry is written under a
@@ -135,8 +139,20 @@ class Upcycled:
     active_params: int
 
 
-def _mixtral_config(src, experts: int, top_k: int):
+UPCYCLE_MODES = ("copy", "split")
+
+
+def _mixtral_config(src, experts: int, top_k: int, mode: str = "copy"):
     from transformers import MixtralConfig
+
+    if mode not in UPCYCLE_MODES:
+        raise PretrainedError(
+            f"upcycle mode must be one of {', '.join(UPCYCLE_MODES)}, not {mode!r}"
+        )
+    if mode == "split" and src.intermediate_size % experts:
+        raise PretrainedError(
+            f"cannot split {src.intermediate_size} MLP neurons into {experts} equal experts"
+        )
 
     if src.model_type not in _DENSE_TYPES:
         raise PretrainedError(
@@ -159,7 +175,7 @@ def _mixtral_config(src, experts: int, top_k: int):
     return MixtralConfig(
         vocab_size=src.vocab_size,
         hidden_size=src.hidden_size,
-        intermediate_size=src.intermediate_size,
+        intermediate_size=src.intermediate_size // (experts if mode == "split" else 1),
         num_hidden_layers=src.num_hidden_layers,
         num_attention_heads=src.num_attention_heads,
         num_key_value_heads=src.num_key_value_heads,
@@ -180,27 +196,64 @@ def _mixtral_config(src, experts: int, top_k: int):
 
 
 def upcycle_model(
-    dense_model, experts: int, top_k: int, *, seed: int = 0, router_std: float = 0.02
+    dense_model,
+    experts: int,
+    top_k: int,
+    *,
+    seed: int = 0,
+    router_std: float = 0.02,
+    mode: str = "copy",
 ):
-    """A `MixtralForCausalLM` whose every MLP is `experts` copies of the dense model's MLP; the
-    routers are random (N(0, router_std²)), which changes nothing while the experts are equal."""
+    """A `MixtralForCausalLM` made from the dense model's MLPs, `mode`:
+
+    - `copy`: every expert a copy of the MLP; random routers (N(0, router_std²)), which change
+      nothing while the experts are equal;
+    - `split`: the experts share out the MLP's neurons (`split_neurons`), each down projection scaled
+      by `experts`, and the routers are random directions of tiny norm: their softmax is uniform to
+      ~1e-6, so with top_k = experts the model is the dense one, while top_k < experts spreads the
+      tokens over the experts (a zero router would send every token to the same top_k).
+
+    Why not a router that predicts which experts matter: with the outputs rescaled, the best top_k
+    for a token is the subset whose sum comes closest to the whole, not the experts that fire most;
+    measured on SmolLM2 (4 experts, top-2, 7 layers, one prompt), routers fitted to each expert's
+    output norm or made of its mean gate row picked pairs no better than random ones (mean rank of
+    the chosen pair among the 6 by error: 2.67 and 2.47 against 2.45). Training the router is left
+    to the warm start and RL.
+    """
     from transformers import MixtralForCausalLM
 
-    cfg = _mixtral_config(dense_model.config, experts, top_k)
+    cfg = _mixtral_config(dense_model.config, experts, top_k, mode)
     moe = MixtralForCausalLM(cfg).to(torch.float32)
     src = dense_model.state_dict()
     gen = torch.Generator().manual_seed(seed)
-    state = {}
+    state, groups = {}, {}
     for name, t in moe.state_dict().items():
+        pre = name.split(".mlp.")[0] + ".mlp."
+        if ".mlp." in name and pre not in groups:
+            groups[pre] = (
+                split_neurons(src[pre + "gate_proj.weight"], experts, seed=seed)
+                if mode == "split"
+                else None
+            )
         if ".mlp.gate.weight" in name:
-            state[name] = torch.randn(t.shape, generator=gen) * router_std
+            if mode == "split":
+                rows_ED = torch.randn(t.shape, generator=gen)
+                state[name] = rows_ED / rows_ED.norm(dim=-1, keepdim=True) * SPLIT_ROUTER_SCALE
+            else:
+                state[name] = torch.randn(t.shape, generator=gen) * router_std
         elif ".mlp.experts.gate_up_proj" in name:  # E × 2F × D: [gate; up] per expert
-            pre = name.replace("experts.gate_up_proj", "")
-            w = torch.cat([src[pre + "gate_proj.weight"], src[pre + "up_proj.weight"]], 0)
-            state[name] = w.expand(experts, *w.shape).clone()
+            gate, up = src[pre + "gate_proj.weight"], src[pre + "up_proj.weight"]
+            if mode == "split":
+                state[name] = torch.stack([torch.cat([gate[g], up[g]], 0) for g in groups[pre]])
+            else:
+                w = torch.cat([gate, up], 0)
+                state[name] = w.expand(experts, *w.shape).clone()
         elif ".mlp.experts.down_proj" in name:  # E × D × F
-            w = src[name.replace("experts.down_proj", "down_proj.weight")]
-            state[name] = w.expand(experts, *w.shape).clone()
+            w = src[pre + "down_proj.weight"]
+            if mode == "split":
+                state[name] = torch.stack([w[:, g] * experts for g in groups[pre]])
+            else:
+                state[name] = w.expand(experts, *w.shape).clone()
         elif name in src:
             state[name] = src[name]
         else:
@@ -209,19 +262,49 @@ def upcycle_model(
     return moe
 
 
+# a split router's logits stay below ~1e-6 · |h|: uniform weights for the dense equivalence, and
+# an order for the selection; the router grows from there as training moves it
+SPLIT_ROUTER_SCALE = 1e-6
+
+
+def split_neurons(gate_FD: torch.Tensor, experts: int, *, seed: int = 0, iters: int = 10):
+    """The MLP's F neurons shared out into `experts` groups of F/experts, neurons with similar gate
+    rows together (MoEfication, Zhang et al. 2022: experts of neurons that fire together): a k-means
+    on the unit gate rows in which each centroid takes at most F/experts neurons, the most similar
+    first. Returns each group's neuron indices, sorted."""
+    n, size = gate_FD.shape[0], gate_FD.shape[0] // experts
+    x = torch.nn.functional.normalize(gate_FD.float(), dim=-1)
+    gen = torch.Generator().manual_seed(seed)
+    centroids = x[torch.randperm(n, generator=gen)[:experts]]
+    for _ in range(iters):
+        sim_FE = x @ centroids.T
+        owner = torch.full((n,), -1, dtype=torch.long)
+        taken = torch.zeros(experts, dtype=torch.long)
+        # the most similar (neuron, expert) pairs first; a full expert takes no more
+        for flat in sim_FE.flatten().argsort(descending=True).tolist():
+            i, e = divmod(flat, experts)
+            if owner[i] < 0 and taken[e] < size:
+                owner[i], taken[e] = e, taken[e] + 1
+        centroids = torch.nn.functional.normalize(
+            torch.stack([x[owner == e].mean(0) for e in range(experts)]), dim=-1
+        )
+    return [torch.nonzero(owner == e)[:, 0] for e in range(experts)]
+
+
 def upcycle(
-    src: str | Path, out: str | Path, experts: int, top_k: int, *, seed: int = 0
+    src: str | Path, out: str | Path, experts: int, top_k: int, *, seed: int = 0, mode: str = "copy"
 ) -> Upcycled:
-    """Upcycle the dense checkpoint `src` into a Mixtral checkpoint at `out` (tokenizer copied)."""
+    """Upcycle the dense checkpoint `src` into a Mixtral checkpoint at `out` (tokenizer copied;
+    `mode` as `upcycle_model` takes it)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     src, out = Path(src), Path(out)
     if not (src / "config.json").is_file():
         raise PretrainedError(f"{src}: not a Hugging Face checkpoint (no config.json)")
     # refuse before loading any weights
-    _mixtral_config(AutoConfig.from_pretrained(src), experts, top_k)
+    _mixtral_config(AutoConfig.from_pretrained(src), experts, top_k, mode)
     dense_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
-    moe = upcycle_model(dense_model, experts, top_k, seed=seed)
+    moe = upcycle_model(dense_model, experts, top_k, seed=seed, mode=mode)
     tok = AutoTokenizer.from_pretrained(src)
 
     def write(tmp: Path):
@@ -236,15 +319,17 @@ def upcycle(
 
 def for_config(p) -> Path:
     """The policy a run's `policy` section names: `pretrained`, upcycled per `upcycle` (cached)."""
-    return policy(p.pretrained, p.upcycle.experts, p.upcycle.top_k, seed=p.upcycle.seed)
+    u = p.upcycle
+    return policy(p.pretrained, u.experts, u.top_k, seed=u.seed, mode=u.mode)
 
 
-def policy(name: str, experts: int, top_k: int, *, seed: int = 0) -> Path:
+def policy(name: str, experts: int, top_k: int, *, seed: int = 0, mode: str = "copy") -> Path:
     """The packaged model `name`, upcycled to `experts` × top-`top_k` (cached; experts 0: dense)."""
     src = dense(name)
     if experts == 0:
         return src
-    out = cache_dir() / "upcycled" / f"{name}-e{experts}-k{top_k}-s{seed}"
+    tag = "" if mode == "copy" else f"-{mode}"
+    out = cache_dir() / "upcycled" / f"{name}-e{experts}-k{top_k}-s{seed}{tag}"
     if not (out / "config.json").exists():
-        upcycle(src, out, experts, top_k, seed=seed)
+        upcycle(src, out, experts, top_k, seed=seed, mode=mode)
     return out
