@@ -287,7 +287,8 @@ class RolloutWorker:
                 return {"superseded": engine.version}
             return engine.load_weights(named, version)
 
-        loaded = self.engine.call(load)
+        # a load that fails partway leaves the engine refusing requests until one completes
+        loaded = self.engine.load(load, version)
         self._loaded_version()
         return loaded
 

@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from rollout.engines.shared import SharedEngine
 from rollout.weights import CheckpointTensors
@@ -217,3 +218,55 @@ def test_an_engine_error_reaches_its_caller_and_the_thread_keeps_serving(request
     assert len(shared.generate([[5, 6]], max_tokens=2, seeds=[0])[0].token_ids) >= 1
     with pytest.raises(RuntimeError, match="no engine here"):
         SharedEngine(lambda: (_ for _ in ()).throw(RuntimeError("no engine here")))
+
+
+def test_a_load_that_fails_partway_serves_nothing_until_a_load_completes(
+    engine, shared, tiny_policy
+):
+    """A sync that dies after half its tensors leaves some layers new and the rest old: a model
+    nobody trained, which the engine must not sample from under the old version's number. It
+    refuses every generate and score request, naming the failed version, until a complete load."""
+    from safetensors.torch import load_file
+
+    from rollout.engines.shared import TornWeights
+
+    original = [(n, t.numpy()) for n, t in load_file(f"{tiny_policy}/model.safetensors").items()]
+    g = torch.Generator().manual_seed(5)
+    moved = [
+        (n, (torch.from_numpy(t) + torch.randn(t.shape, generator=g) * 0.05).numpy())
+        for n, t in original
+    ]
+
+    def half_then_lost():
+        yield from moved[: len(moved) // 2]
+        raise ConnectionError("bucket 3 of 6 was lost")
+
+    prompt = [5, 17, 33, 2, 40, 41, 9]
+    before = shared.score(prompt)
+    try:
+        with pytest.raises(ConnectionError):
+            shared.load_weights(half_then_lost(), version=1)
+        assert shared.version == 0 and "version 1 failed partway" in shared.torn
+        # what it would have served: neither version (read past the guard, on the engine's thread)
+        mixed = shared.call(lambda e: e.score(prompt))
+        assert max(abs(a - b) for a, b in zip(mixed, before)) > 1e-3
+        for request in (
+            lambda: shared.score(prompt),
+            lambda: shared.generate([prompt], max_tokens=4, temperature=1.0, seeds=[1]),
+        ):
+            with pytest.raises(
+                TornWeights, match="version 1 failed partway.*bucket 3 of 6 was lost"
+            ):
+                request()
+        # a complete load restores it: it serves the new version, and exactly that
+        shared.load_weights(iter(moved), version=1)
+        assert shared.torn is None and shared.version == 1
+        new = shared.score(prompt)
+        assert max(abs(a - b) for a, b in zip(new, mixed)) > 1e-3
+        assert (
+            len(shared.generate([prompt], max_tokens=4, temperature=1.0, seeds=[1])[0].token_ids)
+            == 4
+        )
+    finally:
+        shared.load_weights(iter(original), version=0)
+    assert shared.score(prompt) == before

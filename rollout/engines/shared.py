@@ -20,6 +20,9 @@ what broke), so the engine is made, and every call into it runs, on one thread: 
 - Everything else (`load_weights`, `score`, `call(fn)`) runs alone, in the order it was queued:
   once the requests queued before it have ended, and before any queued after it starts. So a load
   never lands inside a batch.
+- A load that fails partway leaves the engine *torn* (some tensors new, the rest old): it then
+  refuses every generate and score request (`TornWeights`) until a load completes, rather than
+  serve a mix under the old version's number.
 - Each `Generation` carries the policy version it was sampled with (`Generation.version`): a
   load queued by another caller may land between two of a caller's requests.
 
@@ -47,6 +50,12 @@ from typing import Any
 
 class Cancelled(RuntimeError):
     """A generate request whose `cancel` event was set before it ended."""
+
+
+class TornWeights(RuntimeError):
+    """A request to an engine whose last weight load failed partway: it holds some tensors of the
+    new version and the rest of the old one, a model nobody trained, so it serves nothing until a
+    load completes (`SharedEngine.load`)."""
 
 
 @dataclass
@@ -92,6 +101,7 @@ class SharedEngine:
         self.batch_sizes: list[int] = []
         self.requests_merged = 0  # generate requests that shared the engine's batch with another
         self.aborted = 0  # prompts taken out of the running batch by a cancelled request
+        self.torn: str | None = None  # why the served weights are a mix of versions (`load`)
         self._busy_s = 0.0  # seconds spent in finished engine calls
         self._call_started: float | None = None  # when the call in progress began
         self._timing = threading.Lock()  # the two above change together
@@ -156,13 +166,45 @@ class SharedEngine:
         )
 
     def load_weights(self, named_tensors, version: int) -> dict:
-        return self.call(lambda engine: engine.load_weights(named_tensors, version))
+        return self.load(lambda engine: engine.load_weights(named_tensors, version), version)
+
+    def load(self, fn: Callable[[Any], Any], version: int) -> Any:
+        """`fn(engine)`, a load of `version` into the engine in place, run like `call`. A load that
+        raises may have replaced some tensors and not others: the engine is then *torn* (`torn`
+        says how) and every generate and score request fails with `TornWeights` until a load
+        completes; the version the engine reports stays the last complete one."""
+
+        def guarded(engine):
+            try:
+                out = fn(engine)
+            except BaseException as exc:
+                self.torn = (
+                    f"the load of version {version} failed partway ({type(exc).__name__}: "
+                    f"{' '.join(str(exc).split())[:200]}), leaving a mix of versions "
+                    f"{engine.version} and {version}"
+                )
+                raise
+            if not (
+                isinstance(out, dict) and "superseded" in out
+            ):  # a skipped load restores nothing
+                self.torn = None
+            return out
+
+        return self.call(guarded)
 
     def score(self, token_ids: list[int]) -> list[float]:
-        return self.call(lambda engine: engine.score(token_ids))
+        return self.call(lambda engine: self._untorn() or engine.score(token_ids))
 
     def score_batch(self, sequences: list[list[int]]) -> list[list[float]]:
-        return self.call(lambda engine: engine.score_batch(sequences))
+        return self.call(lambda engine: self._untorn() or engine.score_batch(sequences))
+
+    def _untorn(self) -> None:
+        """Raise `TornWeights` when the engine is torn (see `load`); on the engine's thread."""
+        if self.torn is not None:
+            raise self._torn_error()
+
+    def _torn_error(self) -> TornWeights:
+        return TornWeights(f"the engine serves nothing: {self.torn}; a complete load restores it")
 
     def call(self, fn: Callable[[Any], Any]) -> Any:
         """`fn(engine)` on the engine's thread, alone; its result (or its exception)."""
@@ -259,6 +301,9 @@ class SharedEngine:
             if r.cancelled():  # cancelled while it waited: never started
                 r.done.set_exception(Cancelled("the request was cancelled before it started"))
                 continue
+            if self.torn is not None:  # a load failed partway: nothing is sampled from the mix
+                r.done.set_exception(self._torn_error())
+                continue
             r.results, added = [None] * len(r.prompts), []
             try:
                 for i, prompt in enumerate(r.prompts):
@@ -306,6 +351,10 @@ class SharedEngine:
         for r in [r for r in batch if r.cancelled()]:  # cancelled while it waited: never started
             r.done.set_exception(Cancelled("the request was cancelled before it started"))
             batch.remove(r)
+        if self.torn is not None:  # a load failed partway: nothing is sampled from the mix
+            for r in batch:
+                r.done.set_exception(self._torn_error())
+            return
         if not batch:
             return
         prompts = [p for r in batch for p in r.prompts]
