@@ -133,8 +133,8 @@ class AlgoConfig:
     """Passes over each iteration's episodes."""
     minibatch_episodes: int = bounded(8, ge=1)
     """Episodes per optimiser step."""
-    routing_replay: bool = True
-    """Rollout routing replay: where trajectories carry the engine's routed expert ids, the learner's MoE layers use them as the selection (weights from the current router, so it still learns); `policy/` checkpoints. Reports `router_decisions_differ`."""
+    routing_replay: Literal["auto", "always", "never"] = "auto"
+    """Rollout routing replay: where trajectories carry the engine's routed expert ids, the learner's MoE layers use them as the selection (weights from the current router, so it still learns); reports `router_decisions_differ`. auto: wherever they are recorded; always: the same, and the run refuses to start with an engine that records none (only the native engine does: `policy/` models); never: the learner routes on its own."""
     router_aux_coef: float = bounded(0.0, ge=0)
     """Hugging Face MoE: weight of the Switch-Transformer load-balancing loss on the routers (rl/learner/routing.py; e.g. 0.01 for an upcycled model, whose top-1 router gets no other gradient). The project's policy balances with `moe.balance` instead."""
     max_grad_norm: float = bounded(1.0, gt=0)
@@ -461,6 +461,13 @@ class RunConfig:
                     "rollout.engine",
                     not (r.engine == "native" and not p.flavour and (p.pretrained or not p.path)),
                     "native serves the policy/ model: set policy.flavour, or policy.path to a policy/ checkpoint",
+                ),
+                (
+                    "algo.routing_replay",
+                    self.algo.routing_replay != "always" or r.engine == "native",
+                    "always needs an engine that records each token's routed experts, and vllm records none "
+                    "here (its CPU build's capture needs Triton; its GPU capture is not wired in yet): use "
+                    "rollout.engine native with a policy/ model, or auto (replay where recorded) or never",
                 ),
                 (
                     "rollout.max_model_len",

@@ -81,7 +81,7 @@ def test_decisions_the_router_agrees_with_count_as_the_same(learner):
 def test_replay_off_and_a_malformed_record(policy_ckpt):  # noqa: F811
     off = Learner(
         policy_ckpt,
-        AlgoConfig(minibatch_episodes=4, routing_replay=False),
+        AlgoConfig(minibatch_episodes=4, routing_replay="never"),
         LearnerConfig(threads=1),
     )
     n_experts = off.model.routers()[0].a.n_routed_experts
@@ -138,3 +138,23 @@ def test_hugging_face_moe_replays_through_router_hooks(tiny_policy, tokenizer):
     )
     assert 0.9 < stats["router_decisions_differ"] <= 1.0
     assert any(not torch.equal(b, g.weight) for b, g in zip(before, replay.gates))
+
+
+def test_replay_asked_for_with_an_engine_that_records_none_stops_the_config():
+    """`algo.routing_replay: always` with vLLM (no routed experts recorded here) is one line at load;
+    with the native engine, which records them, the config loads; `auto` loads with either."""
+    from conftest import REPO
+    from rl.config import ConfigError, load_config
+
+    with pytest.raises(
+        ConfigError, match="algo.routing_replay always needs an engine that records"
+    ):
+        load_config(REPO / "configs" / "quickstart_policy.yaml", ["algo.routing_replay=always"])
+    native = load_config(
+        REPO / "configs" / "quickstart_policy.yaml",
+        ["algo.routing_replay=always", "rollout.engine=native"],
+    )
+    assert native.algo.routing_replay == "always"
+    assert load_config(REPO / "configs" / "quickstart.yaml").algo.routing_replay == "auto"
+    with pytest.raises(ConfigError, match="algo.routing_replay"):
+        load_config(REPO / "configs" / "quickstart.yaml", ["algo.routing_replay=true"])

@@ -228,7 +228,7 @@ class Learner(WeightSource):
         """The recorded expert ids of a micro-batch (rl/learner/batch.py `recorded_routing`), for rollout routing
         replay; None when off or for a model that cannot replay."""
         shape = self.lm.moe_shape()
-        if not self.cfg.routing_replay or shape is None:
+        if self.cfg.routing_replay == "never" or shape is None:
             return None
         out = recorded_routing(mb, width, *shape)
         return None if out is None else out.to(self.device)
