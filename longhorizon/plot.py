@@ -148,4 +148,48 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
             "share of episodes" if prefix else "seconds" if name in ("seconds", "sync") else ""
         )
         save(fig, name)
+    loads = [(r["iteration"], r["router_load"]) for r in rows if _is_load(r.get("router_load"))]
+    if loads:
+        save(_router_load_figure(plt, loads, run_dir.name), "router_load")
     return written
+
+
+def _is_load(value) -> bool:
+    """A `router_load` field as the learner writes it: layers × experts shares."""
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(row, list) and row for row in value)
+        and len({len(row) for row in value}) == 1
+        and all(isinstance(x, (int, float)) for row in value for x in row)
+    )
+
+
+def _router_load_figure(plt, loads: list[tuple[int, list[list[float]]]], name: str):
+    """Expert load, from `router_load` (each MoE layer's share of tokens per expert, per iteration):
+    the last iteration's loads relative to the mean (1 = balanced) per layer and expert, and each
+    layer's max/mean over the iterations."""
+    import numpy as np
+
+    its = [it for it, _ in loads]
+    share_ILE = np.array([load for _, load in loads], dtype=float)
+    n_experts = share_ILE.shape[-1]
+    rel_ILE = share_ILE * n_experts  # load / mean load
+    fig, (heat, lines) = plt.subplots(1, 2, figsize=(11, 3.8), dpi=100)
+    image = heat.imshow(rel_ILE[-1], aspect="auto", cmap="viridis", vmin=0)
+    fig.colorbar(image, ax=heat, label="load / mean")
+    heat.set_title(f"expert load, iteration {its[-1]}", fontsize=9)
+    heat.set_xlabel("expert")
+    heat.set_ylabel("MoE layer")
+    worst_IL = rel_ILE.max(-1)
+    for layer in range(worst_IL.shape[1]):
+        lines.plot(its, worst_IL[:, layer], color="gray", alpha=0.35, linewidth=1)
+    lines.plot(its, worst_IL.max(-1), color="C3", marker="o", label="worst layer")
+    lines.plot(its, np.median(worst_IL, -1), color="C0", marker=".", label="median layer")
+    lines.axhline(1.0, color="black", linewidth=0.8, linestyle=":")
+    lines.set_title("max / mean expert load per layer (gray: each layer)", fontsize=9)
+    lines.set_xlabel("iteration")
+    lines.legend(fontsize=7, frameon=False)
+    lines.grid(alpha=0.3)
+    fig.suptitle(f"router load · {name}", fontsize=10)
+    return fig

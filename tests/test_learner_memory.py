@@ -164,10 +164,20 @@ def test_router_balancing_during_rl_steps(tmp_path, balance):
         LearnerConfig(threads=1, microbatch_tokens=300),
     )
     batch = _batch([200, 180, 190, 210], seed=1)
-    loads = [learner.train_step(batch)["router_load_max_over_mean"] for _ in range(8)]
+    steps = [learner.train_step(batch) for _ in range(8)]
+    loads = [s["router_load_max_over_mean"] for s in steps]
     # each layer's scores move when earlier layers' routing changes, so a few steps, not one
     assert loads[0] > 1.6
     assert max(loads[-3:]) <= 1.3
+    # every layer's shares per expert, the worst layer's max/mean among them
+    first, last = (torch.tensor(s["router_load"]) for s in (steps[0], steps[-1]))
+    n_moe = sum(1 for _ in learner.model.routers())
+    assert first.shape == (n_moe, args.moe.n_routed_experts)
+    assert torch.allclose(first.sum(-1), torch.ones(n_moe, dtype=first.dtype))
+    assert (first.max(-1).values * first.shape[-1]).max() == pytest.approx(loads[0], rel=1e-4)
+    assert (last.max(-1).values * last.shape[-1]).max() < (
+        first.max(-1).values * first.shape[-1]
+    ).max()
     assert all(r.bias.abs().sum() > 0 for r in learner.model.routers())
 
 

@@ -141,3 +141,24 @@ def test_tensorboard_events_hold_every_numeric_metric(tmp_path):
     assert [(e.step, round(e.value, 6)) for e in acc.Scalars("mean_reward")] == [
         (i, round(0.1 * i, 6)) for i in range(4)
     ]
+
+
+def test_expert_load_is_drawn_per_layer_and_expert(tmp_path):
+    """`router_load` (the learner's layers × experts shares) becomes router_load.png; a row without
+    it, or with a malformed one, draws nothing of it."""
+    rows = [
+        {
+            "iteration": i,
+            "mean_reward": 0.0,
+            "router_load": [[0.7 - 0.1 * i, 0.1, 0.1, 0.1 + 0.1 * i]] * 3,
+        }
+        for i in range(3)
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    paths = {p.name: p for p in plot_run(tmp_path)}
+    assert paths["router_load.png"].stat().st_size > 5000
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    rows = [{"iteration": 0, "mean_reward": 0.0, "router_load": [[0.5, "x"]]}]
+    (bad / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    assert "router_load.png" not in {p.name for p in plot_run(bad)}

@@ -97,6 +97,10 @@ def test_expert_load_is_reported_and_every_parameter_trains(pretrained_run):
     assert len(episodes) == 2
     naive = naive_load_imbalance(trainer.policy_path(), [t.token_ids for t in episodes])
     assert abs(rows[0]["router_load_max_over_mean"] - naive) < 0.02 * naive, (rows[0], naive)
+    # every layer's shares per expert are in the row too (the plot's router_load.png)
+    shares = np.array(rows[0]["router_load"])
+    assert shares.shape == (30, 4) and np.allclose(shares.sum(-1), 1.0)
+    assert abs(shares.max() * 4 - rows[0]["router_load_max_over_mean"]) < 1e-4
     assert all(r["router_aux_loss"] > 0 for r in rows)
     ckpt = run_dir / "checkpoints" / "version-000002"
     cfg = json.loads((ckpt / "config.json").read_text())

@@ -587,7 +587,13 @@ class Learner(WeightSource):
                     merged.setdefault(k, []).extend(v)
             stats = merged
         self.version += 1
-        out.update({k: float(np.mean(v)) for k, v in stats.items()})
+        # the steps' mean: of numbers, and of each layer's expert shares (router_load, nested)
+        out.update(
+            {
+                k: np.mean(v, axis=0).round(6).tolist() if k == "router_load" else float(np.mean(v))
+                for k, v in stats.items()
+            }
+        )
         out.update(
             policy_version=self.version,
             trainable_params=sum(p.numel() for g in self.opt.param_groups for p in g["params"]),

@@ -169,14 +169,14 @@ def balance_policy_routers(lm, stats: RouterStats, world: int = 1) -> dict:
     rank's tokens count: loads and histograms are summed, exact quantiles see all scores."""
     if lm.kind != "policy" or not (stats.seen or world > 1):
         return {}  # (in a group, a rank with only dummies still takes part in the collectives)
-    from policy.balance import load_imbalance, quantile_bias, sign_update
+    from policy.balance import quantile_bias, sign_update
     from rl.learner.shares import all_gather_rows, all_reduce_sum
 
     loads = []
     for layer, router in enumerate(stats.routers):
         a, bias = router.a, stats.biases[layer]
         load = all_reduce_sum(stats.loads[layer])
-        loads.append(load_imbalance(load))
+        loads.append(load)
         if a.balance == "quantile":
             scores = torch.cat(stats.scores[layer] or [torch.zeros(0, a.n_routed_experts)])
             router.bias.copy_(quantile_bias(all_gather_rows(scores), bias, a.top_k))
@@ -185,7 +185,21 @@ def balance_policy_routers(lm, stats: RouterStats, world: int = 1) -> dict:
             router.bias.copy_(stats.hists[layer].bias())
         elif a.balance == "sign":
             router.bias.copy_(sign_update(load, bias, a.balance_rate))
-    return {"router_load_max_over_mean": max(loads)} if loads else {}
+    return load_metrics(torch.stack(loads)) if loads else {}
+
+
+def load_metrics(load_LE: torch.Tensor) -> dict:
+    """One optimiser step's expert loads (tokens per expert, per MoE layer) as metrics: the worst
+    layer's max/mean (`router_load_max_over_mean`, 1.0 is perfect balance) and every layer's share
+    of tokens per expert (`router_load`, layers × experts, each row summing to 1; a nested field
+    of metrics.jsonl that `longhorizon plot` draws as router_load.png)."""
+    from policy.balance import load_imbalance
+
+    shares = load_LE.double() / load_LE.sum(-1, keepdim=True).clamp(min=1)
+    return {
+        "router_load_max_over_mean": max(load_imbalance(row) for row in load_LE),
+        "router_load": shares.tolist(),
+    }
 
 
 def hf_load_metrics(lm, loads_per_micro: list[list[torch.Tensor]]) -> dict:
@@ -193,7 +207,6 @@ def hf_load_metrics(lm, loads_per_micro: list[list[torch.Tensor]]) -> dict:
     Face MoE (`balance_terms`' loads, on the CPU; in a group summed over ranks, so every rank takes part)."""
     if lm.kind != "hf" or not lm.hf_replay.supported:
         return {}
-    from policy.balance import load_imbalance
     from rl.learner.shares import all_reduce_sum
 
     n_layers, n_experts = len(lm.hf_replay.gates), lm.hf_replay.num_experts
@@ -203,4 +216,4 @@ def hf_load_metrics(lm, loads_per_micro: list[list[torch.Tensor]]) -> dict:
     load = all_reduce_sum(load)
     if not int(load.sum()):
         return {}
-    return {"router_load_max_over_mean": max(load_imbalance(row) for row in load)}
+    return load_metrics(load)
