@@ -170,6 +170,7 @@ def _router_load_figure(plt, loads: list[tuple[int, list[list[float]]]], name: s
     the last iteration's loads relative to the mean (1 = balanced) per layer and expert, and each
     layer's max/mean over the iterations."""
     import numpy as np
+    from matplotlib.ticker import MaxNLocator
 
     its = [it for it, _ in loads]
     share_ILE = np.array([load for _, load in loads], dtype=float)
@@ -181,6 +182,7 @@ def _router_load_figure(plt, loads: list[tuple[int, list[list[float]]]], name: s
     heat.set_title(f"expert load, iteration {its[-1]}", fontsize=9)
     heat.set_xlabel("expert")
     heat.set_ylabel("MoE layer")
+    heat.xaxis.set_major_locator(MaxNLocator(integer=True))
     worst_IL = rel_ILE.max(-1)
     for layer in range(worst_IL.shape[1]):
         lines.plot(its, worst_IL[:, layer], color="gray", alpha=0.35, linewidth=1)
@@ -189,6 +191,7 @@ def _router_load_figure(plt, loads: list[tuple[int, list[list[float]]]], name: s
     lines.axhline(1.0, color="black", linewidth=0.8, linestyle=":")
     lines.set_title("max / mean expert load per layer (gray: each layer)", fontsize=9)
     lines.set_xlabel("iteration")
+    lines.xaxis.set_major_locator(MaxNLocator(integer=True))
     lines.legend(fontsize=7, frameon=False)
     lines.grid(alpha=0.3)
     fig.suptitle(f"router load · {name}", fontsize=10)
