@@ -135,6 +135,10 @@ class AlgoConfig:
     """Episodes per optimiser step."""
     routing_replay: Literal["auto", "always", "never"] = "auto"
     """Rollout routing replay: where trajectories carry the engine's routed expert ids, the learner's MoE layers use them as the selection (weights from the current router, so it still learns); reports `router_decisions_differ`. auto: wherever they are recorded; always: the same, and the run refuses to start with an engine that records none (only the native engine does: `policy/` models); never: the learner routes on its own."""
+    router_balance: Literal["none", "quantile"] = "none"
+    """Hugging Face MoE: quantile balancing of the routers' expert load, folded into the router weights after every optimiser step (rl/learner/routing.py `HFRouterBalance`: Mixtral's router has no bias to hold it). Needs lora.enabled false (an adapter sync carries no router weights) and one learner. The project's policy balances with its flavour's `moe.balance` instead."""
+    router_balance_rate: float = bounded(1.0, gt=0, le=1)
+    """With router_balance quantile: the share of each step's balancing bias folded in."""
     router_aux_coef: float = bounded(0.0, ge=0)
     """Hugging Face MoE: weight of the Switch-Transformer load-balancing loss on the routers (rl/learner/routing.py; e.g. 0.01 for an upcycled model, whose top-1 router gets no other gradient). The project's policy balances with `moe.balance` instead."""
     max_grad_norm: float = bounded(1.0, gt=0)
@@ -461,6 +465,22 @@ class RunConfig:
                     "rollout.engine",
                     not (r.engine == "native" and not p.flavour and (p.pretrained or not p.path)),
                     "native serves the policy/ model: set policy.flavour, or policy.path to a policy/ checkpoint",
+                ),
+                (
+                    "algo.router_balance",
+                    self.algo.router_balance != "quantile" or not self.lora.enabled,
+                    "quantile needs lora.enabled false: an adapter sync carries no router weights, so the "
+                    "engines would go on routing with the old ones",
+                ),
+                (
+                    "algo.router_balance",
+                    self.algo.router_balance != "quantile" or lr.world_size == 1,
+                    "quantile needs learner.world_size 1 (a group would have to sum its statistics first)",
+                ),
+                (
+                    "algo.router_balance",
+                    self.algo.router_balance != "quantile" or not p.flavour,
+                    "is for Hugging Face MoE policies; a policy.flavour model balances with its moe.balance",
                 ),
                 (
                     "algo.routing_replay",

@@ -397,3 +397,65 @@ def test_a_pretrained_model_that_cannot_be_had_is_refused_on_load(monkeypatch, t
         "installed; run `make install`",
     ):
         load_config(None, ["policy.pretrained=smollm2-135m-instruct"])
+
+
+@pytest.mark.parametrize("balance", ["none", "quantile"])
+def test_quantile_balancing_folds_into_a_mixtral_router(tiny_llama, tmp_path, balance):
+    """An upcycled router made to send most tokens to expert 0 is balanced within a few learner
+    steps by the quantile bias folded into its weights (`algo.router_balance: quantile`); without it
+    the load stays skewed. The fold is in the weights a sync publishes, so the engine routes so too."""
+    from test_learner_memory import _batch
+
+    from rl.config import AlgoConfig, LearnerConfig
+    from rl.learner.learner import Learner
+
+    up = pretrained.upcycle(tiny_llama, tmp_path / "moe", 4, 1)
+    learner = Learner(
+        str(up.path),
+        AlgoConfig(minibatch_episodes=4, lr=1e-6, router_balance=balance),
+        LearnerConfig(threads=1, microbatch_tokens=400),
+        seed=0,
+    )
+    batch = _batch([90, 80, 100, 70], seed=2)
+    model = learner.model
+    with torch.no_grad():  # every layer's expert 0 favoured along its inputs' mean direction
+        ids = torch.tensor([t.token_ids for t in batch[:1]])
+        seen = []
+        hooks = [
+            g.register_forward_pre_hook(lambda m, inp: seen.append(inp[0].reshape(-1, 64)))
+            for g in learner.lm.hf_replay.gates
+        ]
+        model(ids)
+        for h in hooks:
+            h.remove()
+        for gate, x in zip(learner.lm.hf_replay.gates, seen):
+            mu = x.mean(0)
+            gate.weight[0] += 8.0 * mu / mu.dot(mu)
+    loads = [learner.train_step(batch)["router_load_max_over_mean"] for _ in range(6)]
+    assert loads[0] > 2.0
+    if balance == "quantile":  # measured: 2.14, 1.65, 1.46, 1.33, 1.32, 1.28
+        assert loads[-1] < 1.4 and loads == sorted(loads, reverse=True), loads
+    else:
+        assert min(loads) > 2.0, loads
+    published = dict(learner.weights())
+    gate0 = learner.lm.hf_replay.gates[0].weight
+    assert torch.equal(
+        torch.from_numpy(published["model.layers.0.block_sparse_moe.gate.weight"]), gate0.detach()
+    )
+
+
+def test_router_balancing_that_could_not_reach_the_engines_stops_the_config():
+    from conftest import REPO
+    from rl.config import ConfigError, load_config
+
+    cfg = REPO / "configs" / "quickstart_openai.yaml"  # LoRA RL on the upcycled SmolLM2
+    with pytest.raises(ConfigError, match="algo.router_balance quantile needs lora.enabled false"):
+        load_config(cfg, ["algo.router_balance=quantile"])
+    with pytest.raises(
+        ConfigError, match="algo.router_balance quantile needs learner.world_size 1"
+    ):
+        load_config(
+            cfg, ["algo.router_balance=quantile", "lora.enabled=false", "learner.world_size=2"]
+        )
+    full = load_config(cfg, ["algo.router_balance=quantile", "lora.enabled=false"])
+    assert full.algo.router_balance == "quantile" and full.algo.router_balance_rate == 1.0

@@ -66,7 +66,13 @@ from rl.learner.grpo import group_advantages, mismatch_metrics, policy_loss, rol
 from rl.learner.hf_experts import casts_cached_over
 from rl.learner.logprobs import chunked_logprobs, load_causal_lm
 from rl.learner.ppo import ValueHead, episode_targets, value_loss
-from rl.learner.routing import RouterStats, balance_policy_routers, balance_terms, hf_load_metrics
+from rl.learner.routing import (
+    HFRouterBalance,
+    RouterStats,
+    balance_policy_routers,
+    balance_terms,
+    hf_load_metrics,
+)
 from rl.learner.shares import (
     all_gather_objects,
     all_reduce_sum,
@@ -130,6 +136,14 @@ class Learner(WeightSource):
         self.lm = load_causal_lm(path, self.dtype)
         self.lm.shared_prefix_tokens = self.system.shared_prefix_tokens
         self.model = self.lm.module.to(self.device)
+        # a Hugging Face MoE's routers balanced by folding a bias into their weights (routing.py)
+        self.hf_balance = (
+            HFRouterBalance(self.lm.hf_replay, self.cfg.router_balance_rate)
+            if self.cfg.router_balance == "quantile"
+            and self.lm.kind == "hf"
+            and self.lm.hf_replay.supported
+            else None
+        )
         self.model.train()
         if self.system.activation_checkpointing:
             if self.lm.kind == "policy":
@@ -504,6 +518,8 @@ class Learner(WeightSource):
                 # this step's router statistics, a micro-batch at a time
                 routing = RouterStats(self.lm)
                 hf_loads: list = []  # per micro-batch, per MoE layer, tokens per expert (Hugging Face MoE)
+                if self.hf_balance is not None:
+                    self.hf_balance.begin()
                 mb_tokens = sum(len(seqs[i].token_ids) for m in mb for i in m)
                 # one bf16 cast of the experts per optimizer step
                 for micro in casts_cached_over(slots):
@@ -555,6 +571,8 @@ class Learner(WeightSource):
                     if hf_routers:  # the micro-batch's share of the minibatch's load-balancing loss
                         aux, loads = balance_terms(*hf_routers[0])
                         hf_loads.append([load.cpu() for load in loads])
+                        if self.hf_balance is not None:
+                            self.hf_balance.add(*hf_routers[0])
                         m["router_aux_loss"] = float(aux.detach())
                         if c.router_aux_coef:
                             loss = loss + c.router_aux_coef * aux * (int(attn.sum()) / mb_tokens)
@@ -563,6 +581,8 @@ class Learner(WeightSource):
                     for k, v in m.items():
                         stats.setdefault(k, []).append(v)
                 grad_norm = self._clip_and_step()
+                if self.hf_balance is not None:  # after the optimiser: its update is not undone
+                    self.hf_balance.step()
                 for k, v in balance_policy_routers(self.lm, routing, self.world).items():
                     stats.setdefault(k, []).append(v)
                 for k, v in hf_load_metrics(self.lm, hf_loads).items():

@@ -48,9 +48,11 @@ class HFRoutingReplay:
         self.capture: list[tuple[torch.Tensor, torch.Tensor]] | None = (
             None  # (logits, chosen ids) per layer
         )
+        # while set, each router's input statistics for `HFRouterBalance` (per layer)
+        self.inputs: list[RouterInputs] | None = None
         for layer, gate in enumerate(self.gates):
             gate.register_forward_hook(
-                lambda mod, inp, out, layer=layer: self._hook(layer, mod, out)
+                lambda mod, inp, out, layer=layer: self._hook(layer, mod, out, inp[0])
             )
 
     @property
@@ -83,8 +85,10 @@ class HFRoutingReplay:
     def num_experts(self) -> int:
         return int(self.gates[0].weight.shape[0])
 
-    def _hook(self, layer: int, gate, out):
+    def _hook(self, layer: int, gate, out, x):
         logits, own_weights, own = out
+        if self.inputs is not None:
+            self.inputs[layer].add(x)
         if self.seen is not None:
             self.seen.append(own.detach())
         if self.replay is None:
@@ -217,3 +221,82 @@ def hf_load_metrics(lm, loads_per_micro: list[list[torch.Tensor]]) -> dict:
     if not int(load.sum()):
         return {}
     return load_metrics(load)
+
+
+class RouterInputs:
+    """One MoE layer's router inputs over an optimiser step, as `HFRouterBalance` needs them: their
+    second moment and mean (of a sample of rows per forward: a D×D product per token would cost more
+    than the step's MoE layers). Every row of a forward counts, padding included: they only shape
+    the direction along which the bias is folded in."""
+
+    def __init__(self, rows_per_forward: int = 256, seed: int = 0):
+        self.rows, self.gen = rows_per_forward, torch.Generator().manual_seed(seed)
+        self.xx_DD: torch.Tensor | None = None
+        self.x_D: torch.Tensor | None = None
+        self.n = 0
+
+    @torch.no_grad()
+    def add(self, x: torch.Tensor) -> None:
+        x_ND = x.detach().reshape(-1, x.shape[-1]).float().cpu()
+        if x_ND.shape[0] > self.rows:
+            x_ND = x_ND[torch.randperm(x_ND.shape[0], generator=self.gen)[: self.rows]]
+        if self.xx_DD is None:
+            self.xx_DD = torch.zeros(x_ND.shape[1], x_ND.shape[1], dtype=torch.float64)
+            self.x_D = torch.zeros(x_ND.shape[1], dtype=torch.float64)
+        self.xx_DD += x_ND.double().T @ x_ND.double()
+        self.x_D += x_ND.double().sum(0)
+        self.n += x_ND.shape[0]
+
+    def unit_direction(self, ridge: float = 1.0) -> torch.Tensor:
+        """u with u·x ≈ 1 for the rows seen (ridge least squares, λ = ridge · trace/D): adding
+        b·uᵀ to a router row adds about b to its logit for every token."""
+        D = self.xx_DD.shape[0]
+        a = self.xx_DD / self.n
+        lam = ridge * a.trace() / D
+        return torch.linalg.solve(a + lam * torch.eye(D, dtype=a.dtype), self.x_D / self.n).float()
+
+
+class HFRouterBalance:
+    """Quantile balancing for a Hugging Face MoE's routers (`algo.router_balance: quantile`).
+
+    The project's policy balances with a selection bias (policy/balance.py). Mixtral's router has
+    none, in transformers and in vLLM, so a bias the learner kept would not be served. Instead each
+    step's quantile-balancing bias b (policy.balance.quantile_bias on the step's router logits,
+    valid tokens only) is folded into the router's weights along a direction u with u·x ≈ 1 for the
+    step's router inputs: W ← W + rate · b uᵀ shifts every token's logits by about b, and the engine
+    gets it with the weights at the next sync. What the fold misses (u·x is not exactly 1) the next
+    step measures and corrects. Measured offline on the upcycled SmolLM2 (4×1, six steps on ~90
+    tokens): the worst layer's max/mean load 3.05 → 1.14, the median layer's 1.80 → 1.03.
+
+    Not covered: LoRA runs (an adapter sync carries no router weights: refused at config load),
+    and a learner group (the step's statistics would need summing over ranks first)."""
+
+    def __init__(self, replay: HFRoutingReplay, rate: float = 1.0):
+        self.replay, self.rate = replay, rate
+        self.logits: list[list[torch.Tensor]] = [[] for _ in replay.gates]
+
+    def begin(self) -> None:
+        """A new optimiser step: its forwards' router inputs and logits are collected."""
+        self.replay.inputs = [RouterInputs(seed=i) for i in range(len(self.replay.gates))]
+        self.logits = [[] for _ in self.replay.gates]
+
+    def add(self, captured: list[tuple[torch.Tensor, torch.Tensor]], valid_N: torch.Tensor) -> None:
+        """One forward's captured router logits (`HFRoutingReplay.capture`), valid rows only."""
+        for layer, (logits, _) in enumerate(captured):
+            self.logits[layer].append(logits.detach()[valid_N].float().cpu())
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Fold this step's balancing bias into every router; collection stops until `begin`."""
+        from policy.balance import quantile_bias
+
+        inputs, self.replay.inputs = self.replay.inputs, None
+        k = self.replay.top_k
+        for layer, gate in enumerate(self.replay.gates):
+            if not self.logits[layer] or inputs is None or not inputs[layer].n:
+                continue
+            logits_NE = torch.cat(self.logits[layer])
+            b_E = quantile_bias(logits_NE, torch.zeros(logits_NE.shape[1]), k)
+            u_D = inputs[layer].unit_direction()
+            gate.weight.add_((self.rate * b_E[:, None] * u_D[None, :]).to(gate.weight))
+        self.logits = [[] for _ in self.replay.gates]
