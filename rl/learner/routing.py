@@ -52,7 +52,9 @@ class HFRoutingReplay:
         self.inputs: list[RouterInputs] | None = None
         for layer, gate in enumerate(self.gates):
             gate.register_forward_hook(
-                lambda mod, inp, out, layer=layer: self._hook(layer, mod, out, inp[0])
+                lambda mod, inp, out, layer=layer: self._hook(
+                    layer, mod, out, inp[0] if inp else None
+                )
             )
 
     @property
@@ -87,7 +89,7 @@ class HFRoutingReplay:
 
     def _hook(self, layer: int, gate, out, x):
         logits, own_weights, own = out
-        if self.inputs is not None:
+        if self.inputs is not None and x is not None:  # (a router called by keyword: no input seen)
             self.inputs[layer].add(x)
         if self.seen is not None:
             self.seen.append(own.detach())
