@@ -16,7 +16,7 @@ import yaml
 
 from envs.config import EnvConfig
 from rl.learner.allocator import tcmalloc_installed
-from rl.start.pretrained import PRETRAINED
+from rl.start.pretrained import PRETRAINED, split_problem
 from rl.start.pretrained import missing as pretrained_missing
 from rl.start.tiny import TinyMoEDims
 from rollout.config import RolloutConfig
@@ -395,6 +395,12 @@ class RunConfig:
         require(self._env_checks(), source)
         return self
 
+    def _unsplittable(self) -> str | None:
+        p = self.policy
+        if p.upcycle.mode != "split" or p.pretrained not in PRETRAINED:
+            return None
+        return split_problem(p.pretrained, p.upcycle.experts)
+
     def _cross_checks(self) -> list[tuple[str, bool, str]]:
         """(key, ok, why) for what no single field's bounds can say."""
         unavailable = (
@@ -456,6 +462,11 @@ class RunConfig:
                     f"must be one of: {', '.join(sorted(PRETRAINED))} (got {p.pretrained!r})",
                 ),
                 ("policy.pretrained", unavailable is None, f"cannot be loaded: {unavailable}"),
+                (
+                    "policy.upcycle.experts",
+                    not (unsplittable := self._unsplittable()),
+                    f"does not fit policy.upcycle.mode split: {unsplittable}",
+                ),
                 (
                     "policy.upcycle.top_k",
                     p.upcycle.top_k <= max(1, p.upcycle.experts),

@@ -459,3 +459,16 @@ def test_router_balancing_that_could_not_reach_the_engines_stops_the_config():
         )
     full = load_config(cfg, ["algo.router_balance=quantile", "lora.enabled=false"])
     assert full.algo.router_balance == "quantile" and full.algo.router_balance_rate == 1.0
+
+
+def test_a_split_that_does_not_divide_the_mlp_stops_the_config():
+    """SmolLM2's 1,536 MLP neurons do not split into 5 equal experts: one line at load, not a
+    traceback when the policy is made."""
+    from conftest import REPO
+    from rl.config import ConfigError, load_config
+
+    cfg = REPO / "configs" / "demo" / "calculator.yaml"
+    split = ["policy.upcycle.mode=split", "policy.upcycle.top_k=4"]
+    with pytest.raises(ConfigError, match="cannot split 1536 MLP neurons into 5 equal experts"):
+        load_config(cfg, [*split, "policy.upcycle.experts=5"])
+    assert load_config(cfg, [*split, "policy.upcycle.experts=4"]).policy.upcycle.mode == "split"

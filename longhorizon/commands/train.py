@@ -61,6 +61,7 @@ def run(args) -> int:
     from rl.learner.checkpoints import CheckpointError
     from rl.loop.guards import CannotLearn
     from rl.loop.trainer import LearnerDied, Trainer, WorkerLost
+    from rl.start.pretrained import PretrainedError
 
     try:
         trainer = Trainer(cfg, run_dir, console, from_store=args.from_store)
@@ -70,7 +71,7 @@ def run(args) -> int:
     try:
         trainer.start(resume=bool(args.resume), checkpoint=args.checkpoint)
         trainer.run()
-    except (FileExistsError, FileNotFoundError, CheckpointError) as exc:
+    except (FileExistsError, FileNotFoundError, CheckpointError, PretrainedError) as exc:
         print(f"error: {message(exc)}", file=sys.stderr)
         return 2
     except (

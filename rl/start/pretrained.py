@@ -30,6 +30,7 @@ fused projections are refused by name), and quantised training (weights are dequ
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -91,6 +92,22 @@ def missing(name: str) -> str | None:
     return None
 
 
+def _split_problem(intermediate_size: int, experts: int) -> str | None:
+    if experts and intermediate_size % experts:
+        return f"cannot split {intermediate_size} MLP neurons into {experts} equal experts"
+    return None
+
+
+def split_problem(name: str, experts: int) -> str | None:
+    """Why upcycling the packaged model `name` by splitting its MLPs into `experts` cannot work, or
+    None: checked when a run config is loaded, from the cached dense checkpoint's config (before it
+    is converted, at the first run, `upcycle` refuses it instead)."""
+    cfg = _dense_dir(name) / "config.json"
+    if not cfg.exists():
+        return None
+    return _split_problem(int(json.loads(cfg.read_text())["intermediate_size"]), experts)
+
+
 def _atomic_dir(out: Path, write) -> Path:
     """Run `write(tmp)` into a temporary sibling of `out`, then rename it into place."""
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -149,10 +166,9 @@ def _mixtral_config(src, experts: int, top_k: int, mode: str = "copy"):
         raise PretrainedError(
             f"upcycle mode must be one of {', '.join(UPCYCLE_MODES)}, not {mode!r}"
         )
-    if mode == "split" and src.intermediate_size % experts:
-        raise PretrainedError(
-            f"cannot split {src.intermediate_size} MLP neurons into {experts} equal experts"
-        )
+    unsplittable = _split_problem(src.intermediate_size, experts) if mode == "split" else None
+    if unsplittable:
+        raise PretrainedError(unsplittable)
 
     if src.model_type not in _DENSE_TYPES:
         raise PretrainedError(
