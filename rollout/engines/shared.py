@@ -184,9 +184,8 @@ class SharedEngine:
                     f"{engine.version} and {version}"
                 )
                 raise
-            if not (
-                isinstance(out, dict) and "superseded" in out
-            ):  # a skipped load restores nothing
+            # a load the caller skipped (`superseded`: a newer version is in) restores nothing
+            if not (isinstance(out, dict) and "superseded" in out):
                 self.torn = None
             return out
 
