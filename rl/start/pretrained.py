@@ -245,12 +245,8 @@ def upcycle_model(
     state, groups = {}, {}
     for name, t in moe.state_dict().items():
         pre = name.split(".mlp.")[0] + ".mlp."
-        if ".mlp." in name and pre not in groups:
-            groups[pre] = (
-                split_neurons(src[pre + "gate_proj.weight"], experts, seed=seed)
-                if mode == "split"
-                else None
-            )
+        if mode == "split" and ".mlp." in name and pre not in groups:  # each layer's, once
+            groups[pre] = split_neurons(src[pre + "gate_proj.weight"], experts, seed=seed)
         if ".mlp.gate.weight" in name:
             if mode == "split":
                 rows_ED = torch.randn(t.shape, generator=gen)
